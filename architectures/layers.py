@@ -1,0 +1,61 @@
+"""Building blocks shared by every decoder: RMSNorm, rotary embeddings and the SwiGLU MLP."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def dense(d_in: int, d_out: int, *, std: float, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """A bias-free projection with N(0, std) weights, computing in `dtype`."""
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nnx.initializers.normal(std),
+        rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale (Zhang and Sennrich 2019), computed in fp32 and cast back."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        return (normed * scale).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021, eq. 34) for x `[B,T,N,H]` at positions `[B,T]`.
+
+    Uses the half-split pairing (channel i with i + H/2) of the Hugging Face Llama code, so that
+    converted checkpoints load without permuting weights.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])
+    angle = pos.astype(jnp.float32)[:, :, None, None] * inv_freq[None, None, None, :]  # [B,T,1,H/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x)) (Shazeer 2020, eq. 6)."""
+
+    def __init__(self, d_model: int, ffn_dim: int, *, std: float, dtype, rngs: nnx.Rngs):
+        self.gate = dense(d_model, ffn_dim, std=std, dtype=dtype, rngs=rngs)
+        self.up = dense(d_model, ffn_dim, std=std, dtype=dtype, rngs=rngs)
+        self.down = dense(ffn_dim, d_model, std=std, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))

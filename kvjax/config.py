@@ -1,0 +1,257 @@
+"""Frozen dataclass configs, loaded from YAML with `base:` inheritance and `key.sub=value` overrides.
+
+Every config validates itself on construction, before any compute, and every error names the field,
+the bad value and what is allowed (`model.attention.n_kv_heads=3 must divide model.attention.n_heads=8`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("xla",)
+MIXER_KINDS = ("attention",)
+CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config value or file that kvjax cannot accept; the message says which and why."""
+
+
+def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}={value!r} {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Self-attention shape: MHA, GQA and MQA differ only in n_kv_heads; `window` turns on SWA."""
+
+    n_heads: int = 8
+    n_kv_heads: int = 8
+    head_dim: int = 16
+    rope_theta: float = 10_000.0
+    window: int | None = None
+    impl: str = "xla"
+
+    def __post_init__(self):
+        p = "model.attention"
+        _require(self.n_heads > 0, f"{p}.n_heads", self.n_heads, "must be > 0")
+        _require(self.n_kv_heads > 0, f"{p}.n_kv_heads", self.n_kv_heads, "must be > 0")
+        _require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"{p}.n_kv_heads",
+            self.n_kv_heads,
+            f"must divide {p}.n_heads={self.n_heads}",
+        )
+        _require(
+            self.head_dim > 0 and self.head_dim % 2 == 0,
+            f"{p}.head_dim",
+            self.head_dim,
+            "must be a positive even number (RoPE rotates pairs of channels)",
+        )
+        _require(self.rope_theta > 0, f"{p}.rope_theta", self.rope_theta, "must be > 0")
+        _require(
+            self.window is None or self.window > 0,
+            f"{p}.window",
+            self.window,
+            "must be > 0, or null for full causal attention",
+        )
+        _require(self.impl in ATTENTION_IMPLS, f"{p}.impl", self.impl, f"must be one of {ATTENTION_IMPLS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only LM: embeddings, `n_layers` pre-norm blocks (mixer + SwiGLU MLP), final norm, head."""
+
+    name: str = "model"
+    vocab_size: int = 264
+    d_model: int = 128
+    n_layers: int = 4
+    ffn_dim: int = 384
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dtype: str = "float32"
+    init_std: float = 0.02
+    attention: AttentionConfig = AttentionConfig()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "ffn_dim"):
+            _require(getattr(self, name) > 0, f"model.{name}", getattr(self, name), "must be > 0")
+        _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
+        _require(self.init_std > 0, "model.init_std", self.init_std, "must be > 0")
+        _require(self.dtype in DTYPES, "model.dtype", self.dtype, f"must be one of {DTYPES}")
+
+    @property
+    def mixers(self) -> tuple[str, ...]:
+        """The mixer kind of every layer (all attention until recurrent mixers arrive)."""
+        return ("attention",) * self.n_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodingConfig:
+    """Sampling settings for `kvjax.generate`: temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    eos_id: int | None = None
+
+    def __post_init__(self):
+        p = "decoding"
+        _require(self.max_new_tokens > 0, f"{p}.max_new_tokens", self.max_new_tokens, "must be > 0")
+        _require(self.temperature >= 0, f"{p}.temperature", self.temperature, "must be >= 0 (0 is greedy)")
+        _require(self.top_k >= 0, f"{p}.top_k", self.top_k, "must be >= 0 (0 turns it off)")
+        _require(0 < self.top_p <= 1, f"{p}.top_p", self.top_p, "must be in (0, 1] (1 turns it off)")
+        _require(self.eos_id is None or self.eos_id >= 0, f"{p}.eos_id", self.eos_id, "must be >= 0 or null")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything one experiment needs; later issues add training and compression sections."""
+
+    model: ModelConfig = ModelConfig()
+    decoding: DecodingConfig = DecodingConfig()
+
+    def __post_init__(self):
+        eos = self.decoding.eos_id
+        _require(
+            eos is None or eos < self.model.vocab_size,
+            "decoding.eos_id",
+            eos,
+            f"must be < model.vocab_size={self.model.vocab_size}",
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building dataclasses from plain dicts, with type checks and "did you mean" for unknown keys.
+
+
+def _check_type(path: str, value: Any, hint: Any) -> Any:
+    """Return `value` as type `hint` (ints widen to floats), or raise naming the field."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}={value!r} must be a mapping of {hint.__name__} fields")
+        return from_dict(hint, value, path)
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, hint):
+        return value
+    raise ConfigError(f"{path}={value!r} must be of type {getattr(hint, '__name__', hint)}")
+
+
+def from_dict(cls: type, data: dict, path: str = "") -> Any:
+    """Build dataclass `cls` from `data`, rejecting unknown keys with a suggestion."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            full = f"{path}.{key}" if path else key
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key '{full}'{hint} (allowed: {', '.join(fields)})")
+    kwargs = {k: _check_type(f"{path}.{k}" if path else k, v, hints[k]) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# YAML files, inheritance and overrides.
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A path to an existing YAML file, or a bare name looked up under `configs/models/`."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = CONFIG_ROOT / "models" / f"{name}.yaml"
+    if shipped.is_file():
+        return shipped
+    known = sorted(p.stem for p in (CONFIG_ROOT / "models").glob("*.yaml"))
+    raise ConfigError(f"config '{name}' is neither a file nor a shipped model config (shipped: {known})")
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_yaml_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML config, merging it over its `base:` file (a path relative to this one)."""
+    path = path.resolve()
+    if path in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path))
+        raise ConfigError(f"config inheritance cycle: {chain}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    base_path = path.parent / base
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: base={base!r} does not exist (looked for {base_path})")
+    return _deep_merge(load_yaml_tree(base_path, (*_seen, path)), data)
+
+
+def apply_overrides(tree: dict, overrides: typing.Iterable[str]) -> dict:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a config tree."""
+    tree = dict(tree)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        parts = key.split(".")
+        node = tree
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: '{'.'.join(parts[: depth + 1])}' is not a section")
+            node[part] = dict(child)
+            node = node[part]
+        node[parts[-1]] = yaml.safe_load(raw) if raw else None
+    return tree
+
+
+def load_config(name: str | Path, overrides: typing.Iterable[str] = ()) -> Config:
+    """Load and validate a config file (or shipped name) with command-line overrides."""
+    path = resolve_config_path(name)
+    tree = load_yaml_tree(path)
+    model = tree.get("model")
+    if isinstance(model, dict) and "name" not in model:  # a variant is named after its file
+        tree["model"] = {**model, "name": path.stem}
+    return from_dict(Config, apply_overrides(tree, overrides))

@@ -1,0 +1,70 @@
+"""The one attention op every attention mixer calls.
+
+GQA groups the queries (`[B,T,K,G,H]`) instead of repeating K/V in memory, and the mask is computed from
+positions alone: a key is visible when `0 <= k_pos <= q_pos` and, with a sliding window,
+`q_pos - k_pos < window`. Logits and softmax are computed in fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("xla",)
+# Finite, so a fully masked row (a padding query) cannot produce NaN; its probabilities are then zeroed,
+# so it outputs 0 and every masked key gets exactly zero probability and zero gradient.
+_MASKED = -1e30
+
+
+def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None = None) -> jax.Array:
+    """Boolean mask `[B,T,S]`: which keys each query may attend to, from positions alone."""
+    q = q_pos[:, :, None]
+    k = k_pos[:, None, :]
+    mask = (k >= 0) & (k <= q)
+    if window is not None:
+        mask &= q - k < window
+    return mask
+
+
+def _check(q, k, v, q_pos, k_pos, window, impl) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl={impl!r} must be one of {IMPLS}")
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"q {q.shape} must be [B,T,N,H]; k {k.shape} and v {v.shape} equal [B,S,K,H]")
+    (B, T, N, H), (Bk, S, K, Hk) = q.shape, k.shape
+    if B != Bk or H != Hk:
+        raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head_dim")
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
+    if q_pos.shape != (B, T) or k_pos.shape != (B, S):
+        raise ValueError(f"q_pos {q_pos.shape} must be {(B, T)} and k_pos {k_pos.shape} must be {(B, S)}")
+    if window is not None and window <= 0:
+        raise ValueError(f"window={window} must be > 0 or None")
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+    impl: str = "xla",
+) -> jax.Array:
+    """softmax(q k^T * scale, masked by positions) v, for q `[B,T,N,H]` and k, v `[B,S,K,H]`.
+
+    Returns `[B,T,N,H]` in q's dtype; a query that sees no key (padding) gets zeros. `scale` defaults
+    to 1/sqrt(H).
+    """
+    _check(q, k, v, q_pos, k_pos, window, impl)
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    scale = H**-0.5 if scale is None else scale
+    q_BTKGH = q.reshape(B, T, K, N // K, H)
+    logits = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k, preferred_element_type=jnp.float32) * scale
+    mask = visible(q_pos, k_pos, window)[:, None, None]
+    probs = jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, _MASKED), axis=-1), 0.0)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v)
+    return out.reshape(B, T, N, H).astype(q.dtype)

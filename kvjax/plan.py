@@ -1,0 +1,51 @@
+"""The layer plan: per layer, its mixer kind and which layer's K/V it attends to.
+
+`kv_source[i] == i` means layer i computes and caches its own K/V (a producer); `kv_source[i] == j < i`
+means it reads producer j's cache and stores nothing. The model, the caches and memory accounting all
+read the same plan, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.config import MIXER_KINDS, ConfigError, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    mixers: tuple[str, ...]
+    kv_source: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.mixers) != len(self.kv_source):
+            raise ConfigError(
+                f"layer plan: {len(self.mixers)} mixers but {len(self.kv_source)} kv_source entries"
+            )
+        for i, (kind, src) in enumerate(zip(self.mixers, self.kv_source)):
+            if kind not in MIXER_KINDS:
+                raise ConfigError(f"layer plan: mixers[{i}]={kind!r} must be one of {MIXER_KINDS}")
+            if not 0 <= src <= i:
+                raise ConfigError(f"layer plan: kv_source[{i}]={src} must be in [0, {i}] (sources point back)")
+            if self.kv_source[src] != src:
+                raise ConfigError(
+                    f"layer plan: kv_source[{i}]={src} names layer {src}, which is not a producer "
+                    f"(its kv_source is {self.kv_source[src]})"
+                )
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> LayerPlan:
+        return cls(mixers=cfg.mixers, kv_source=tuple(range(cfg.n_layers)))
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.mixers)
+
+    @property
+    def producers(self) -> tuple[int, ...]:
+        """Layers that own a cache, in order; the model's cache tuple has one entry per producer."""
+        return tuple(i for i, src in enumerate(self.kv_source) if src == i)
+
+    def cache_index(self, layer: int) -> int:
+        """Position in the cache tuple of the cache that `layer` reads."""
+        return self.producers.index(self.kv_source[layer])

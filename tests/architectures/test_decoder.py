@@ -1,0 +1,150 @@
+"""Correctness oracles of the decoder (DESIGN.md): cached == full, degenerate == baseline, causality."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from architectures import Decoder
+from kvjax.cache import init_caches
+
+B, T = 2, 24
+TWO_LAYERS = "model.n_layers=2"
+# The shipped SWA window (64) exceeds these tiny sequences; 8 makes the ring wrap during the test.
+VARIANTS = {"mha": [], "gqa": [], "mqa": [], "swa": ["model.attention.window=8"]}
+
+
+def tokens_and_positions(vocab, seed=0):
+    tokens = jax.random.randint(jax.random.key(seed), (B, T), 0, vocab)
+    return tokens, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+def stepper(model, jit):
+    """A function (tokens, positions, caches) -> (logits, caches), jitted through split/merge or eager."""
+    if not jit:
+        return model
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a)).__get__(state)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_decode_equals_full_forward(make_model, variant, jit):
+    cfg, model = make_model(variant, TWO_LAYERS, *VARIANTS[variant])
+    tokens, pos = tokens_and_positions(cfg.vocab_size)
+    full, _ = model(tokens, pos)
+    step = stepper(model, jit)
+    prefill = 10  # longer than the SWA window: exercises the ring's chunk path
+    logits, caches = step(tokens[:, :prefill], pos[:, :prefill], init_caches(cfg, B, T))
+    np.testing.assert_allclose(logits, full[:, :prefill], atol=2e-5, rtol=1e-5)
+    for t in range(prefill, T):
+        logits, caches = step(tokens[:, t : t + 1], pos[:, t : t + 1], caches)
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5, rtol=1e-5, err_msg=f"position {t}")
+
+
+@pytest.mark.parametrize("variant", ["gqa", "swa"])
+def test_chunked_prefill_and_ragged_rows_equal_full_forward(make_model, variant):
+    """Rows of different lengths (right-padded, position -1) fed in chunks of 5 match each row alone."""
+    cfg, model = make_model(variant, TWO_LAYERS, *VARIANTS[variant])
+    tokens, pos = tokens_and_positions(cfg.vocab_size, seed=1)
+    full, _ = model(tokens, pos)
+    lengths = np.array([T, 13])
+    ragged = jnp.where(pos < lengths[:, None], pos, -1)
+    step = stepper(model, jit=True)
+    caches = init_caches(cfg, B, T)
+    for start in range(0, T, 5):
+        logits, caches = step(tokens[:, start : start + 5], ragged[:, start : start + 5], caches)
+        for row in range(B):
+            valid = slice(start, min(start + 5, lengths[row]))
+            got = logits[row, : max(valid.stop - start, 0)]
+            np.testing.assert_allclose(got, full[row, valid], atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(caches[0].length, lengths)
+
+
+def copy_into(model, state):
+    nnx.update(model, state)
+    return model
+
+
+def test_gqa_equals_mha_with_each_kv_head_repeated_per_group(make_model):
+    """GQA is MHA whose K/V projections repeat each kv head for its G query heads (Ainslie et al. 2023)."""
+    cfg, gqa = make_model("gqa", TWO_LAYERS)
+    mha_cfg, mha = make_model("mha", TWO_LAYERS, seed=1)
+    att = cfg.attention
+    group = att.n_heads // att.n_kv_heads
+    for g_block, m_block in zip(gqa.blocks, mha.blocks):
+        for name in ("q", "o"):
+            getattr(m_block.mixer, name).kernel[...] = getattr(g_block.mixer, name).kernel[...]
+        for name in ("k", "v"):
+            w = getattr(g_block.mixer, name).kernel[...].reshape(cfg.d_model, att.n_kv_heads, att.head_dim)
+            getattr(m_block.mixer, name).kernel[...] = jnp.repeat(w, group, axis=1).reshape(cfg.d_model, -1)
+        for name in ("mixer_norm", "mlp_norm", "mlp"):
+            nnx.update(getattr(m_block, name), nnx.state(getattr(g_block, name)))
+    nnx.update(mha.embed, nnx.state(gqa.embed))
+    nnx.update(mha.final_norm, nnx.state(gqa.final_norm))
+    tokens, pos = tokens_and_positions(cfg.vocab_size)
+    np.testing.assert_allclose(mha(tokens, pos)[0], gqa(tokens, pos)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_gqa_with_n_kv_heads_equal_n_heads_is_mha_exactly(make_model):
+    cfg, mha = make_model("mha", TWO_LAYERS)
+    _, gqa = make_model("gqa", TWO_LAYERS, "model.attention.n_kv_heads=8")
+    tokens, pos = tokens_and_positions(cfg.vocab_size)
+    np.testing.assert_array_equal(mha(tokens, pos)[0], gqa(tokens, pos)[0])
+
+
+@pytest.mark.parametrize("window", [T, 64])
+def test_sliding_window_at_least_the_length_is_causal_attention(make_model, window):
+    cfg, swa = make_model("swa", TWO_LAYERS, f"model.attention.window={window}")
+    _, causal = make_model("swa", TWO_LAYERS, "model.attention.window=null")
+    tokens, pos = tokens_and_positions(cfg.vocab_size)
+    np.testing.assert_array_equal(swa(tokens, pos)[0], causal(tokens, pos)[0])
+    _, short = make_model("swa", TWO_LAYERS, "model.attention.window=4")
+    assert not np.allclose(short(tokens, pos)[0], causal(tokens, pos)[0])  # the window does bite
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gradient_causality(make_model, variant):
+    """d loss(t) / d input(s) is exactly zero for every s > t, and not zero for s <= t."""
+    cfg, model = make_model(variant, TWO_LAYERS, *VARIANTS[variant])
+    tokens, pos = tokens_and_positions(cfg.vocab_size)
+    x = model.embed(tokens)
+    t = 11
+
+    def loss_at_t(x):
+        hidden, _ = model.run_blocks(x, pos)
+        return jax.nn.log_softmax(model.logits(hidden[:, t]))[:, 0].sum()
+
+    grad = np.asarray(jax.grad(loss_at_t)(x))
+    assert np.all(grad[:, t + 1 :] == 0)
+    assert np.all(np.abs(grad[:, : t + 1]).sum(axis=-1) > 0)
+
+
+def test_untied_head_and_bfloat16(make_model):
+    cfg, model = make_model("gqa", TWO_LAYERS, "model.tie_embeddings=false", "model.dtype=bfloat16")
+    assert model.lm_head is not None and model.embed.embedding.dtype == jnp.bfloat16
+    tokens, pos = tokens_and_positions(cfg.vocab_size)
+    logits, caches = model(tokens, pos, init_caches(cfg, B, T))
+    assert logits.dtype == jnp.float32 and caches[0].k.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_wrong_number_of_caches_is_an_error(make_model):
+    cfg, model = make_model("gqa", TWO_LAYERS)
+    tokens, pos = tokens_and_positions(cfg.vocab_size)
+    with pytest.raises(ValueError, match="got 1 caches; the plan has 2 producers"):
+        model(tokens, pos, init_caches(cfg, B, T)[:1])
+
+
+def test_parameter_count(make_model):
+    cfg, model = make_model("gqa")
+    att = cfg.attention
+    per_layer = (
+        cfg.d_model * att.head_dim * (2 * att.n_heads + 2 * att.n_kv_heads)  # q, o, k, v
+        + 3 * cfg.d_model * cfg.ffn_dim  # SwiGLU
+        + 2 * cfg.d_model  # two norms
+    )
+    expected = cfg.vocab_size * cfg.d_model + cfg.n_layers * per_layer + cfg.d_model
+    assert sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param))) == expected
+    assert isinstance(model, Decoder)

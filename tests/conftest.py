@@ -1,0 +1,39 @@
+"""Test-wide JAX settings (strict rank promotion, persistent compilation cache) and shared model fixtures."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import jax
+
+CACHE_DIR = os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "jax")
+)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from architectures import Decoder  # noqa: E402
+from kvjax.config import load_config  # noqa: E402
+
+
+@functools.cache
+def _model(name: str, overrides: tuple[str, ...], seed: int):
+    cfg = load_config(name, overrides).model
+    return cfg, nnx.split(Decoder(cfg, rngs=nnx.Rngs(seed)))
+
+
+@pytest.fixture(scope="session")
+def make_model():
+    """make_model('gqa', 'model.n_layers=2') -> (ModelConfig, a fresh Decoder); built once per argument set."""
+
+    def make(name: str, *overrides: str, seed: int = 0):
+        cfg, (graphdef, state) = _model(name, tuple(overrides), seed)
+        return cfg, nnx.merge(graphdef, state)
+
+    return make

@@ -1,0 +1,29 @@
+from kvjax import memory
+from kvjax.cli import main
+from kvjax.config import load_config
+
+
+def rows_by_variant(out: str) -> dict[str, list[str]]:
+    rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells] for cells in rows[1:]}
+
+
+def test_memory_table_over_shipped_configs(capsys):
+    assert main(["memory", "mha", "gqa", "mqa", "swa"]) == 0
+    rows = rows_by_variant(capsys.readouterr().out)
+    assert set(rows) == {"mha", "gqa", "mqa", "swa"}
+    assert rows["gqa"][1:6] == ["4", "2", "16", "float32", "1024"]
+    assert rows["mha"][-1] == "1.0000"
+    gqa = load_config("gqa").model
+    ratio = memory.cache_bytes(gqa, 32768) / memory.cache_bytes(load_config("mha").model, 32768)
+    assert rows["gqa"][-1] == f"{ratio:.4f}"
+    assert rows["swa"][7] == rows["swa"][8]  # the window caps the cache: 4k and 32k take the same bytes
+
+
+def test_memory_applies_overrides_and_reports_errors(capsys):
+    assert main(["memory", "gqa", "model.n_layers=8", "--tokens", "1024"]) == 0
+    assert "| gqa " in capsys.readouterr().out
+    assert main(["memory", "gqa", "model.attention.n_kv_heads=3"]) == 2
+    assert "n_kv_heads=3 must divide" in capsys.readouterr().err
+    assert main(["memory", "model.n_layers=2"]) == 2
+    assert main(["memory", "gqa", "--batch", "0"]) == 2

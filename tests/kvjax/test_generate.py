@@ -1,0 +1,93 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import DecodingConfig, Generator, generate
+from kvjax.cache import caches_nbytes
+from kvjax import memory
+
+PROMPTS = [[5, 17, 3], list(range(40, 51)), [200, 1, 2, 3, 4, 9]]
+CAPACITY = 32
+GREEDY = DecodingConfig(max_new_tokens=8)
+
+
+@pytest.fixture(scope="module", params=["gqa", "swa"])
+def setup(request, make_model):
+    overrides = ["model.n_layers=2"] + (["model.attention.window=8"] if request.param == "swa" else [])
+    cfg, model = make_model(request.param, *overrides)
+    return cfg, model, Generator(model, capacity=CAPACITY)
+
+
+def test_greedy_tokens_are_the_argmax_of_the_full_forward(setup):
+    """Every generated token is argmax of a full (uncached) forward over prompt + generated so far."""
+    _, model, gen = setup
+    result = gen(PROMPTS, GREEDY)
+    for row, prompt in enumerate(PROMPTS):
+        seq = jnp.asarray([prompt + result.tokens[row].tolist()])
+        logits, _ = model(seq, jnp.arange(seq.shape[1])[None])
+        step_logits = logits[0, len(prompt) - 1 : -1]
+        np.testing.assert_array_equal(result.tokens[row], np.argmax(step_logits, -1))
+        logp = jax.nn.log_softmax(step_logits)[np.arange(8), result.tokens[row]]
+        np.testing.assert_allclose(result.logprobs[row], logp, atol=1e-5)
+    np.testing.assert_array_equal(result.lengths, [8, 8, 8])
+
+
+def test_batch_equals_each_prompt_alone(setup):
+    _, _, gen = setup
+    batch = gen(PROMPTS, GREEDY)
+    for row, prompt in enumerate(PROMPTS):
+        alone = gen([prompt], GREEDY)
+        np.testing.assert_array_equal(batch.tokens[row], alone.tokens[0])
+        np.testing.assert_allclose(batch.logprobs[row], alone.logprobs[0], atol=1e-5)
+
+
+def test_eos_stops_a_row_and_pads_it(setup):
+    _, _, gen = setup
+    free = gen(PROMPTS, GREEDY)
+    eos = int(free.tokens[0, 2])
+    first_eos = [int(np.argmax(r == eos)) if (r == eos).any() else None for r in free.tokens]
+    stopped = gen(PROMPTS, DecodingConfig(max_new_tokens=8, eos_id=eos))
+    for row, at in enumerate(first_eos):
+        n = 8 if at is None else at + 1
+        assert stopped.lengths[row] == n
+        np.testing.assert_array_equal(stopped.tokens[row, :n], free.tokens[row, :n])
+        assert np.all(stopped.tokens[row, n:] == eos) and np.all(stopped.logprobs[row, n:] == 0)
+
+
+def test_sampling_is_reproducible_per_rng_and_greedy_at_top_k_1(setup):
+    _, _, gen = setup
+    hot = DecodingConfig(max_new_tokens=8, temperature=1.0)
+    a = gen(PROMPTS, hot, rng=jax.random.key(7))
+    b = gen(PROMPTS, hot, rng=jax.random.key(7))
+    c = gen(PROMPTS, hot, rng=jax.random.key(8))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert (a.tokens != c.tokens).any()
+    top1 = gen(PROMPTS, DecodingConfig(max_new_tokens=8, temperature=1.0, top_k=1))
+    np.testing.assert_array_equal(top1.tokens, gen(PROMPTS, GREEDY).tokens)
+
+
+def test_cache_after_generation_measures_the_analytic_bytes(setup):
+    cfg, _, gen = setup
+    result = gen(PROMPTS, GREEDY)
+    assert caches_nbytes(result.caches) == memory.cache_bytes(cfg, CAPACITY, batch=len(PROMPTS))
+    np.testing.assert_array_equal(result.caches[0].length, [len(p) + 7 for p in PROMPTS])
+
+
+def test_bad_requests_fail_before_compute(setup):
+    cfg, model, gen = setup
+    with pytest.raises(ValueError, match="prompt of 30 tokens \\+ max_new_tokens=8 needs 38 cache slots but the capacity is 32"):
+        gen([[1] * 30], GREEDY)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        gen([[1], []], GREEDY)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        gen([], GREEDY)
+    with pytest.raises(ValueError, match=f"token ids must be in \\[0, {cfg.vocab_size}\\)"):
+        gen([[1, cfg.vocab_size]], GREEDY)
+    with pytest.raises(ValueError, match="capacity=0 must be > 0"):
+        Generator(model, capacity=0)
+
+
+def test_generate_convenience_picks_a_capacity(setup):
+    _, model, gen = setup
+    np.testing.assert_array_equal(generate(model, PROMPTS, GREEDY).tokens, gen(PROMPTS, GREEDY).tokens)

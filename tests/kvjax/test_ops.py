@@ -1,0 +1,75 @@
+"""The attention op against a plain per-head loop written independently of it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.ops import attention
+
+
+def loop_reference(q, k, v, q_pos, k_pos, window):
+    """Attention one (batch, head, query) at a time, query head n using kv head n // (N/K)."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    out = np.zeros((B, T, N, H))
+    for b in range(B):
+        for n in range(N):
+            kv = n // (N // K)
+            for t in range(T):
+                seen = [
+                    s
+                    for s in range(k.shape[1])
+                    if 0 <= k_pos[b, s] <= q_pos[b, t] and (window is None or q_pos[b, t] - k_pos[b, s] < window)
+                ]
+                if not seen:
+                    continue
+                logits = np.array([q[b, t, n] @ k[b, s, kv] for s in seen]) / np.sqrt(H)
+                p = np.exp(logits - logits.max())
+                out[b, t, n] = (p / p.sum()) @ np.stack([v[b, s, kv] for s in seen])
+    return out
+
+
+def random_inputs(B=2, T=5, S=9, N=4, K=2, H=8, seed=0):
+    r = np.random.default_rng(seed)
+    q, k, v = (r.normal(size=s).astype(np.float32) for s in [(B, T, N, H), (B, S, K, H), (B, S, K, H)])
+    # Keys in shuffled slot order with some empty (-1) slots; queries at the last positions.
+    k_pos = np.stack([r.permutation(np.where(np.arange(S) < S - 2, np.arange(S), -1)) for _ in range(B)])
+    q_pos = np.tile(np.arange(S - 2 - T, S - 2), (B, 1))
+    return q, k, v, q_pos.astype(np.int32), k_pos.astype(np.int32)
+
+
+@pytest.mark.parametrize("N, K", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_attention_matches_loop_reference(N, K, window):
+    q, k, v, q_pos, k_pos = random_inputs(N=N, K=K)
+    got = attention(*map(jnp.asarray, (q, k, v, q_pos, k_pos)), window=window)
+    np.testing.assert_allclose(got, loop_reference(q, k, v, q_pos, k_pos, window), atol=1e-5)
+
+
+def test_padding_query_is_finite_and_masked_keys_get_no_gradient():
+    q, k, v, q_pos, k_pos = random_inputs()
+    q_pos[0, 0] = -1  # a padding query sees nothing: it outputs zeros
+    out = attention(*map(jnp.asarray, (q, k, v, q_pos, k_pos)))
+    assert np.isfinite(np.asarray(out)).all() and np.all(np.asarray(out)[0, 0] == 0)
+    grad_v = jax.grad(lambda v: attention(q, k, v, q_pos, k_pos).sum())(jnp.asarray(v))
+    assert np.all(np.asarray(grad_v)[k_pos < 0] == 0)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {**a, "q": a["q"][..., :4]}, "disagree on batch or head_dim"),
+        (lambda a: {**a, "q": a["q"][:, :, :3]}, "N=3 must be a multiple of kv heads K=2"),
+        (lambda a: {**a, "v": a["v"][:, :-1]}, "must be [B,T,N,H]"),
+        (lambda a: {**a, "k_pos": a["k_pos"][:, :-1]}, "k_pos (2, 8) must be (2, 9)"),
+        (lambda a: {**a, "window": 0}, "window=0 must be > 0"),
+        (lambda a: {**a, "impl": "cuda"}, "impl='cuda' must be one of"),
+    ],
+)
+def test_bad_shapes_raise_before_compute(change, message):
+    q, k, v, q_pos, k_pos = random_inputs()
+    args = change(dict(q=q, k=k, v=v, q_pos=q_pos, k_pos=k_pos))
+    with pytest.raises(ValueError) as info:
+        attention(**args)
+    assert message in str(info.value)

@@ -1,0 +1,1 @@
+"""Training, data, checkpoints and evaluation for kvjax models (built on `architectures` and `kvjax`)."""

@@ -7,7 +7,7 @@ import jax
 from flax import nnx
 
 from architectures.layers import apply_rope, dense
-from kvjax.cache import AttentionCache
+from kvjax.cache import AttentionCache, heads_first
 from kvjax.config import AttentionConfig
 from kvjax.ops import attention
 
@@ -32,7 +32,7 @@ class Attention(nnx.Module):
         k = apply_rope(self.k(x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
         v = self.v(x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         if cache is None:
-            k_all, v_all, k_pos = k, v, positions
+            k_all, v_all, k_pos = heads_first(k), heads_first(v), positions
         else:
             cache, (k_all, v_all, k_pos) = cache.update(k, v, positions)
         out = attention(q, k_all, v_all, positions, k_pos, window=cfg.window, impl=cfg.impl)

@@ -4,8 +4,9 @@ Every slot stores its token's position (`pos`, -1 when empty), so masks come fro
 cache whose slots are evicted, reordered or merged needs no special attention code. Shapes are static:
 capacity is fixed at creation, so prefill and decode compile once.
 
-`update(k, v, pos)` writes a chunk of new tokens and returns the updated cache together with the K/V the
-chunk's queries must attend to (`KVView`). New tokens with `pos < 0` are padding: they are never written,
+`update(k, v, pos)` writes a chunk of new tokens (token-major `[B,T,K,H]`, as projections produce them)
+and returns the updated cache together with the K/V the chunk's queries must attend to (`KVView`,
+head-major `[B,K,S,H]` like the stored arrays). New tokens with `pos < 0` are padding: they are never written,
 and must come after the valid tokens of their row (prompts are right-padded).
 """
 
@@ -22,7 +23,7 @@ from kvjax.plan import LayerPlan
 
 
 class KVView(NamedTuple):
-    """What a chunk of queries attends to: keys and values `[B,S,K,H]` and their positions `[B,S]`."""
+    """What a chunk of queries attends to: keys and values `[B,K,S,H]` and their positions `[B,S]`."""
 
     k: jax.Array
     v: jax.Array
@@ -30,31 +31,38 @@ class KVView(NamedTuple):
 
 
 def _check_chunk(cache, k, v, pos) -> None:
-    B, _, K, H = cache.k.shape
+    B, K, _, H = cache.k.shape
     if k.ndim != 4 or k.shape[0] != B or k.shape[2:] != (K, H) or v.shape != k.shape:
         raise ValueError(f"new k {k.shape} / v {v.shape} must be [B={B}, T, K={K}, H={H}] and equal")
     if pos.shape != k.shape[:2]:
         raise ValueError(f"new pos {pos.shape} must be [B, T] = {k.shape[:2]}")
 
 
+def heads_first(x: jax.Array) -> jax.Array:
+    """Token-major `[B,T,K,H]` -> head-major `[B,K,T,H]`, the layout caches and the attention op use."""
+    return x.transpose(0, 2, 1, 3)
+
+
 def _scatter(buf: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
-    """buf[b, slots[b, t]] = values[b, t]; slots outside [0, S) are dropped."""
+    """Token t of row b goes to slot slots[b, t] (slots outside [0, S) are dropped): for positions
+    buf `[B,S]` and values `[B,T]`, or for K/V buf `[B,K,S,H]` and token-major values `[B,T,K,H]`."""
     rows = jnp.arange(buf.shape[0])[:, None]
-    return buf.at[rows, slots].set(values.astype(buf.dtype), mode="drop")
+    index = (rows, slots) if buf.ndim == 2 else (rows, slice(None), slots)
+    return buf.at[index].set(values.astype(buf.dtype), mode="drop")
 
 
 @struct.dataclass
 class _SlotCache:
     """Fields and bookkeeping shared by the attention caches; subclasses define where tokens go."""
 
-    k: jax.Array  # [B,S,K,H]
-    v: jax.Array  # [B,S,K,H]
+    k: jax.Array  # [B,K,S,H], head-major (see kvjax.ops)
+    v: jax.Array  # [B,K,S,H]
     pos: jax.Array  # [B,S] int32, -1 for an empty slot
     length: jax.Array  # [B] int32, tokens written so far
 
     @classmethod
     def init(cls, batch: int, capacity: int, n_kv_heads: int, head_dim: int, dtype):
-        shape = (batch, capacity, n_kv_heads, head_dim)
+        shape = (batch, n_kv_heads, capacity, head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
@@ -64,7 +72,7 @@ class _SlotCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     def nbytes(self) -> int:
         """Exact bytes of every array the cache holds."""
@@ -108,8 +116,8 @@ class RingKVCache(_SlotCache):
         if k.shape[1] == 1:
             return new, KVView(new.k, new.v, new.pos)
         view = KVView(
-            jnp.concatenate([self.k, k.astype(self.k.dtype)], axis=1),
-            jnp.concatenate([self.v, v.astype(self.v.dtype)], axis=1),
+            jnp.concatenate([self.k, heads_first(k).astype(self.k.dtype)], axis=2),
+            jnp.concatenate([self.v, heads_first(v).astype(self.v.dtype)], axis=2),
             jnp.concatenate([self.pos, pos.astype(jnp.int32)], axis=1),
         )
         return new, view

@@ -127,7 +127,8 @@ class Generator:
             donate_argnames=("caches",),
         )
 
-    def _pad(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    def pad(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Right-pad prompts to their bucket length; checks everything before any compute."""
         if len(prompts) == 0:
             raise ValueError("prompts must hold at least one prompt")
         lengths = np.array([len(p) for p in prompts], np.int32)
@@ -147,17 +148,15 @@ class Generator:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {tokens.min()}..{tokens.max()}")
         return tokens, lengths
 
-    def __call__(
-        self,
-        prompts: Sequence[Sequence[int]],
-        decoding: DecodingConfig = DecodingConfig(),
-        *,
-        rng: jax.Array | None = None,
+    def prefill(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[jax.Array, tuple]:
+        """Padded prompts `[B,T]` -> next-token logits `[B,V]` and caches holding the prompts."""
+        return self._prefill(self.params, tokens, lengths, capacity=self.capacity)
+
+    def decode(
+        self, caches: tuple, logits: jax.Array, lengths: np.ndarray, decoding: DecodingConfig, rng: jax.Array
     ) -> GenerationResult:
-        tokens, lengths = self._pad(prompts, decoding.max_new_tokens)
-        rng = jax.random.key(decoding.seed) if rng is None else rng
-        logits, caches = self._prefill(self.params, tokens, lengths, capacity=self.capacity)
-        sampling = dict(temperature=decoding.temperature, top_k=decoding.top_k, top_p=decoding.top_p)
+        """Sample `decoding.max_new_tokens` tokens after a prefill; the caches are donated (consumed)."""
+        sampling = (("temperature", decoding.temperature), ("top_k", decoding.top_k), ("top_p", decoding.top_p))
         out, logprobs, n_generated, caches = self._decode(
             self.params,
             caches,
@@ -165,11 +164,23 @@ class Generator:
             jnp.asarray(lengths),
             rng,
             n_new=decoding.max_new_tokens,
-            sampling=tuple(sampling.items()),
+            sampling=sampling,
             eos_id=decoding.eos_id,
             pad_id=decoding.eos_id or 0,
         )
         return GenerationResult(np.asarray(out), np.asarray(logprobs), np.asarray(n_generated), caches)
+
+    def __call__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        decoding: DecodingConfig = DecodingConfig(),
+        *,
+        rng: jax.Array | None = None,
+    ) -> GenerationResult:
+        tokens, lengths = self.pad(prompts, decoding.max_new_tokens)
+        rng = jax.random.key(decoding.seed) if rng is None else rng
+        logits, caches = self.prefill(tokens, lengths)
+        return self.decode(caches, logits, lengths, decoding, rng)
 
 
 def default_capacity(prompts: Sequence[Sequence[int]], max_new_tokens: int, multiple: int = 64) -> int:

@@ -11,7 +11,7 @@ from kvjax.ops import attention
 def loop_reference(q, k, v, q_pos, k_pos, window):
     """Attention one (batch, head, query) at a time, query head n using kv head n // (N/K)."""
     B, T, N, H = q.shape
-    K = k.shape[2]
+    K, S = k.shape[1:3]
     out = np.zeros((B, T, N, H))
     for b in range(B):
         for n in range(N):
@@ -19,20 +19,20 @@ def loop_reference(q, k, v, q_pos, k_pos, window):
             for t in range(T):
                 seen = [
                     s
-                    for s in range(k.shape[1])
+                    for s in range(S)
                     if 0 <= k_pos[b, s] <= q_pos[b, t] and (window is None or q_pos[b, t] - k_pos[b, s] < window)
                 ]
                 if not seen:
                     continue
-                logits = np.array([q[b, t, n] @ k[b, s, kv] for s in seen]) / np.sqrt(H)
+                logits = np.array([q[b, t, n] @ k[b, kv, s] for s in seen]) / np.sqrt(H)
                 p = np.exp(logits - logits.max())
-                out[b, t, n] = (p / p.sum()) @ np.stack([v[b, s, kv] for s in seen])
+                out[b, t, n] = (p / p.sum()) @ np.stack([v[b, kv, s] for s in seen])
     return out
 
 
 def random_inputs(B=2, T=5, S=9, N=4, K=2, H=8, seed=0):
     r = np.random.default_rng(seed)
-    q, k, v = (r.normal(size=s).astype(np.float32) for s in [(B, T, N, H), (B, S, K, H), (B, S, K, H)])
+    q, k, v = (r.normal(size=s).astype(np.float32) for s in [(B, T, N, H), (B, K, S, H), (B, K, S, H)])
     # Keys in shuffled slot order with some empty (-1) slots; queries at the last positions.
     k_pos = np.stack([r.permutation(np.where(np.arange(S) < S - 2, np.arange(S), -1)) for _ in range(B)])
     q_pos = np.tile(np.arange(S - 2 - T, S - 2), (B, 1))
@@ -53,7 +53,7 @@ def test_padding_query_is_finite_and_masked_keys_get_no_gradient():
     out = attention(*map(jnp.asarray, (q, k, v, q_pos, k_pos)))
     assert np.isfinite(np.asarray(out)).all() and np.all(np.asarray(out)[0, 0] == 0)
     grad_v = jax.grad(lambda v: attention(q, k, v, q_pos, k_pos).sum())(jnp.asarray(v))
-    assert np.all(np.asarray(grad_v)[k_pos < 0] == 0)
+    assert np.all(np.asarray(grad_v).transpose(0, 2, 1, 3)[k_pos < 0] == 0)
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,7 @@ def test_padding_query_is_finite_and_masked_keys_get_no_gradient():
     [
         (lambda a: {**a, "q": a["q"][..., :4]}, "disagree on batch or head_dim"),
         (lambda a: {**a, "q": a["q"][:, :, :3]}, "N=3 must be a multiple of kv heads K=2"),
-        (lambda a: {**a, "v": a["v"][:, :-1]}, "must be [B,T,N,H]"),
+        (lambda a: {**a, "v": a["v"][:, :, :-1]}, "must be [B,T,N,H]"),
         (lambda a: {**a, "k_pos": a["k_pos"][:, :-1]}, "k_pos (2, 8) must be (2, 9)"),
         (lambda a: {**a, "window": 0}, "window=0 must be > 0"),
         (lambda a: {**a, "impl": "cuda"}, "impl='cuda' must be one of"),

@@ -1,0 +1,122 @@
+"""Decode step time of a ~10M-parameter GQA model against the memory-bandwidth roofline, in one run.
+
+A decode step must read every parameter and the whole cache once, so its floor is
+(param bytes + cache bytes) / read bandwidth. The bandwidth is measured here, in the same process, with
+jitted reductions over a buffer larger than the last-level cache, so the ratio is robust to a noisy
+machine.
+
+    python scripts/bench_decode.py [--batch 8] [--context 2048] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from architectures import Decoder
+from kvjax import DecodingConfig, Generator
+from kvjax.cache import caches_nbytes
+from kvjax.config import AttentionConfig, ModelConfig
+from kvjax.report import format_bytes, format_table
+
+BENCH_MODEL = ModelConfig(
+    name="gqa-10m",
+    d_model=384,
+    n_layers=6,
+    ffn_dim=1024,
+    attention=AttentionConfig(n_heads=6, n_kv_heads=2, head_dim=64),
+)
+
+
+def best_of(fn, repeats: int) -> float:
+    """Fastest wall time of `repeats` calls (the least disturbed by other work on the machine)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
+    """Bytes per second of the faster of two jitted streaming reads of an n_bytes fp32 buffer: one sum,
+    and 8 independent sums over eighths (which XLA may spread over cores). n_bytes must exceed the
+    last-level cache (480 MiB on the CI machine) so that this measures memory, not cache."""
+    whole = jnp.ones((n_bytes // 4,), jnp.float32)
+    parts = list(whole.reshape(8, -1))
+    one = jax.jit(jnp.sum)
+    split = jax.jit(lambda *ps: [p.sum() for p in ps])
+    jax.block_until_ready((one(whole), split(*parts)))
+    return n_bytes / min(
+        best_of(lambda: one(whole).block_until_ready(), repeats),
+        best_of(lambda: jax.block_until_ready(split(*parts)), repeats),
+    )
+
+
+def decode_step_time(gen: Generator, prompts: np.ndarray, steps: int, repeats: int) -> tuple[float, tuple]:
+    """Seconds per decode step: the loop generating 1 + steps tokens minus the loop generating 1 (so
+    prefill and the first sample are excluded), each run on a fresh copy of the prefilled caches, since
+    the loop consumes (donates) them. Returns the step time and the final caches."""
+    tokens, lengths = gen.pad(prompts.tolist(), steps + 1)
+    logits, caches = gen.prefill(tokens, lengths)
+
+    def run(n_new):
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, caches))
+        start = time.perf_counter()
+        out = gen.decode(fresh, logits, lengths, DecodingConfig(max_new_tokens=n_new), jax.random.key(0))
+        jax.block_until_ready(out.caches)
+        return time.perf_counter() - start, out.caches
+
+    for n in (1, 1 + steps):
+        run(n)  # compile
+    base = min(run(1)[0] for _ in range(repeats))
+    loop = min(run(1 + steps)[0] for _ in range(repeats))
+    return (loop - base) / steps, run(1 + steps)[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=2048, help="cache capacity (tokens per row)")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    model = Decoder(BENCH_MODEL, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
+    n_params = sum(p.size for p in jax.tree.leaves(params))
+    gen = Generator(model, capacity=args.context)
+    prompt_len = args.context - args.steps - 1
+    prompts = np.random.default_rng(0).integers(0, BENCH_MODEL.vocab_size, (args.batch, prompt_len))
+    step, caches = decode_step_time(gen, prompts, args.steps, args.repeats)
+    cache_bytes = caches_nbytes(caches)
+    bandwidth = read_bandwidth()
+    roofline = (param_bytes + cache_bytes) / bandwidth
+    print(
+        f"model {BENCH_MODEL.name}: {n_params / 1e6:.2f}M params, batch {args.batch}, cache capacity "
+        f"{args.context}, fp32, {jax.device_count()} {jax.devices()[0].platform} device(s)"
+    )
+    print(
+        format_table(
+            ["quantity", "value"],
+            [
+                ["param bytes", format_bytes(param_bytes)],
+                ["cache bytes (all layers, batch)", format_bytes(cache_bytes)],
+                ["read bandwidth (measured)", f"{bandwidth / 1e9:.1f} GB/s"],
+                ["roofline step time", f"{roofline * 1e3:.2f} ms"],
+                ["decode step time", f"{step * 1e3:.2f} ms"],
+                ["step / roofline", f"{step / roofline:.2f}x"],
+                ["decode tokens/s (batch)", f"{args.batch / step:,.0f}"],
+            ],
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

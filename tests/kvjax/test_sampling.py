@@ -43,6 +43,14 @@ def test_truncation_keeps_the_right_support_with_renormalised_frequencies(kw, su
     np.testing.assert_allclose(freq, expected, atol=0.03)
 
 
+def test_top_p_stops_as_soon_as_the_mass_reaches_p():
+    """The kept set is the smallest whose mass reaches p: at p = 0.5 the top token (mass 0.5) alone."""
+    logits = jnp.log(jnp.asarray([[0.5, 0.25, 0.125, 0.125]], jnp.float32))
+    keys = jax.random.split(jax.random.key(3), 500)
+    got = jax.vmap(lambda k: sample(logits, k, temperature=1.0, top_p=0.5)[0])(keys)
+    assert set(np.unique(np.asarray(got))) == {0}
+
+
 def test_temperature_sharpens_and_flattens():
     cold = np.bincount(draws(temperature=0.25), minlength=4) / 4000
     hot = np.bincount(draws(temperature=4.0), minlength=4) / 4000

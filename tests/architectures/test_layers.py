@@ -1,0 +1,46 @@
+"""The building blocks against independent references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from architectures.layers import RMSNorm, SwiGLU, apply_rope
+
+
+def test_rope_is_a_complex_rotation_of_channel_pairs():
+    """Channel i pairs with i + H/2 (HF Llama layout): (x_i + j x_{i+H/2}) * exp(j * pos * theta^(-2i/H))."""
+    B, T, N, H, theta = 2, 5, 3, 8, 500.0
+    x = np.random.default_rng(0).normal(size=(B, T, N, H)).astype(np.float32)
+    pos = np.array([[0, 1, 2, 7, 100], [3, 3, 9, 0, 41]], np.int32)
+    z = x[..., : H // 2] + 1j * x[..., H // 2 :]
+    freq = theta ** (-2 * np.arange(H // 2) / H)
+    rotated = z * np.exp(1j * pos[:, :, None, None] * freq)
+    expected = np.concatenate([rotated.real, rotated.imag], axis=-1)
+    np.testing.assert_allclose(apply_rope(jnp.asarray(x), jnp.asarray(pos), theta), expected, atol=2e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    q, k = np.random.default_rng(1).normal(size=(2, 1, 1, 1, 16)).astype(np.float32)
+
+    def score(m, n):
+        rq = apply_rope(jnp.asarray(q), jnp.array([[m]]), 10_000.0)
+        rk = apply_rope(jnp.asarray(k), jnp.array([[n]]), 10_000.0)
+        return float(jnp.sum(rq * rk))
+
+    np.testing.assert_allclose(score(5, 2), score(103, 100), rtol=1e-4)
+    assert abs(score(5, 2) - score(5, 4)) > 1e-3
+
+
+def test_rmsnorm_and_swiglu_match_their_formulas():
+    x = np.random.default_rng(2).normal(size=(3, 4, 8)).astype(np.float32)
+    norm = RMSNorm(8, eps=1e-6, dtype=jnp.float32)
+    norm.scale[...] = jnp.arange(1.0, 9.0)
+    expected = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6) * np.arange(1.0, 9.0)
+    np.testing.assert_allclose(norm(jnp.asarray(x)), expected, rtol=1e-5, atol=1e-6)
+
+    mlp = SwiGLU(8, 12, std=0.5, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    g, u, d = (np.asarray(m.kernel[...]) for m in (mlp.gate, mlp.up, mlp.down))
+    silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
+    np.testing.assert_allclose(mlp(jnp.asarray(x)), (silu(x @ g) * (x @ u)) @ d, rtol=1e-4, atol=1e-5)
+    assert jax.tree.leaves(nnx.state(mlp))  # has parameters

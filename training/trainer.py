@@ -1,0 +1,230 @@
+"""Training: AdamW (warmup + cosine), clipping, gradient accumulation, evaluation in bits per byte,
+JSON-lines metrics, a progress bar, orbax checkpoints and exact resume, on any device mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from tqdm.auto import tqdm
+
+from architectures import Decoder
+from kvjax.config import Config, ConfigError, TrainConfig, from_dict
+from training.checkpoint import Checkpointer, CheckpointError, abstract
+from training.data import BatchIterator, load_corpus, pack, split_documents
+from training.sharding import make_mesh, shard_batch, shard_params
+from training.tokenizer import Tokenizer, get_tokenizer
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. the loss diverged); the message says what is kept and what to do."""
+
+
+@struct.dataclass
+class TrainState:
+    params: Any
+    opt_state: Any
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    rng: jax.Array  # uint32 key data, saved so that stochastic parts resume exactly
+
+
+def learning_rate(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 to lr, then cosine decay to min_lr_ratio * lr at the last step."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup_steps, decay_steps=cfg.steps, end_value=cfg.lr * cfg.min_lr_ratio
+    )
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW; weight decay only on matrices (not on norm scales or biases)."""
+    decay = partial(jax.tree.map, lambda p: p.ndim >= 2)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay),
+    )
+
+
+def token_losses(graphdef, params, windows: jax.Array) -> jax.Array:
+    """Next-token negative log-likelihood (nats) of windows `[B, L+1]`: predict tokens 1..L from 0..L-1."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    logits, _ = nnx.merge(graphdef, params)(inputs, positions)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+def _train_step(graphdef, tx, schedule, accum, state: TrainState, batch):
+    def loss_fn(params, windows):
+        return token_losses(graphdef, params, windows).mean()
+
+    grad_fn = jax.value_and_grad(loss_fn)
+    if accum == 1:
+        loss, grads = grad_fn(state.params, batch)
+    else:
+        def add(carry, micro):
+            return jax.tree.map(jnp.add, carry, grad_fn(state.params, micro)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+        (loss, grads), _ = jax.lax.scan(add, zero, batch.reshape(accum, -1, batch.shape[-1]))
+        loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new = state.replace(
+        params=optax.apply_updates(state.params, updates), opt_state=opt_state, step=state.step + 1
+    )
+    return new, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+
+
+def _eval_sums(graphdef, params, windows, weights, token_bytes):
+    """Summed nats, predicted tokens and the UTF-8 bytes they stand for, over weighted windows."""
+    nll = token_losses(graphdef, params, windows) * weights[:, None]
+    n_bytes = token_bytes[windows[:, 1:]] * weights[:, None]
+    return nll.sum(), weights.sum() * nll.shape[1], n_bytes.sum()
+
+
+@dataclasses.dataclass
+class Corpus:
+    tokenizer: Tokenizer
+    train: np.ndarray  # [n, seq_len + 1] windows
+    val: np.ndarray
+
+
+def prepare_corpus(cfg: Config) -> Corpus:
+    tokenizer = get_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} must be >= {tokenizer.vocab_size}, the vocabulary of "
+            f"data.tokenizer={cfg.data.tokenizer!r}"
+        )
+    train_docs, val_docs = split_documents(load_corpus(cfg.data.corpus), cfg.data.val_fraction)
+    window = cfg.data.seq_len + 1
+    return Corpus(tokenizer, pack(train_docs, tokenizer, window), pack(val_docs, tokenizer, window))
+
+
+class Trainer:
+    """Trains `config` in `run_dir`, resuming from its latest checkpoint when there is one."""
+
+    def __init__(self, config: Config, run_dir: str | Path, *, devices: list | None = None, progress: bool = True):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.progress = progress
+        self.mesh = make_mesh(config.mesh, devices)
+        self.corpus = prepare_corpus(config)
+        cfg = config.train
+        model = Decoder(config.model, rngs=nnx.Rngs(cfg.seed))
+        self.graphdef, params = nnx.split(model)
+        self.schedule = learning_rate(cfg)
+        tx = make_optimizer(cfg)
+        with jax.set_mesh(self.mesh):
+            params = shard_params(params, self.mesh)
+            self.state = TrainState(
+                params=params,
+                opt_state=jax.jit(tx.init)(params),
+                step=jnp.int32(0),
+                rng=jax.random.key_data(jax.random.key(cfg.seed)),
+            )
+        self._step = jax.jit(
+            partial(_train_step, self.graphdef, tx, self.schedule, cfg.grad_accum), donate_argnums=(0,)
+        )
+        self._eval = jax.jit(partial(_eval_sums, self.graphdef))
+        self.checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
+        self.position = None
+        if self.checkpoints.latest_step() is not None:
+            self.state, record = self.checkpoints.restore(abstract(self.state), expect_config=config.to_dict())
+            self.position = record["data_position"]
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    def model(self) -> Decoder:
+        return nnx.merge(self.graphdef, self.state.params)
+
+    def evaluate(self) -> dict:
+        """Mean loss (nats per token), bits per byte and perplexity on the first eval_windows windows
+        of the validation documents."""
+        val = self.corpus.val[: self.config.data.eval_windows]
+        size = self.config.train.batch_size
+        token_bytes = jnp.asarray(self.corpus.tokenizer.token_bytes())
+        totals = np.zeros(3)
+        for start in range(0, len(val), size):
+            chunk = val[start : start + size]
+            weights = np.zeros(size, np.float32)
+            weights[: len(chunk)] = 1
+            chunk = np.concatenate([chunk, np.zeros((size - len(chunk), chunk.shape[1]), chunk.dtype)])
+            totals += np.array(self._eval(self.state.params, chunk, weights, token_bytes), np.float64)
+        nats, tokens, n_bytes = totals
+        return {
+            "eval_loss": nats / tokens,
+            "eval_bpb": nats / math.log(2) / n_bytes,
+            "eval_ppl": math.exp(nats / tokens),
+        }
+
+    def _save(self, iterator: BatchIterator) -> None:
+        record = {"step": self.step, "data_position": iterator.position, "config": self.config.to_dict()}
+        self.checkpoints.save(self.step, self.state, record)
+
+    def run(self, log: Callable[[dict], None] | None = None, stop_at: int | None = None) -> list[dict]:
+        """Train up to train.steps (or stop early at `stop_at`, checkpointing there, as an interruption
+        would); returns one metrics dict per step taken, with the loss of every step."""
+        cfg = self.config.train
+        stop_at = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+        iterator = BatchIterator(self.corpus.train, cfg.batch_size, cfg.seed, self.position)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        history: list[dict] = []
+        tokens_per_step = cfg.batch_size * self.config.data.seq_len
+        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, unit="step", leave=False)
+        last_time, last_step = time.perf_counter(), self.step
+        with open(self.run_dir / "metrics.jsonl", "a") as metrics_file, jax.set_mesh(self.mesh):
+            while self.step < stop_at:
+                batch = shard_batch(next(iterator), self.mesh)
+                self.state, metrics = self._step(self.state, batch)
+                row = {"step": self.step, **{k: float(v) for k, v in metrics.items()}}
+                if not math.isfinite(row["loss"]):
+                    kept = self.checkpoints.latest_step()
+                    where = f"step {kept} in {self.checkpoints.directory}" if kept is not None else "none yet"
+                    raise TrainingError(
+                        f"loss became {row['loss']} at step {self.step}; training stopped and nothing was saved "
+                        f"after it. Last good checkpoint: {where}. Lower train.lr or raise train.warmup_steps."
+                    )
+                history.append(row)
+                bar.update(1)
+                if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                    row.update(self.evaluate())
+                if self.step % cfg.log_every == 0 or "eval_loss" in row:
+                    now = time.perf_counter()
+                    row["tokens_per_s"] = tokens_per_step * (self.step - last_step) / (now - last_time)
+                    last_time, last_step = now, self.step
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+                    if log is not None:
+                        log(row)
+                if self.step % cfg.checkpoint_every == 0 or self.step == stop_at:
+                    self._save(iterator)
+        bar.close()
+        return history
+
+
+def load_trained(run_dir: str | Path) -> tuple[Config, Decoder, Tokenizer]:
+    """The config, model (latest checkpoint) and tokenizer of a finished or interrupted run."""
+    checkpoints = Checkpointer(Path(run_dir) / "checkpoints")
+    if checkpoints.latest_step() is None:
+        raise CheckpointError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}: is {run_dir} a run directory?")
+    _, record = checkpoints.read_record()
+    config = from_dict(Config, record["config"])
+    model = Decoder(config.model, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tx = make_optimizer(config.train)
+    state = TrainState(params, jax.eval_shape(tx.init, params), jnp.int32(0), jnp.zeros((2,), jnp.uint32))
+    restored, _ = checkpoints.restore(abstract(state))
+    return config, nnx.merge(graphdef, restored.params), get_tokenizer(config.data.tokenizer)

@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo demo-quick test test-fast bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,8 +14,12 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
-demo: setup  ## the main job: analytic KV-cache memory of every shipped model variant
+demo: setup  ## the main job: train every variant of configs/experiments/compare.yaml and compare them
 	$(BIN)/kvjax memory configs/models/*.yaml
+	$(BIN)/kvjax compare
+
+demo-quick: setup  ## the same, with a short training run
+	$(BIN)/kvjax compare --quick
 
 test: setup  ## the whole suite, slow end-to-end tests included
 	$(BIN)/python -m pytest
@@ -23,8 +27,9 @@ test: setup  ## the whole suite, slow end-to-end tests included
 test-fast: setup  ## everything but the tests marked slow
 	$(BIN)/python -m pytest -m "not slow"
 
-bench: setup  ## decode step time against the memory-bandwidth roofline
+bench: setup  ## decode step time against the memory-bandwidth roofline; training MFU
 	$(BIN)/python scripts/bench_decode.py
+	$(BIN)/python scripts/bench_train.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis *.egg-info

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from kvjax import memory
 from kvjax.config import ConfigError, load_config
@@ -56,6 +58,61 @@ def _cmd_memory(args) -> None:
     )
 
 
+def _cmd_train(args) -> None:
+    from training.sharding import maybe_initialize_distributed
+    from training.trainer import Trainer
+
+    names, overrides = _split_overrides(args.config)
+    if len(names) != 1:
+        raise ConfigError(f"kvjax train needs exactly one config, got {names}")
+    maybe_initialize_distributed()
+    config = load_config(names[0], overrides)
+    run_dir = Path(args.run_dir or f"runs/{config.model.name}")
+    trainer = Trainer(config, run_dir)
+    print(f"training {config.model.name} in {run_dir} from step {trainer.step} of {config.train.steps}")
+    trainer.run(log=lambda row: print(json.dumps(row), flush=True) if "eval_loss" in row else None)
+    print(json.dumps({"step": trainer.step, **trainer.evaluate()}))
+
+
+def _cmd_eval(args) -> None:
+    from training.trainer import Trainer, load_trained
+
+    config, _, _ = load_trained(args.run_dir)
+    trainer = Trainer(config, args.run_dir, progress=False)
+    scores = trainer.evaluate()
+    print(
+        f"{config.model.name} at step {trainer.step} on {config.data.corpus} validation: "
+        f"{scores['eval_bpb']:.4f} bits/byte, perplexity {scores['eval_ppl']:.3f} "
+        f"(loss {scores['eval_loss']:.4f} nats/token)"
+    )
+
+
+def _cmd_generate(args) -> None:
+    from kvjax.config import DecodingConfig
+    from kvjax.generate import generate
+    from training.trainer import load_trained
+
+    config, model, tokenizer = load_trained(args.run_dir)
+    decoding = DecodingConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_id=tokenizer.eos_id,
+    )
+    prompt = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
+    out = generate(model, [prompt], decoding)
+    print(args.prompt + tokenizer.decode(out.tokens[0, : out.lengths[0]]))
+
+
+def _cmd_compare(args) -> None:
+    from training.compare import load_experiment, run_compare
+
+    exp = load_experiment(args.experiment)
+    run_compare(exp, Path(args.out) / ("quick" if args.quick else "full"), quick=args.quick)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +121,31 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768], help="sequence lengths")
     mem.add_argument("--batch", type=int, default=1)
     mem.set_defaults(run=_cmd_memory)
+
+    train = sub.add_parser("train", help="train (or resume) a model on a corpus")
+    train.add_argument("config", nargs="+", help="a YAML path or shipped name, then key.sub=value overrides")
+    train.add_argument("--run-dir", help="where checkpoints and metrics go (default runs/<model name>)")
+    train.set_defaults(run=_cmd_train)
+
+    ev = sub.add_parser("eval", help="bits per byte and perplexity of a run on its validation split")
+    ev.add_argument("run_dir")
+    ev.set_defaults(run=_cmd_eval)
+
+    gen = sub.add_parser("generate", help="continue a text prompt with a trained run")
+    gen.add_argument("run_dir")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(run=_cmd_generate)
+
+    cmp = sub.add_parser("compare", help="train every variant of an experiment and compare them")
+    cmp.add_argument("--experiment", help="experiment YAML (default configs/experiments/compare.yaml)")
+    cmp.add_argument("--quick", action="store_true", help="a short run, for a smoke test")
+    cmp.add_argument("--out", default="runs/compare", help="output directory")
+    cmp.set_defaults(run=_cmd_compare)
     return parser
 
 
@@ -71,10 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
-    except ConfigError as e:
+    except (ConfigError, *_user_errors()) as e:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors that are the user's to fix (bad data, checkpoints, divergence): printed without a traceback."""
+    from training.checkpoint import CheckpointError
+    from training.data import DataError
+    from training.trainer import TrainingError
+
+    return (CheckpointError, DataError, TrainingError)
 
 
 if __name__ == "__main__":

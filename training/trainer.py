@@ -113,12 +113,21 @@ def prepare_corpus(cfg: Config) -> Corpus:
 class Trainer:
     """Trains `config` in `run_dir`, resuming from its latest checkpoint when there is one."""
 
-    def __init__(self, config: Config, run_dir: str | Path, *, devices: list | None = None, progress: bool = True):
+    def __init__(
+        self,
+        config: Config,
+        run_dir: str | Path,
+        *,
+        devices: list | None = None,
+        progress: bool = True,
+        corpus: Corpus | None = None,
+    ):
+        """`corpus` reuses data prepared (by `prepare_corpus`) for the same data config."""
         self.config = config
         self.run_dir = Path(run_dir)
         self.progress = progress
         self.mesh = make_mesh(config.mesh, devices)
-        self.corpus = prepare_corpus(config)
+        self.corpus = prepare_corpus(config) if corpus is None else corpus
         cfg = config.train
         model = Decoder(config.model, rngs=nnx.Rngs(cfg.seed))
         self.graphdef, params = nnx.split(model)
@@ -211,6 +220,7 @@ class Trainer:
                         log(row)
                 if self.step % cfg.checkpoint_every == 0 or self.step == stop_at:
                     self._save(iterator)
+        self.position = iterator.position
         bar.close()
         return history
 

@@ -1,0 +1,54 @@
+"""The `kvjax` training commands end to end: train, eval, generate, compare."""
+
+import csv
+import json
+
+import pytest
+
+from kvjax.cli import main
+from tests.training.conftest import SMALL_CORPUS
+
+TINY = [
+    "model.n_layers=2", f"data.corpus={SMALL_CORPUS}", "data.seq_len=32", "data.val_fraction=0.3",
+    "data.eval_windows=8", "train.batch_size=4", "train.steps=6", "train.warmup_steps=1",
+    "train.eval_every=3", "train.checkpoint_every=3",
+]
+
+
+def test_train_eval_generate(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    assert main(["train", "gqa", *TINY, "--run-dir", run]) == 0
+    out = capsys.readouterr().out
+    final = json.loads(out.strip().splitlines()[-1])
+    assert final["step"] == 6 and final["eval_bpb"] > 0
+    assert main(["eval", run]) == 0
+    assert "bits/byte" in capsys.readouterr().out
+    assert main(["generate", run, "--prompt", "import ", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("import ")
+    # Resuming a finished run does nothing more and still reports.
+    assert main(["train", "gqa", *TINY, "--run-dir", run]) == 0
+    assert "from step 6 of 6" in capsys.readouterr().out
+
+
+def test_user_errors_exit_2_without_traceback(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "missing")]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err
+    assert main(["train", "gqa", "data.corpus=nope", "--run-dir", str(tmp_path)]) == 2
+    assert "corpus='nope' must be one of" in capsys.readouterr().err
+    assert main(["train", "gqa", "mqa"]) == 2
+
+
+@pytest.mark.slow
+def test_compare_quick_end_to_end(tmp_path, capsys):
+    assert main(["compare", "--quick", "--out", str(tmp_path)]) == 0
+    out_dir = tmp_path / "quick"
+    rows = list(csv.DictReader(open(out_dir / "compare.csv")))
+    assert [r["variant"] for r in rows] == ["mha", "gqa", "mqa", "swa"]
+    assert all(r["cache_bytes_analytic"] == r["cache_bytes_measured"] for r in rows)
+    assert len({r["tokens_trained"] for r in rows}) == 1  # the same budget for every variant
+    by = {r["variant"]: r for r in rows}
+    assert int(by["mha"]["kv_bytes_per_token"]) == 4 * int(by["gqa"]["kv_bytes_per_token"])
+    assert int(by["swa"]["cache_bytes_analytic"]) < int(by["gqa"]["cache_bytes_analytic"])
+    assert json.loads((out_dir / "compare.json").read_text())["rows"][0]["variant"] == "mha"
+    assert (out_dir / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| mqa " in capsys.readouterr().out

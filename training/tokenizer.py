@@ -42,6 +42,31 @@ class ByteTokenizer:
         return np.array([1] * 256 + [0, 0], np.int64)
 
 
+class HFTokenizer:
+    """A Hugging Face `tokenizers.Tokenizer` behind kvjax's interface (used for BPE vocabularies)."""
+
+    def __init__(self, tokenizer, *, bos_id: int, eos_id: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_bytes(self) -> np.ndarray:
+        special = {t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special}
+        out = np.zeros(self.vocab_size, np.int64)
+        for i in range(self.vocab_size):
+            piece = self.tokenizer.id_to_token(i)
+            if piece is not None and piece not in special:
+                out[i] = len(self.tokenizer.decode([i]).encode("utf-8"))
+        return out
+
+
 TOKENIZERS = {"byte": ByteTokenizer}
 
 

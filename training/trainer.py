@@ -91,6 +91,31 @@ def _eval_sums(graphdef, params, windows, weights, token_bytes):
     return nll.sum(), weights.sum() * nll.shape[1], n_bytes.sum()
 
 
+def evaluate_windows(eval_fn, params, windows: np.ndarray, tokenizer: Tokenizer, batch_size: int) -> dict:
+    """Mean loss (nats per predicted token), bits per UTF-8 byte and perplexity over windows `[n, L+1]`,
+    batched (the last batch padded with zero-weight rows); `eval_fn` is a jitted `_eval_sums`."""
+    token_bytes = jnp.asarray(tokenizer.token_bytes())
+    totals = np.zeros(3)
+    for start in range(0, len(windows), batch_size):
+        chunk = windows[start : start + batch_size]
+        weights = np.zeros(batch_size, np.float32)
+        weights[: len(chunk)] = 1
+        chunk = np.concatenate([chunk, np.zeros((batch_size - len(chunk), chunk.shape[1]), chunk.dtype)])
+        totals += np.array(eval_fn(params, chunk, weights, token_bytes), np.float64)
+    nats, tokens, n_bytes = totals
+    return {
+        "eval_loss": float(nats / tokens),
+        "eval_bpb": float(nats / math.log(2) / n_bytes),
+        "eval_ppl": float(math.exp(nats / tokens)),
+    }
+
+
+def evaluate_model(model: Decoder, windows: np.ndarray, tokenizer: Tokenizer, batch_size: int = 1) -> dict:
+    """`evaluate_windows` for any model (e.g. one imported from GGUF)."""
+    graphdef, params = nnx.split(model)
+    return evaluate_windows(jax.jit(partial(_eval_sums, graphdef)), params, windows, tokenizer, batch_size)
+
+
 @dataclasses.dataclass
 class Corpus:
     tokenizer: Tokenizer
@@ -159,24 +184,9 @@ class Trainer:
         return nnx.merge(self.graphdef, self.state.params)
 
     def evaluate(self) -> dict:
-        """Mean loss (nats per token), bits per byte and perplexity on the first eval_windows windows
-        of the validation documents."""
+        """Validation scores on the first eval_windows windows of the validation documents."""
         val = self.corpus.val[: self.config.data.eval_windows]
-        size = self.config.train.batch_size
-        token_bytes = jnp.asarray(self.corpus.tokenizer.token_bytes())
-        totals = np.zeros(3)
-        for start in range(0, len(val), size):
-            chunk = val[start : start + size]
-            weights = np.zeros(size, np.float32)
-            weights[: len(chunk)] = 1
-            chunk = np.concatenate([chunk, np.zeros((size - len(chunk), chunk.shape[1]), chunk.dtype)])
-            totals += np.array(self._eval(self.state.params, chunk, weights, token_bytes), np.float64)
-        nats, tokens, n_bytes = totals
-        return {
-            "eval_loss": nats / tokens,
-            "eval_bpb": nats / math.log(2) / n_bytes,
-            "eval_ppl": math.exp(nats / tokens),
-        }
+        return evaluate_windows(self._eval, self.state.params, val, self.corpus.tokenizer, self.config.train.batch_size)
 
     def _save(self, iterator: BatchIterator) -> None:
         record = {"step": self.step, "data_position": iterator.position, "config": self.config.to_dict()}

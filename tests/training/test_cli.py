@@ -21,7 +21,7 @@ def test_train_eval_generate(tmp_path, capsys):
     out = capsys.readouterr().out
     final = json.loads(out.strip().splitlines()[-1])
     assert final["step"] == 6 and final["eval_bpb"] > 0
-    assert main(["eval", run]) == 0
+    assert main(["eval", run, "--windows", "8"]) == 0
     assert "bits/byte" in capsys.readouterr().out
     assert main(["generate", run, "--prompt", "import ", "--max-new-tokens", "8"]) == 0
     assert capsys.readouterr().out.startswith("import ")

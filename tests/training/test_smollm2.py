@@ -1,0 +1,110 @@
+"""SmolLM2-135M from its GGUF file against Hugging Face transformers reading the same file.
+
+transformers dequantizes the GGUF weights and converts its tokenizer with its own code, so it is an
+independent reference for our dequantization, Q/K un-permutation, RoPE, tokenizer and export.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+
+from kvjax import DecodingConfig, generate  # noqa: E402
+from kvjax.cache import init_caches  # noqa: E402
+from training.data import load_corpus  # noqa: E402
+from training.gguf_import import GGUFError, load_gguf_model, load_gguf_tokenizer, resolve_gguf  # noqa: E402
+from training.hf_export import export_llama  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "Hello world!",
+    "In the beginning God created the heaven and the earth.",
+    "def f(x):\n    return x**2  # 12345 squared\n",
+    "  two leading spaces, ünïcödé and emoji 😀\ttabs\n\nnewlines",
+    "<|im_start|>user\nWhat is 3.14159 * 1,000,000?<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    config, model = load_gguf_model("smollm2")
+    return config, model, load_gguf_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    path = resolve_gguf("smollm2")
+    kw = dict(gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(str(path.parent), **kw)
+
+
+@pytest.fixture(scope="module")
+def text_ids(ours):
+    return ours[2].encode(load_corpus("kjv")[18].text)[:256]  # the Psalms
+
+
+def test_config_comes_from_the_metadata(ours):
+    cfg = ours[0].model
+    att = cfg.attention
+    assert (cfg.n_layers, cfg.d_model, cfg.ffn_dim, cfg.vocab_size) == (30, 576, 1536, 49152)
+    assert (att.n_heads, att.n_kv_heads, att.head_dim, att.rope_theta) == (9, 3, 64, 100000.0)
+    assert cfg.tie_embeddings
+
+
+def test_token_ids_match(ours, reference):
+    tokenizer = ours[2]
+    for text in TEXTS:
+        assert tokenizer.encode(text) == reference[1](text, add_special_tokens=False).input_ids, text
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.encode("hi")[0] != tokenizer.bos_id  # nothing special is added to raw text
+
+
+def test_logits_match_over_256_tokens(ours, reference, text_ids):
+    assert len(text_ids) == 256
+    logits, _ = ours[1](jnp.asarray([text_ids]), jnp.arange(256)[None])
+    with torch.no_grad():
+        expected = reference[0](torch.tensor([text_ids])).logits[0].numpy()
+    assert np.abs(np.asarray(logits[0]) - expected).max() < 1e-3
+
+
+def test_greedy_continuations_match(ours, reference, text_ids):
+    prompt = text_ids[:64]
+    got = generate(ours[1], [prompt], DecodingConfig(max_new_tokens=32)).tokens[0]
+    with torch.no_grad():
+        out = reference[0].generate(
+            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, attention_mask=torch.ones(1, 64, dtype=torch.long)
+        )
+    np.testing.assert_array_equal(got, out[0, 64:].numpy())
+
+
+def test_cached_decode_equals_full_forward(ours, text_ids):
+    config, model, _ = ours
+    ids = jnp.asarray([text_ids[:48]])
+    pos = jnp.arange(48)[None]
+    full, _ = model(ids, pos)
+    logits, caches = model(ids[:, :40], pos[:, :40], init_caches(config.model, 1, 48))
+    np.testing.assert_allclose(logits, full[:, :40], atol=1e-4, rtol=1e-4)
+    for t in range(40, 48):
+        logits, caches = model(ids[:, t : t + 1], pos[:, t : t + 1], caches)
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-4, rtol=1e-4)
+
+
+def test_export_round_trip(ours, text_ids, tmp_path):
+    _, model, tokenizer = ours
+    export_llama(model, tmp_path, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    ids = text_ids[:128]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    logits, _ = model(jnp.asarray([ids]), jnp.arange(128)[None])
+    assert np.abs(np.asarray(logits[0]) - expected).max() < 1e-3
+
+
+def test_bad_files_are_clear_errors(tmp_path):
+    with pytest.raises(GGUFError, match="is not a file, nor a shipped model name"):
+        load_gguf_model(tmp_path / "nope.gguf")

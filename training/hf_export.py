@@ -1,0 +1,75 @@
+"""Write a kvjax Llama-family model as a Hugging Face `LlamaForCausalLM` directory (config.json plus
+model.safetensors), so that other tools run the same weights. kvjax and Hugging Face share the RoPE
+channel pairing (i with i + head_dim/2), so weights are only transposed to [out, in], never permuted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from architectures import Decoder
+from kvjax.config import ConfigError
+
+
+def _torch_name(i: int, part: str) -> str:
+    return f"model.layers.{i}.{part}.weight"
+
+
+def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
+    """Hugging Face Llama parameter names -> fp32 arrays in PyTorch's [out, in] layout."""
+    cfg = model.config
+    if cfg.attention.window is not None:
+        raise ConfigError(
+            f"model.attention.window={cfg.attention.window}: LlamaForCausalLM has no sliding window; export a "
+            "model with full causal attention"
+        )
+    arr = lambda v: np.asarray(v[...], np.float32)  # noqa: E731
+    out = {"model.embed_tokens.weight": arr(model.embed.embedding), "model.norm.weight": arr(model.final_norm.scale)}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = arr(model.lm_head.kernel).T
+    for i, block in enumerate(model.blocks):
+        out[_torch_name(i, "input_layernorm")] = arr(block.mixer_norm.scale)
+        out[_torch_name(i, "post_attention_layernorm")] = arr(block.mlp_norm.scale)
+        for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
+            out[_torch_name(i, f"self_attn.{theirs}")] = arr(getattr(block.mixer, ours).kernel).T
+        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            out[_torch_name(i, f"mlp.{theirs}")] = arr(getattr(block.mlp, ours).kernel).T
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def hf_config(model: Decoder, *, bos_id: int | None = None, eos_id: int | None = None, max_positions: int = 8192) -> dict:
+    cfg, att = model.config, model.config.attention
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": att.n_heads,
+        "num_key_value_heads": att.n_kv_heads,
+        "head_dim": att.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": att.rope_theta,
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+    }
+
+
+def export_llama(model: Decoder, out_dir: str | Path, **config_kwargs) -> Path:
+    """Write `out_dir/config.json` and `out_dir/model.safetensors`; returns out_dir."""
+    from safetensors.numpy import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(hf_state_dict(model), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf_config(model, **config_kwargs), indent=2))
+    return out_dir

@@ -74,12 +74,18 @@ def _cmd_train(args) -> None:
     print(json.dumps({"step": trainer.step, **trainer.evaluate()}))
 
 
+def _is_gguf(model_ref: str) -> bool:
+    from training.gguf_import import SHIPPED
+
+    return model_ref in SHIPPED or model_ref.endswith(".gguf")
+
+
 def _load_any(model_ref: str):
     """A trained run directory, a .gguf file, or a shipped GGUF model name -> (config, model, tokenizer)."""
-    from training.gguf_import import SHIPPED, load_gguf_model, load_gguf_tokenizer
+    from training.gguf_import import load_gguf_model, load_gguf_tokenizer
     from training.trainer import load_trained
 
-    if model_ref in SHIPPED or model_ref.endswith(".gguf"):
+    if _is_gguf(model_ref):
         config, model = load_gguf_model(model_ref)
         return config, model, load_gguf_tokenizer(model_ref)
     return load_trained(model_ref)
@@ -108,7 +114,9 @@ def _cmd_generate(args) -> None:
     from kvjax.config import DecodingConfig
     from kvjax.generate import generate
 
-    _, model, tokenizer = _load_any(args.model)
+    config, model, tokenizer = _load_any(args.model)
+    # Runs trained here saw BOS at every document start; imported models get no special token unless asked.
+    bos = args.bos if args.bos is not None else config.data.tokenizer == "byte" and not _is_gguf(args.model)
     decoding = DecodingConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -117,7 +125,7 @@ def _cmd_generate(args) -> None:
         seed=args.seed,
         eos_id=tokenizer.eos_id,
     )
-    prompt = [tokenizer.bos_id, *tokenizer.encode(args.prompt)] if args.bos else tokenizer.encode(args.prompt)
+    prompt = [tokenizer.bos_id, *tokenizer.encode(args.prompt)] if bos else tokenizer.encode(args.prompt)
     out = generate(model, [prompt], decoding)
     print(args.prompt + tokenizer.decode(out.tokens[0, : out.lengths[0]]))
 
@@ -155,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="continue a text prompt")
     gen.add_argument("model", help=model_help)
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--no-bos", dest="bos", action="store_false", help="do not start the prompt with BOS")
+    gen.add_argument(
+        "--bos", action=argparse.BooleanOptionalAction, help="start the prompt with BOS (default: for runs trained here)"
+    )
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-k", type=int, default=0)

@@ -137,11 +137,17 @@ def pack(docs: list[Document], tokenizer: Tokenizer, window: int) -> np.ndarray:
     """Tokenize each document as BOS + tokens + EOS (with the `datasets` library), concatenate them, and
     cut non-overlapping windows `[n, window]`; the remainder is dropped."""
     table = datasets.Dataset.from_dict({"text": [d.text for d in docs]})
-    table = table.map(
-        lambda rows: {"ids": [[tokenizer.bos_id, *tokenizer.encode(t), tokenizer.eos_id] for t in rows["text"]]},
-        batched=True,
-        remove_columns=["text"],
-    )
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # an in-memory map takes moments; its bar would only clutter logs
+    try:
+        table = table.map(
+            lambda rows: {"ids": [[tokenizer.bos_id, *tokenizer.encode(t), tokenizer.eos_id] for t in rows["text"]]},
+            batched=True,
+            remove_columns=["text"],
+        )
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     ids = np.concatenate([np.asarray(x, np.int32) for x in table["ids"]])
     n = len(ids) // window
     if n == 0:

@@ -1,0 +1,81 @@
+"""SmolLM2-135M prefill and decode throughput in kvjax and in Hugging Face transformers (PyTorch, CPU),
+measured in the same run on the same dequantized weights. Needs the `parity` extra.
+
+    python scripts/bench_smollm2.py [--context 2048] [--batches 1 8] [--new-tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+import torch
+
+from kvjax import DecodingConfig, Generator
+from kvjax.report import format_table
+from training.gguf_import import load_gguf_model, resolve_gguf
+
+
+def kvjax_speeds(model, prompts: np.ndarray, new_tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s), each timed after a compile run."""
+    gen = Generator(model, capacity=prompts.shape[1] + new_tokens)
+    tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
+    decoding = DecodingConfig(max_new_tokens=new_tokens)
+    for _ in range(2):  # the first round compiles
+        start = time.perf_counter()
+        logits, caches = jax.block_until_ready(gen.prefill(tokens, lengths))
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        jax.block_until_ready(gen.decode(caches, logits, lengths, decoding, jax.random.key(0)).caches)
+        decode = time.perf_counter() - start
+    return prompts.size / prefill, len(prompts) * (new_tokens - 1) / decode
+
+
+@torch.no_grad()
+def torch_speeds(model, prompts: np.ndarray, new_tokens: int) -> tuple[float, float]:
+    ids = torch.tensor(prompts)
+    model(ids[:, :8], use_cache=True)  # warm up
+    start = time.perf_counter()
+    out = model(ids, use_cache=True)
+    prefill = time.perf_counter() - start
+    past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        out = model(token, past_key_values=past, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    decode = time.perf_counter() - start
+    return prompts.size / prefill, len(prompts) * (new_tokens - 1) / decode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=2048, help="prompt tokens + new tokens")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=16)
+    args = parser.parse_args()
+
+    import transformers
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    _, model = load_gguf_model("smollm2")
+    path = resolve_gguf("smollm2")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    rows = []
+    rng = np.random.default_rng(0)
+    for batch in args.batches:
+        prompts = rng.integers(3, model.config.vocab_size, (batch, args.context - args.new_tokens))
+        ours = kvjax_speeds(model, prompts, args.new_tokens)
+        theirs = torch_speeds(reference, prompts, args.new_tokens)
+        rows.append([batch, f"{ours[0]:,.0f}", f"{theirs[0]:,.0f}", f"{ours[0] / theirs[0]:.2f}x",
+                     f"{ours[1]:,.1f}", f"{theirs[1]:,.1f}", f"{ours[1] / theirs[1]:.2f}x"])
+    print(f"SmolLM2-135M, fp32, context {args.context}, {torch.get_num_threads()} torch threads")
+    print(format_table(["batch", "prefill tok/s kvjax", "transformers", "ratio",
+                        "decode tok/s kvjax", "transformers", "ratio"], rows))
+
+
+if __name__ == "__main__":
+    main()

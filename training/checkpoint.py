@@ -64,18 +64,19 @@ class Checkpointer:
     def restore(self, abstract_state: Any, step: int | None = None, *, expect_config: dict | None = None):
         """Load step `step` (default: the latest) into the structure of `abstract_state`.
 
-        With `expect_config`, the saved config's `model` and `data` sections must equal it, so weights are
-        never loaded into a model of another shape, nor resumed on another corpus.
+        With `expect_config`, the saved config's `model`, `data` and `train` sections must equal it, so
+        weights are never loaded into a model of another shape, nor resumed on another corpus or with
+        another recipe (which would give results that neither recipe produces). Only `mesh` may change.
         """
         step, record = self.read_record(step)
         if expect_config is not None:
-            wanted = {k: expect_config[k] for k in ("model", "data")}
+            wanted = {k: expect_config[k] for k in ("model", "data", "train")}
             saved = {k: record.get("config", {}).get(k) for k in wanted}
             if diff := _diff(saved, wanted):
                 raise CheckpointError(
-                    f"checkpoint {self.directory}/{step} was made for another model or corpus: "
+                    f"checkpoint {self.directory}/{step} was made with another config: "
                     + "; ".join(diff)
-                    + ". Use a new run directory, or the original config."
+                    + ". Use a new run directory (or delete this one), or the original config."
                 )
         try:
             restored = self.manager.restore(

@@ -48,6 +48,8 @@ def test_mismatched_and_corrupt_checkpoints_are_clear_errors(small_config, tmp_p
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     with pytest.raises(CheckpointError, match="model.attention.n_kv_heads: checkpoint 2 vs now 1"):
         Trainer(small_config("model.attention.n_kv_heads=1"), tmp_path, progress=False)
+    with pytest.raises(CheckpointError, match="train.lr: checkpoint 0.003 vs now 0.001"):
+        Trainer(small_config("train.steps=4", "train.lr=1e-3"), tmp_path, progress=False)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before  # nothing overwritten
     for path in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
         if path.is_file() and path.parent.name == "d":

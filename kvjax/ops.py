@@ -70,12 +70,10 @@ def attention(
     q_BTKGH = q.reshape(B, T, K, N // K, H)
     # Every [.., T, G, S] tensor below is in the order the dot emits; asking for [.., G, T, S] made
     # XLA:CPU transpose the logits inside each mask op (half of a 2k-token prefill's time).
+    # jax.nn.softmax rather than a hand-fused one: its backward rule kept training 1.6-2x faster.
     logits = jnp.einsum("BTKGH,BKSH->BKTGS", q_BTKGH, k, preferred_element_type=jnp.float32) * scale
     mask = visible(q_pos, k_pos, window)[:, None, :, None, :]  # [B,1,T,1,S]
-    logits = jnp.where(mask, logits, _MASKED)
-    weights = jnp.where(mask, jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), 0.0)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(total > 0, total, 1.0)  # a query that sees no key gets all zeros
+    probs = jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, _MASKED), axis=-1), 0.0)
     # Output in the dot's natural order, then transposed (a T-sized copy): asking the einsum for
     # BTKGH directly made XLA:CPU pick a 9x slower dot.
     out_BKTGH = jnp.einsum("BKTGS,BKSH->BKTGH", probs.astype(v.dtype), v)

@@ -73,7 +73,7 @@ def decode_speed(model, prompts: np.ndarray, new_tokens: int) -> tuple[float, tu
     decoding = DecodingConfig(max_new_tokens=new_tokens)
     tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
     rng = jax.random.key(0)
-    for attempt in range(2):  # the first run compiles
+    for _ in range(2):  # the first run compiles
         logits, caches = jax.block_until_ready(gen.prefill(tokens, lengths))
         start = time.perf_counter()
         result = gen.decode(caches, logits, lengths, decoding, rng)

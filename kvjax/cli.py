@@ -114,9 +114,9 @@ def _cmd_generate(args) -> None:
     from kvjax.config import DecodingConfig
     from kvjax.generate import generate
 
-    config, model, tokenizer = _load_any(args.model)
+    _, model, tokenizer = _load_any(args.model)
     # Runs trained here saw BOS at every document start; imported models get no special token unless asked.
-    bos = args.bos if args.bos is not None else config.data.tokenizer == "byte" and not _is_gguf(args.model)
+    bos = args.bos if args.bos is not None else not _is_gguf(args.model)
     decoding = DecodingConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

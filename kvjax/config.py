@@ -30,6 +30,13 @@ def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{field}={value!r} {allowed}")
 
 
+def _positive(section: str, config: Any, *names: str) -> None:
+    """Each named field of `config` must be > 0."""
+    for name in names:
+        value = getattr(config, name)
+        _require(value > 0, f"{section}.{name}", value, "must be > 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Self-attention shape: MHA, GQA and MQA differ only in n_kv_heads; `window` turns on SWA."""
@@ -43,8 +50,7 @@ class AttentionConfig:
 
     def __post_init__(self):
         p = "model.attention"
-        _require(self.n_heads > 0, f"{p}.n_heads", self.n_heads, "must be > 0")
-        _require(self.n_kv_heads > 0, f"{p}.n_kv_heads", self.n_kv_heads, "must be > 0")
+        _positive(p, self, "n_heads", "n_kv_heads")
         _require(
             self.n_heads % self.n_kv_heads == 0,
             f"{p}.n_kv_heads",
@@ -57,7 +63,7 @@ class AttentionConfig:
             self.head_dim,
             "must be a positive even number (RoPE rotates pairs of channels)",
         )
-        _require(self.rope_theta > 0, f"{p}.rope_theta", self.rope_theta, "must be > 0")
+        _positive(p, self, "rope_theta")
         _require(
             self.window is None or self.window > 0,
             f"{p}.window",
@@ -83,10 +89,7 @@ class ModelConfig:
     attention: AttentionConfig = AttentionConfig()
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "ffn_dim"):
-            _require(getattr(self, name) > 0, f"model.{name}", getattr(self, name), "must be > 0")
-        _require(self.norm_eps > 0, "model.norm_eps", self.norm_eps, "must be > 0")
-        _require(self.init_std > 0, "model.init_std", self.init_std, "must be > 0")
+        _positive("model", self, "vocab_size", "d_model", "n_layers", "ffn_dim", "norm_eps", "init_std")
         _require(self.dtype in DTYPES, "model.dtype", self.dtype, f"must be one of {DTYPES}")
 
     @property
@@ -108,7 +111,7 @@ class DecodingConfig:
 
     def __post_init__(self):
         p = "decoding"
-        _require(self.max_new_tokens > 0, f"{p}.max_new_tokens", self.max_new_tokens, "must be > 0")
+        _positive(p, self, "max_new_tokens")
         _require(self.temperature >= 0, f"{p}.temperature", self.temperature, "must be >= 0 (0 is greedy)")
         _require(self.top_k >= 0, f"{p}.top_k", self.top_k, "must be >= 0 (0 turns it off)")
         _require(0 < self.top_p <= 1, f"{p}.top_p", self.top_p, "must be in (0, 1] (1 turns it off)")
@@ -127,9 +130,9 @@ class DataConfig:
 
     def __post_init__(self):
         p = "data"
-        _require(self.seq_len > 0, f"{p}.seq_len", self.seq_len, "must be > 0")
+        _positive(p, self, "seq_len")
         _require(0 < self.val_fraction < 1, f"{p}.val_fraction", self.val_fraction, "must be in (0, 1)")
-        _require(self.eval_windows > 0, f"{p}.eval_windows", self.eval_windows, "must be > 0")
+        _positive(p, self, "eval_windows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,16 +157,16 @@ class TrainConfig:
 
     def __post_init__(self):
         p = "train"
-        for name in ("steps", "batch_size", "grad_accum", "eval_every", "checkpoint_every", "keep_checkpoints"):
-            _require(getattr(self, name) > 0, f"{p}.{name}", getattr(self, name), "must be > 0")
-        _require(self.log_every > 0, f"{p}.log_every", self.log_every, "must be > 0")
+        _positive(
+            p, self, "steps", "batch_size", "grad_accum", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every"
+        )
         _require(
             self.batch_size % self.grad_accum == 0,
             f"{p}.grad_accum",
             self.grad_accum,
             f"must divide {p}.batch_size={self.batch_size}",
         )
-        _require(self.lr > 0, f"{p}.lr", self.lr, "must be > 0")
+        _positive(p, self, "lr")
         _require(0 <= self.min_lr_ratio <= 1, f"{p}.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
         _require(
             0 <= self.warmup_steps < self.steps,
@@ -173,7 +176,7 @@ class TrainConfig:
         )
         _require(self.weight_decay >= 0, f"{p}.weight_decay", self.weight_decay, "must be >= 0")
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{p}.b1/b2", (self.b1, self.b2), "must be in [0, 1)")
-        _require(self.grad_clip > 0, f"{p}.grad_clip", self.grad_clip, "must be > 0")
+        _positive(p, self, "grad_clip")
 
 
 @dataclasses.dataclass(frozen=True)

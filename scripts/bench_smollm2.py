@@ -9,28 +9,12 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax
 import numpy as np
 import torch
 
-from kvjax import DecodingConfig, Generator
 from kvjax.report import format_table
+from training.compare import generation_times
 from training.gguf_import import load_gguf_model, resolve_gguf
-
-
-def kvjax_speeds(model, prompts: np.ndarray, new_tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s), each timed after a compile run."""
-    gen = Generator(model, capacity=prompts.shape[1] + new_tokens)
-    tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
-    decoding = DecodingConfig(max_new_tokens=new_tokens)
-    for _ in range(2):  # the first round compiles
-        start = time.perf_counter()
-        logits, caches = jax.block_until_ready(gen.prefill(tokens, lengths))
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        jax.block_until_ready(gen.decode(caches, logits, lengths, decoding, jax.random.key(0)).caches)
-        decode = time.perf_counter() - start
-    return prompts.size / prefill, len(prompts) * (new_tokens - 1) / decode
 
 
 @torch.no_grad()
@@ -68,7 +52,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for batch in args.batches:
         prompts = rng.integers(3, model.config.vocab_size, (batch, args.context - args.new_tokens))
-        ours = kvjax_speeds(model, prompts, args.new_tokens)
+        prefill_s, decode_s, _ = generation_times(model, prompts, args.new_tokens)
+        ours = (prompts.size / prefill_s, batch * (args.new_tokens - 1) / decode_s)
         theirs = torch_speeds(reference, prompts, args.new_tokens)
         rows.append([batch, f"{ours[0]:,.0f}", f"{theirs[0]:,.0f}", f"{ours[0] / theirs[0]:.2f}x",
                      f"{ours[1]:,.1f}", f"{theirs[1]:,.1f}", f"{ours[1] / theirs[1]:.2f}x"])

@@ -66,20 +66,23 @@ class Row:
     decode_tokens_per_s: float
 
 
-def decode_speed(model, prompts: np.ndarray, new_tokens: int) -> tuple[float, tuple]:
-    """Greedy decode tokens/s (prefill excluded, after a compile run) for a batch of prompts that, with
-    the new tokens, fill the cache; also returns the final caches."""
+def generation_times(model, prompts: np.ndarray, new_tokens: int) -> tuple[float, float, tuple]:
+    """(prefill seconds, greedy decode seconds, final caches) for a batch of prompts that, with the new
+    tokens, fill the cache; each phase timed separately, after a first round that compiles. The decode
+    samples `new_tokens` tokens with `new_tokens - 1` forward steps."""
     gen = Generator(model, capacity=prompts.shape[1] + new_tokens)
     decoding = DecodingConfig(max_new_tokens=new_tokens)
     tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
     rng = jax.random.key(0)
-    for _ in range(2):  # the first run compiles
+    for _ in range(2):  # the first round compiles
+        start = time.perf_counter()
         logits, caches = jax.block_until_ready(gen.prefill(tokens, lengths))
+        prefill = time.perf_counter() - start
         start = time.perf_counter()
         result = gen.decode(caches, logits, lengths, decoding, rng)
         jax.block_until_ready(result.caches)
-        elapsed = time.perf_counter() - start
-    return len(prompts) * new_tokens / elapsed, result.caches
+        decode = time.perf_counter() - start
+    return prefill, decode, result.caches
 
 
 def run_compare(
@@ -102,7 +105,8 @@ def run_compare(
         n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
         prompt_len = exp.decode_context - exp.decode_tokens
         prompts = np.resize(corpus.val[:, :prompt_len], (exp.decode_batch, prompt_len))
-        tok_s, caches = decode_speed(model, prompts, exp.decode_tokens)
+        _, decode_s, caches = generation_times(model, prompts, exp.decode_tokens)
+        tok_s = exp.decode_batch * exp.decode_tokens / decode_s
         analytic = memory.cache_bytes(cfg.model, exp.decode_context, exp.decode_batch)
         measured = caches_nbytes(caches)
         if measured != analytic:

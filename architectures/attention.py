@@ -1,5 +1,9 @@
 """Causal self-attention with n_heads queries and n_kv_heads keys/values: MHA, GQA (Ainslie et al. 2023)
-and MQA (Shazeer 2019) are settings of one module; `window` makes it sliding-window attention."""
+and MQA (Shazeer 2019) are settings of one module; `window` makes it sliding-window attention.
+
+A layer either produces K/V (its own projections and cache) or consumes those of an earlier layer (CLA,
+MLKV: only query and output projections; it attends to the producer's post-RoPE keys and stores nothing).
+"""
 
 from __future__ import annotations
 
@@ -7,33 +11,53 @@ import jax
 from flax import nnx
 
 from architectures.layers import apply_rope, dense
-from kvjax.cache import AttentionCache, heads_first
+from kvjax.cache import AttentionCache, KVView, heads_first
 from kvjax.config import AttentionConfig
 from kvjax.ops import attention
 
 
 class Attention(nnx.Module):
-    def __init__(self, d_model: int, cfg: AttentionConfig, *, std: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, cfg: AttentionConfig, *, produces_kv: bool, std: float, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q = dense(d_model, N * H, std=std, dtype=dtype, rngs=rngs)
-        self.k = dense(d_model, K * H, std=std, dtype=dtype, rngs=rngs)
-        self.v = dense(d_model, K * H, std=std, dtype=dtype, rngs=rngs)
+        self.k = dense(d_model, K * H, std=std, dtype=dtype, rngs=rngs) if produces_kv else None
+        self.v = dense(d_model, K * H, std=std, dtype=dtype, rngs=rngs) if produces_kv else None
         self.o = dense(N * H, d_model, std=std, dtype=dtype, rngs=rngs)
 
+    @property
+    def produces_kv(self) -> bool:
+        return self.k is not None
+
     def __call__(
-        self, x: jax.Array, positions: jax.Array, cache: AttentionCache | None = None
-    ) -> tuple[jax.Array, AttentionCache | None]:
-        """x `[B,T,D]` at positions `[B,T]` (-1 for padding); with a cache, K/V are written to it and
-        the queries attend to what the cache says they see. Returns the output and the updated cache."""
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: AttentionCache | None = None,
+        *,
+        kv_x: jax.Array | None = None,
+        shared: KVView | None = None,
+    ) -> tuple[jax.Array, AttentionCache | None, KVView]:
+        """Queries from x `[B,T,D]` at positions `[B,T]` (-1 for padding).
+
+        A producer computes K/V from `kv_x` (default x), writes them to `cache` if given, and attends to
+        what the cache says the chunk sees; a consumer attends to `shared`, its producer's view. Returns
+        the output, the updated cache and the view attended to (for the layers that share it).
+        """
         cfg = self.cfg
         B, T, _ = x.shape
         q = apply_rope(self.q(x).reshape(B, T, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
-        k = apply_rope(self.k(x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
-        v = self.v(x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-        if cache is None:
-            k_all, v_all, k_pos = heads_first(k), heads_first(v), positions
+        if not self.produces_kv:
+            if shared is None or cache is not None:
+                raise ValueError("a layer without K/V projections attends to its producer's view: pass shared=")
+            view = shared
         else:
-            cache, (k_all, v_all, k_pos) = cache.update(k, v, positions)
-        out = attention(q, k_all, v_all, positions, k_pos, window=cfg.window, impl=cfg.impl)
-        return self.o(out.reshape(B, T, cfg.n_heads * cfg.head_dim)), cache
+            kv_x = x if kv_x is None else kv_x
+            k = apply_rope(self.k(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+            v = self.v(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+            if cache is None:
+                view = KVView(heads_first(k), heads_first(v), positions)
+            else:
+                cache, view = cache.update(k, v, positions)
+        out = attention(q, view.k, view.v, positions, view.pos, window=cfg.window, impl=cfg.impl)
+        return self.o(out.reshape(B, T, cfg.n_heads * cfg.head_dim)), cache, view

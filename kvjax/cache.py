@@ -44,15 +44,37 @@ def heads_first(x: jax.Array) -> jax.Array:
 
 
 def _scatter(buf: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
-    """Token t of row b goes to slot slots[b, t] (slots outside [0, S) are dropped): for positions
-    buf `[B,S]` and values `[B,T]`, or for K/V buf `[B,K,S,H]` and token-major values `[B,T,K,H]`."""
+    """Token t of row b goes to slot slots[b, t] (slots outside [0, S) are dropped): for token-major
+    buf `[B,S,...]` and values `[B,T,...]`, or for head-major K/V buf `[B,K,S,H]` and values `[B,T,K,H]`."""
     rows = jnp.arange(buf.shape[0])[:, None]
-    index = (rows, slots) if buf.ndim == 2 else (rows, slice(None), slots)
+    index = (rows, slice(None), slots) if buf.ndim == 4 else (rows, slots)
     return buf.at[index].set(values.astype(buf.dtype), mode="drop")
 
 
+def _append_slots(length: jax.Array, pos: jax.Array, capacity: int) -> jax.Array:
+    """Slots `[B,T]` of a chunk appended after each row's `length` tokens; padding goes nowhere."""
+    slots = length[:, None] + jnp.arange(pos.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.where(pos >= 0, slots, capacity)
+
+
+class _Positioned:
+    """What every positioned cache shares: exact bytes, and writing a chunk of tokens to given slots."""
+
+    def nbytes(self) -> int:
+        """Exact bytes of every array the cache holds."""
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(self))
+
+    def _write_slots(self, slots: jax.Array, pos: jax.Array, **payload: jax.Array):
+        """Token t of row b goes to slot slots[b, t] in `pos` and in each named payload array."""
+        return self.replace(
+            pos=_scatter(self.pos, slots, pos),
+            length=self.length + (pos >= 0).sum(axis=1, dtype=jnp.int32),
+            **{name: _scatter(getattr(self, name), slots, value) for name, value in payload.items()},
+        )
+
+
 @struct.dataclass
-class _SlotCache:
+class _SlotCache(_Positioned):
     """Fields and bookkeeping shared by the attention caches; subclasses define where tokens go."""
 
     k: jax.Array  # [B,K,S,H], head-major (see kvjax.ops)
@@ -74,18 +96,6 @@ class _SlotCache:
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def nbytes(self) -> int:
-        """Exact bytes of every array the cache holds."""
-        return sum(leaf.nbytes for leaf in jax.tree.leaves(self))
-
-    def _write(self, slots: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array):
-        return self.replace(
-            k=_scatter(self.k, slots, k),
-            v=_scatter(self.v, slots, v),
-            pos=_scatter(self.pos, slots, pos),
-            length=self.length + (pos >= 0).sum(axis=1, dtype=jnp.int32),
-        )
-
 
 @struct.dataclass
 class KVCache(_SlotCache):
@@ -93,8 +103,7 @@ class KVCache(_SlotCache):
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[KVCache, KVView]:
         _check_chunk(self, k, v, pos)
-        slots = self.length[:, None] + jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
-        new = self._write(jnp.where(pos >= 0, slots, self.capacity), k, v, pos)
+        new = self._write_slots(_append_slots(self.length, pos, self.capacity), pos, k=k, v=v)
         return new, KVView(new.k, new.v, new.pos)
 
 
@@ -112,7 +121,7 @@ class RingKVCache(_SlotCache):
         W = self.capacity
         newest = jnp.max(pos, axis=1, keepdims=True)
         keep = (pos >= 0) & (pos > newest - W)  # the chunk's last W tokens: distinct slots mod W
-        new = self._write(jnp.where(keep, pos % W, W), k, v, pos)
+        new = self._write_slots(jnp.where(keep, pos % W, W), pos, k=k, v=v)
         if k.shape[1] == 1:
             return new, KVView(new.k, new.v, new.pos)
         view = KVView(
@@ -126,23 +135,69 @@ class RingKVCache(_SlotCache):
 AttentionCache = KVCache | RingKVCache
 
 
+class LatentView(NamedTuple):
+    """What a chunk of MLA queries attends to: latents `[B,S,Dc]`, rope keys `[B,S,Dr]`, positions `[B,S]`."""
+
+    c: jax.Array
+    k_rope: jax.Array
+    pos: jax.Array
+
+
+@struct.dataclass
+class LatentCache(_Positioned):
+    """MLA cache (DeepSeek-V2, sec. 2.1.2): per token only the normalized latent c_KV `[B,S,Dc]` and the
+    RoPE key shared by all heads `[B,S,Dr]`, plus positions `[B,S]` (-1 empty) and lengths `[B]`."""
+
+    c: jax.Array
+    k_rope: jax.Array
+    pos: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def init(cls, batch: int, capacity: int, latent_dim: int, rope_dim: int, dtype):
+        return cls(
+            c=jnp.zeros((batch, capacity, latent_dim), dtype),
+            k_rope=jnp.zeros((batch, capacity, rope_dim), dtype),
+            pos=jnp.full((batch, capacity), -1, jnp.int32),
+            length=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.c.shape[1]
+
+    def update(self, c: jax.Array, k_rope: jax.Array, pos: jax.Array) -> tuple[LatentCache, LatentView]:
+        """Append a chunk (c `[B,T,Dc]`, k_rope `[B,T,Dr]`, pos `[B,T]`, -1 for padding)."""
+        B, _, Dc = self.c.shape
+        if c.shape[::2] != (B, Dc) or k_rope.shape != (*c.shape[:2], self.k_rope.shape[2]) or pos.shape != c.shape[:2]:
+            raise ValueError(
+                f"new c {c.shape} / k_rope {k_rope.shape} / pos {pos.shape} must be [B={B}, T, Dc={Dc}], "
+                f"[B, T, Dr={self.k_rope.shape[2]}] and [B, T]"
+            )
+        new = self._write_slots(_append_slots(self.length, pos, self.capacity), pos, c=c, k_rope=k_rope)
+        return new, LatentView(new.c, new.k_rope, new.pos)
+
+
 def layer_slots(window: int | None, capacity: int) -> int:
     """Slots a layer's cache holds at `capacity` tokens: a sliding window needs at most `window`."""
     return capacity if window is None else min(window, capacity)
 
 
-def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[AttentionCache, ...]:
+def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[AttentionCache | LatentCache, ...]:
     """Empty caches for every producer layer of the model's plan, in plan order."""
     if batch <= 0 or capacity <= 0:
         raise ValueError(f"batch={batch} and capacity={capacity} must be > 0")
-    att = cfg.attention
+    att, mla = cfg.attention, cfg.mla
     dtype = jnp.dtype(cfg.dtype)
-    cls = KVCache if att.window is None else RingKVCache
-    slots = layer_slots(att.window, capacity)
-    return tuple(
-        cls.init(batch, slots, att.n_kv_heads, att.head_dim, dtype)
-        for _ in LayerPlan.from_config(cfg).producers
-    )
+    plan = LayerPlan.from_config(cfg)
+
+    def init(kind: str):
+        if kind == "mla":
+            return LatentCache.init(batch, capacity, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype)
+        cls = KVCache if att.window is None else RingKVCache
+        return cls.init(batch, layer_slots(att.window, capacity), att.n_kv_heads, att.head_dim, dtype)
+
+    return tuple(init(plan.mixers[i]) for i in plan.producers)
 
 
 def caches_nbytes(caches) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -17,23 +18,29 @@ def _split_overrides(items: list[str]) -> tuple[list[str], list[str]]:
     return [a for a in items if "=" not in a], [a for a in items if "=" in a]
 
 
+def _kv_shape(cfg) -> tuple[str, str]:
+    """(KV heads, head dim) columns: an MLA layer caches one latent plus one shared RoPE key."""
+    if "mla" in cfg.mixers:
+        return "latent", f"{cfg.mla.kv_lora_rank}+{cfg.mla.qk_rope_head_dim}"
+    return str(cfg.attention.n_kv_heads), str(cfg.attention.head_dim)
+
+
 def memory_table(names: list[str], overrides: list[str], tokens: list[int], batch: int) -> str:
     """One row per config: shape, K/V bytes per token, whole-cache bytes, and the ratio to MHA."""
-    headers = ["variant", "layers", "KV heads", "head dim", "dtype", "KV B/token", "cache B/token"]
+    headers = ["variant", "layers", "KV layers", "KV heads", "head dim", "dtype", "KV B/token", "cache B/token"]
     headers += [f"cache @{t // 1024}k" if t % 1024 == 0 else f"cache @{t}" for t in tokens]
     headers += [f"vs MHA @{tokens[-1] // 1024}k" if tokens[-1] % 1024 == 0 else "vs MHA"]
     rows = []
     for name in names:
         cfg = load_config(name, overrides).model
-        att = cfg.attention
         total = [memory.cache_bytes(cfg, t, batch) for t in tokens]
         mha = memory.cache_bytes(memory.mha_reference(cfg), tokens[-1], batch)
         rows.append(
             [
                 cfg.name,
                 cfg.n_layers,
-                att.n_kv_heads,
-                att.head_dim,
+                len(set(cfg.kv_source)),
+                *_kv_shape(cfg),
                 cfg.dtype,
                 memory.kv_bytes_per_token(cfg),
                 memory.cache_bytes_per_token(cfg),
@@ -92,7 +99,6 @@ def _load_any(model_ref: str):
 
 
 def _cmd_eval(args) -> None:
-    import dataclasses
 
     from training.data import load_corpus, pack, split_documents
     from training.trainer import evaluate_model
@@ -134,6 +140,8 @@ def _cmd_compare(args) -> None:
     from training.compare import load_experiment, run_compare
 
     exp = load_experiment(args.experiment)
+    if args.variants:
+        exp = dataclasses.replace(exp, variants=tuple(args.variants))
     run_compare(exp, Path(args.out) / ("quick" if args.quick else "full"), quick=args.quick)
 
 
@@ -176,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="train every variant of an experiment and compare them")
     cmp.add_argument("--experiment", help="experiment YAML (default configs/experiments/compare.yaml)")
     cmp.add_argument("--quick", action="store_true", help="a short run, for a smoke test")
+    cmp.add_argument("--variants", nargs="+", help="model configs to compare (default: the experiment's list)")
     cmp.add_argument("--out", default="runs/compare", help="output directory")
     cmp.set_defaults(run=_cmd_compare)
     return parser

@@ -17,7 +17,8 @@ import yaml
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla",)
-MIXER_KINDS = ("attention",)
+MIXER_KINDS = ("attention", "mla")
+KV_SHARING_KINDS = ("none", "cla", "mlkv", "explicit")
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -74,6 +75,107 @@ class AttentionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, sec. 2.1): the cache holds a
+    `kv_lora_rank`-dim latent c_KV (RMSNormed when `latent_norm`) and one `qk_rope_head_dim` RoPE key shared
+    by all heads. Heads come from model.attention.n_heads, RoPE theta from model.attention.rope_theta.
+    `q_lora_rank` 0 projects queries directly (DeepSeek-V2-Lite); > 0 compresses them too. `absorb`
+    folds W_UK into the query and W_UV into the output and attends over the latent itself."""
+
+    kv_lora_rank: int = 12
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 4
+    v_head_dim: int = 16
+    latent_norm: bool = True
+    absorb: bool = True
+
+    def __post_init__(self):
+        p = "model.mla"
+        _positive(p, self, "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
+        _require(self.q_lora_rank >= 0, f"{p}.q_lora_rank", self.q_lora_rank, "must be >= 0 (0 turns it off)")
+        _require(
+            self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
+            f"{p}.qk_rope_head_dim",
+            self.qk_rope_head_dim,
+            "must be a positive even number (RoPE rotates pairs of channels)",
+        )
+
+
+def check_kv_source(kv_source: tuple[int, ...], field: str) -> None:
+    """A valid sharing map: every source points back (or to itself) at a layer that is its own source,
+    so the first layer always produces."""
+    for i, src in enumerate(kv_source):
+        _require(0 <= src <= i, f"{field}[{i}]", src, f"must be in [0, {i}] (sources point back)")
+        _require(
+            kv_source[src] == src,
+            f"{field}[{i}]",
+            src,
+            f"names layer {src}, which is not a producer (its kv_source is {kv_source[src]})",
+        )
+
+
+def mlkv_producers(n_layers: int, n_kv_layers: int) -> tuple[int, ...]:
+    """MLKV's placement (Zuhri et al. 2024, sec. 3): layer 0 plus int((i+1) * L / m) for i < m-1, i.e. the
+    m KV layers spread evenly from the bottom of the stack; m = L puts K/V in every layer."""
+    return (0, *(int((i + 1) * n_layers / n_kv_layers) for i in range(n_kv_layers - 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSharingConfig:
+    """Which layers compute K/V and which attend to an earlier layer's cache (DESIGN.md, "one layer plan").
+
+    - `none`: every layer produces its own K/V;
+    - `cla` (Brandon et al. 2024): producers at layers 0, factor, 2*factor, ...; each other layer reads the
+      producer just below it;
+    - `mlkv` (Zuhri et al. 2024): `n_kv_layers` producers placed by `mlkv_producers`; each other layer
+      reads the nearest producer below it;
+    - `explicit`: the `kv_source` list itself (kv_source[i] == i produces).
+    `kv_norm` gives producers a separate RMSNorm on the K/V input (as CLA does); null turns it on for
+    `cla` with factor > 1 and off otherwise.
+    """
+
+    kind: str = "none"
+    factor: int | None = None
+    n_kv_layers: int | None = None
+    kv_source: tuple[int, ...] | None = None
+    kv_norm: bool | None = None
+
+    def __post_init__(self):
+        p = "model.kv_sharing"
+        _require(self.kind in KV_SHARING_KINDS, f"{p}.kind", self.kind, f"must be one of {KV_SHARING_KINDS}")
+        needs = {"cla": "factor", "mlkv": "n_kv_layers", "explicit": "kv_source"}.get(self.kind)
+        for name in ("factor", "n_kv_layers", "kv_source"):
+            value = getattr(self, name)
+            if name == needs:
+                _require(value is not None, f"{p}.{name}", value, f"must be set for kind={self.kind!r}")
+            else:
+                _require(value is None, f"{p}.{name}", value, f"is not used by kind={self.kind!r}; remove it")
+        if self.kind in ("cla", "mlkv"):
+            _positive(p, self, needs)
+        if self.kind == "explicit":
+            check_kv_source(self.kv_source, f"{p}.kv_source")
+
+    def kv_source_for(self, n_layers: int) -> tuple[int, ...]:
+        """The per-layer source map for a stack of `n_layers` (validated by ModelConfig)."""
+        if self.kind == "explicit":
+            return self.kv_source
+        if self.kind == "none":
+            producers = range(n_layers)
+        elif self.kind == "cla":
+            producers = range(0, n_layers, self.factor)
+        else:
+            producers = mlkv_producers(n_layers, self.n_kv_layers)
+        return tuple(max(p for p in producers if p <= i) for i in range(n_layers))
+
+    @property
+    def uses_kv_norm(self) -> bool:
+        if self.kv_norm is not None:
+            return self.kv_norm
+        return self.kind == "cla" and self.factor > 1
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only LM: embeddings, `n_layers` pre-norm blocks (mixer + SwiGLU MLP), final norm, head."""
 
@@ -87,15 +189,57 @@ class ModelConfig:
     dtype: str = "float32"
     init_std: float = 0.02
     attention: AttentionConfig = AttentionConfig()
+    kv_sharing: KVSharingConfig = KVSharingConfig()
+    layer_pattern: tuple[str, ...] = ("attention",)
+    mla: MLAConfig = MLAConfig()
 
     def __post_init__(self):
         _positive("model", self, "vocab_size", "d_model", "n_layers", "ffn_dim", "norm_eps", "init_std")
         _require(self.dtype in DTYPES, "model.dtype", self.dtype, f"must be one of {DTYPES}")
+        _require(
+            bool(self.layer_pattern) and all(kind in MIXER_KINDS for kind in self.layer_pattern),
+            "model.layer_pattern",
+            list(self.layer_pattern),
+            f"must be a non-empty list of mixer kinds from {MIXER_KINDS} (repeated to fill model.n_layers)",
+        )
+        if "mla" in self.layer_pattern:
+            _require(
+                self.attention.window is None,
+                "model.attention.window",
+                self.attention.window,
+                "must be null for MLA layers (no sliding-window latent cache)",
+            )
+            _require(
+                self.kv_sharing.kind == "none",
+                "model.kv_sharing.kind",
+                self.kv_sharing.kind,
+                "must be 'none' for a model with MLA layers (MLA shares K/V through its latent instead)",
+            )
+        share, p = self.kv_sharing, "model.kv_sharing"
+        if share.kind == "mlkv":
+            _require(
+                share.n_kv_layers <= self.n_layers,
+                f"{p}.n_kv_layers",
+                share.n_kv_layers,
+                f"must be <= model.n_layers={self.n_layers}",
+            )
+        if share.kind == "explicit":
+            _require(
+                len(share.kv_source) == self.n_layers,
+                f"{p}.kv_source",
+                list(share.kv_source),
+                f"must have one entry per layer (model.n_layers={self.n_layers})",
+            )
+
+    @property
+    def kv_source(self) -> tuple[int, ...]:
+        """Per layer, the layer whose K/V it attends to (itself for a producer); see kvjax.plan."""
+        return self.kv_sharing.kv_source_for(self.n_layers)
 
     @property
     def mixers(self) -> tuple[str, ...]:
-        """The mixer kind of every layer (all attention until recurrent mixers arrive)."""
-        return ("attention",) * self.n_layers
+        """The mixer kind of every layer: `layer_pattern` repeated (and cut) to `n_layers`."""
+        return tuple(self.layer_pattern[i % len(self.layer_pattern)] for i in range(self.n_layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +379,7 @@ def _check_type(path: str, value: Any, hint: Any) -> Any:
         if value is None and type(None) in args:
             return None
         (hint,) = [a for a in args if a is not type(None)]
+        return _check_type(path, value, hint)
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}={value!r} must be a mapping of {hint.__name__} fields")

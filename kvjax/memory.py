@@ -1,5 +1,9 @@
 """Analytic cache memory of a model config, computed from the layer plan (never from a live cache).
 
+Only producer layers of the plan cache anything: with CLA / MLKV sharing, per-token K/V bytes are
+2 x producers x n_kv_heads x head_dim x dtype bytes. An MLA layer caches its latent and shared RoPE key,
+(kv_lora_rank + qk_rope_head_dim) x dtype bytes per token (DeepSeek-V2, sec. 2.1.2).
+
 Tests assert that these numbers equal `cache.nbytes()` of real caches byte for byte.
 Per producer layer and cached token: K and V (`2 * n_kv_heads * head_dim * dtype bytes`, the figure
 papers report) plus the slot's int32 position. Per layer and sequence: the int32 length counter.
@@ -13,7 +17,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from kvjax.cache import layer_slots
-from kvjax.config import ModelConfig
+from kvjax.config import KVSharingConfig, ModelConfig
 from kvjax.plan import LayerPlan
 
 _INT32 = 4
@@ -35,10 +39,13 @@ class LayerMemory:
 
 def layer_memory(cfg: ModelConfig) -> tuple[LayerMemory, ...]:
     """One entry per producer layer of the model's plan."""
-    att = cfg.attention
-    kv = 2 * att.n_kv_heads * att.head_dim * jnp.dtype(cfg.dtype).itemsize
-    layer = LayerMemory(kv, _INT32, _INT32, att.window)
-    return tuple(layer for _ in LayerPlan.from_config(cfg).producers)
+    att, mla, item = cfg.attention, cfg.mla, jnp.dtype(cfg.dtype).itemsize
+    per_kind = {
+        "attention": LayerMemory(2 * att.n_kv_heads * att.head_dim * item, _INT32, _INT32, att.window),
+        "mla": LayerMemory((mla.kv_lora_rank + mla.qk_rope_head_dim) * item, _INT32, _INT32, None),
+    }
+    plan = LayerPlan.from_config(cfg)
+    return tuple(per_kind[plan.mixers[i]] for i in plan.producers)
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:
@@ -57,6 +64,9 @@ def cache_bytes(cfg: ModelConfig, tokens: int, batch: int = 1) -> int:
 
 
 def mha_reference(cfg: ModelConfig) -> ModelConfig:
-    """The same shape with full multi-head attention: one K/V head per query head, no window."""
+    """The same shape with full multi-head attention: attention layers only, one K/V head per query head
+    in every layer, no window, no cross-layer sharing."""
     att = dataclasses.replace(cfg.attention, n_kv_heads=cfg.attention.n_heads, window=None)
-    return dataclasses.replace(cfg, name=f"{cfg.name}-mha", attention=att)
+    return dataclasses.replace(
+        cfg, name=f"{cfg.name}-mha", attention=att, kv_sharing=KVSharingConfig(), layer_pattern=("attention",)
+    )

@@ -34,8 +34,8 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None = None) -> ja
 def _check(q, k, v, q_pos, k_pos, window, impl) -> None:
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r} must be one of {IMPLS}")
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"q {q.shape} must be [B,T,N,H]; k {k.shape} and v {v.shape} equal [B,K,S,H]")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"q {q.shape} must be [B,T,N,H]; k {k.shape} [B,K,S,H] and v {v.shape} [B,K,S,Hv]")
     (B, T, N, H), (Bk, K, S, Hk) = q.shape, k.shape
     if B != Bk or H != Hk:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head_dim")
@@ -58,9 +58,9 @@ def attention(
     scale: float | None = None,
     impl: str = "xla",
 ) -> jax.Array:
-    """softmax(q k^T * scale, masked by positions) v, for q `[B,T,N,H]` and k, v `[B,K,S,H]`.
+    """softmax(q k^T * scale, masked by positions) v, for q `[B,T,N,H]`, k `[B,K,S,H]`, v `[B,K,S,Hv]`.
 
-    Returns `[B,T,N,H]` in q's dtype; a query that sees no key (padding) gets zeros. `scale` defaults
+    Returns `[B,T,N,Hv]` in q's dtype; a query that sees no key (padding) gets zeros. `scale` defaults
     to 1/sqrt(H).
     """
     _check(q, k, v, q_pos, k_pos, window, impl)
@@ -68,13 +68,24 @@ def attention(
     K = k.shape[1]
     scale = H**-0.5 if scale is None else scale
     q_BTKGH = q.reshape(B, T, K, N // K, H)
-    # Every [.., T, G, S] tensor below is in the order the dot emits; asking for [.., G, T, S] made
-    # XLA:CPU transpose the logits inside each mask op (half of a 2k-token prefill's time).
-    # jax.nn.softmax rather than a hand-fused one: its backward rule kept training 1.6-2x faster.
     logits = jnp.einsum("BTKGH,BKSH->BKTGS", q_BTKGH, k, preferred_element_type=jnp.float32) * scale
+    return attend(masked_softmax(logits, q_pos, k_pos, window), v).astype(q.dtype)
+
+
+def masked_softmax(logits: jax.Array, q_pos: jax.Array, k_pos: jax.Array, window: int | None = None) -> jax.Array:
+    """Attention probabilities from fp32 logits `[B,K,T,G,S]`, masked by positions (`visible`); a query
+    that sees no key gets all zeros."""
+    # Every [.., T, G, S] tensor is in the order the dot emits; asking for [.., G, T, S] made XLA:CPU
+    # transpose the logits inside each mask op (half of a 2k-token prefill's time).
+    # jax.nn.softmax rather than a hand-fused one: its backward rule kept training 1.6-2x faster.
     mask = visible(q_pos, k_pos, window)[:, None, :, None, :]  # [B,1,T,1,S]
-    probs = jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, _MASKED), axis=-1), 0.0)
+    return jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, _MASKED), axis=-1), 0.0)
+
+
+def attend(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """Probabilities `[B,K,T,G,S]` times values `[B,K,S,Hv]` -> `[B,T,K*G,Hv]` (query heads grouped by K)."""
+    B, K, T, G, _ = probs.shape
     # Output in the dot's natural order, then transposed (a T-sized copy): asking the einsum for
     # BTKGH directly made XLA:CPU pick a 9x slower dot.
     out_BKTGH = jnp.einsum("BKTGS,BKSH->BKTGH", probs.astype(v.dtype), v)
-    return out_BKTGH.transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(q.dtype)
+    return out_BKTGH.transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, v.shape[-1])

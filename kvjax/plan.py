@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.config import MIXER_KINDS, ConfigError, ModelConfig
+from kvjax.config import MIXER_KINDS, ConfigError, ModelConfig, check_kv_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,20 +22,14 @@ class LayerPlan:
             raise ConfigError(
                 f"layer plan: {len(self.mixers)} mixers but {len(self.kv_source)} kv_source entries"
             )
-        for i, (kind, src) in enumerate(zip(self.mixers, self.kv_source)):
+        for i, kind in enumerate(self.mixers):
             if kind not in MIXER_KINDS:
                 raise ConfigError(f"layer plan: mixers[{i}]={kind!r} must be one of {MIXER_KINDS}")
-            if not 0 <= src <= i:
-                raise ConfigError(f"layer plan: kv_source[{i}]={src} must be in [0, {i}] (sources point back)")
-            if self.kv_source[src] != src:
-                raise ConfigError(
-                    f"layer plan: kv_source[{i}]={src} names layer {src}, which is not a producer "
-                    f"(its kv_source is {self.kv_source[src]})"
-                )
+        check_kv_source(self.kv_source, "layer plan: kv_source")
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> LayerPlan:
-        return cls(mixers=cfg.mixers, kv_source=tuple(range(cfg.n_layers)))
+        return cls(mixers=cfg.mixers, kv_source=cfg.kv_source)
 
     @property
     def n_layers(self) -> int:

@@ -70,7 +70,8 @@ class Checkpointer:
         """
         step, record = self.read_record(step)
         if expect_config is not None:
-            wanted = {k: expect_config[k] for k in ("model", "data", "train")}
+            # Through JSON, as the record was written, so tuples compare equal to the lists they became.
+            wanted = json.loads(json.dumps({k: expect_config[k] for k in ("model", "data", "train")}))
             saved = {k: record.get("config", {}).get(k) for k in wanted}
             if diff := _diff(saved, wanted):
                 raise CheckpointError(

@@ -25,6 +25,11 @@ def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
             f"model.attention.window={cfg.attention.window}: LlamaForCausalLM has no sliding window; export a "
             "model with full causal attention"
         )
+    if cfg.kv_sharing.kind != "none" or cfg.kv_sharing.uses_kv_norm:
+        raise ConfigError(
+            f"model.kv_sharing.kind={cfg.kv_sharing.kind!r}: LlamaForCausalLM has no cross-layer K/V sharing; "
+            "export a model whose every layer has its own K/V (kind none, no kv_norm)"
+        )
     arr = lambda v: np.asarray(v[...], np.float32)  # noqa: E731
     out = {"model.embed_tokens.weight": arr(model.embed.embedding), "model.norm.weight": arr(model.final_norm.scale)}
     if model.lm_head is not None:

@@ -9,15 +9,17 @@ def rows_by_variant(out: str) -> dict[str, list[str]]:
 
 
 def test_memory_table_over_shipped_configs(capsys):
-    assert main(["memory", "mha", "gqa", "mqa", "swa"]) == 0
+    assert main(["memory", "mha", "gqa", "mqa", "swa", "cla2", "mla"]) == 0
     rows = rows_by_variant(capsys.readouterr().out)
-    assert set(rows) == {"mha", "gqa", "mqa", "swa"}
-    assert rows["gqa"][1:6] == ["4", "2", "16", "float32", "1024"]
+    assert set(rows) == {"mha", "gqa", "mqa", "swa", "cla2", "mla"}
+    assert rows["gqa"][1:7] == ["4", "4", "2", "16", "float32", "1024"]
+    assert rows["cla2"][1:7] == ["4", "2", "2", "16", "float32", "512"]
+    assert rows["mla"][1:7] == ["4", "4", "latent", "12+4", "float32", "256"]
     assert rows["mha"][-1] == "1.0000"
     gqa = load_config("gqa").model
     ratio = memory.cache_bytes(gqa, 32768) / memory.cache_bytes(load_config("mha").model, 32768)
     assert rows["gqa"][-1] == f"{ratio:.4f}"
-    assert rows["swa"][7] == rows["swa"][8]  # the window caps the cache: 4k and 32k take the same bytes
+    assert rows["swa"][8] == rows["swa"][9]  # the window caps the cache: 4k and 32k take the same bytes
 
 
 def test_memory_applies_overrides_and_reports_errors(capsys):

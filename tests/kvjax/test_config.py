@@ -12,7 +12,7 @@ from kvjax.config import (
     load_config,
 )
 
-SHIPPED = ["mha", "gqa", "mqa", "swa"]
+SHIPPED = ["mha", "gqa", "mqa", "swa", "cla2", "mqa-cla2", "cla3", "mlkv-2", "mlkv-1"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -59,6 +59,37 @@ def test_yaml_file_in_any_directory(tmp_path):
         (["model.attention=4"], "model.attention=4 must be a mapping of AttentionConfig fields"),
         (["model.attention"], "override 'model.attention' must look like key.sub=value"),
         (["model.name.x=1"], "override 'model.name.x=1': 'model.name' is not a section"),
+        (["model.kv_sharing.kind=yoco"], "model.kv_sharing.kind='yoco' must be one of ('none', 'cla', 'mlkv'"),
+        (["model.kv_sharing.kind=cla"], "model.kv_sharing.factor=None must be set for kind='cla'"),
+        (["model.kv_sharing.kind=cla", "model.kv_sharing.factor=0"], "model.kv_sharing.factor=0 must be > 0"),
+        (
+            ["model.kv_sharing.kind=cla", "model.kv_sharing.factor=2", "model.kv_sharing.n_kv_layers=2"],
+            "model.kv_sharing.n_kv_layers=2 is not used by kind='cla'; remove it",
+        ),
+        (
+            ["model.kv_sharing.kind=mlkv", "model.kv_sharing.n_kv_layers=5"],
+            "model.kv_sharing.n_kv_layers=5 must be <= model.n_layers=4",
+        ),
+        (
+            ["model.kv_sharing.kind=explicit", "model.kv_sharing.kv_source=[1,1,2,3]"],
+            "model.kv_sharing.kv_source[0]=1 must be in [0, 0] (sources point back)",
+        ),
+        (
+            ["model.kv_sharing.kind=explicit", "model.kv_sharing.kv_source=[0,0,3,3]"],
+            "model.kv_sharing.kv_source[2]=3 must be in [0, 2] (sources point back)",
+        ),
+        (
+            ["model.kv_sharing.kind=explicit", "model.kv_sharing.kv_source=[0,0,1,1]"],
+            "model.kv_sharing.kv_source[2]=1 names layer 1, which is not a producer (its kv_source is 0)",
+        ),
+        (
+            ["model.kv_sharing.kind=explicit", "model.kv_sharing.kv_source=[0,0]"],
+            "model.kv_sharing.kv_source=[0, 0] must have one entry per layer (model.n_layers=4)",
+        ),
+        (
+            ["model.kv_sharing.kind=explicit", "model.kv_sharing.kv_source=0"],
+            "model.kv_sharing.kv_source=0 must be a list",
+        ),
     ],
 )
 def test_validation_errors_name_field_value_and_rule(overrides, message):

@@ -12,7 +12,7 @@ from kvjax.cache import caches_nbytes, init_caches
 from kvjax.config import AttentionConfig, ModelConfig, load_config
 
 
-@pytest.mark.parametrize("name", ["mha", "gqa", "mqa", "swa"])
+@pytest.mark.parametrize("name", ["mha", "gqa", "mqa", "swa", "cla2", "mlkv-1"])
 @pytest.mark.parametrize("capacity", [1, 63, 64, 65, 1000])
 def test_shipped_configs_measured_equals_analytic(name, capacity):
     cfg = load_config(name).model
@@ -51,3 +51,9 @@ def test_bf16_halves_the_payload():
     cfg = load_config("gqa").model
     bf16 = dataclasses.replace(cfg, dtype="bfloat16")
     assert 2 * memory.kv_bytes_per_token(bf16) == memory.kv_bytes_per_token(cfg)
+
+
+@pytest.mark.parametrize("name", ["gqa", "swa", "cla2", "mlkv-1", "mla"])
+def test_mha_reference_is_plain_mha_of_the_same_shape(name):
+    ref = memory.mha_reference(load_config(name).model)
+    assert memory.cache_bytes(ref, 4096) == memory.cache_bytes(load_config("mha").model, 4096)

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kvjax.cli import main
+from training.compare import load_experiment
 from tests.training.conftest import SMALL_CORPUS
 
 TINY = [
@@ -43,12 +44,20 @@ def test_compare_quick_end_to_end(tmp_path, capsys):
     assert main(["compare", "--quick", "--out", str(tmp_path)]) == 0
     out_dir = tmp_path / "quick"
     rows = list(csv.DictReader(open(out_dir / "compare.csv")))
-    assert [r["variant"] for r in rows] == ["mha", "gqa", "mqa", "swa"]
+    assert [r["variant"] for r in rows] == list(load_experiment().variants)
     assert all(r["cache_bytes_analytic"] == r["cache_bytes_measured"] for r in rows)
     assert len({r["tokens_trained"] for r in rows}) == 1  # the same budget for every variant
     by = {r["variant"]: r for r in rows}
     assert int(by["mha"]["kv_bytes_per_token"]) == 4 * int(by["gqa"]["kv_bytes_per_token"])
     assert int(by["swa"]["cache_bytes_analytic"]) < int(by["gqa"]["cache_bytes_analytic"])
+    assert 2 * int(by["mqa-cla2"]["kv_bytes_per_token"]) == int(by["mqa"]["kv_bytes_per_token"])
+    assert 4 * int(by["mla"]["kv_bytes_per_token"]) == int(by["gqa"]["kv_bytes_per_token"])
     assert json.loads((out_dir / "compare.json").read_text())["rows"][0]["variant"] == "mha"
     assert (out_dir / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| mqa " in capsys.readouterr().out
+
+
+def test_compare_variants_are_checked_before_training(tmp_path, capsys):
+    assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", "gqa", "cla9"]) == 2
+    assert "config 'cla9' is neither a file nor a shipped model config" in capsys.readouterr().err
+    assert not (tmp_path / "quick" / "gqa").exists()

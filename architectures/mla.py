@@ -1,0 +1,101 @@
+"""Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, sec. 2.1, eqs. 9-19).
+
+Per token the cache holds only c_KV = RMSNorm(W_DKV h) (`kv_lora_rank` dims, eq. 9) and one RoPE key
+k_R = RoPE(W_KR h) shared by every head (`qk_rope_head_dim` dims, eq. 15). Per head, keys are
+[W_UK c_KV ; k_R] and values W_UV c_KV (eqs. 10-11, 17); queries are [q_C ; RoPE(q_R)], from h directly
+or through a normed `q_lora_rank` latent (eqs. 12-13, 16); scores are scaled by 1/sqrt(d_nope + d_R).
+
+Two equal ways to attend (`mla.absorb`):
+- naive: expand per-head K/V from the cached latents, then ordinary attention;
+- absorbed: fold W_UK into the query (q_C W_UK^T has `kv_lora_rank` dims per head) and W_UV into the
+  output, and attend over the latent itself: an MQA with (d_c + d_R)-dim keys [c_KV ; k_R] and d_c-dim
+  values c_KV, so per-head K/V of cached tokens are never built (sec. 2.1.2, "absorbed into W_Q / W_O").
+W_UV is applied to the d_c-dim attention output per token rather than multiplied into W_O ahead of time:
+the same product, and cheaper per decode step than a fresh `[N, d_c, D]` fold.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from architectures.layers import RMSNorm, apply_rope, dense
+from kvjax.cache import LatentCache, LatentView, heads_first
+from kvjax.config import AttentionConfig, MLAConfig
+from kvjax.ops import attend, attention, masked_softmax
+
+
+class MLA(nnx.Module):
+    def __init__(
+        self, d_model: int, att: AttentionConfig, cfg: MLAConfig, *, norm_eps: float, std: float, dtype, rngs: nnx.Rngs
+    ):
+        self.att, self.cfg = att, cfg
+        N, qk_dim = att.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            self.q_down = dense(d_model, cfg.q_lora_rank, std=std, dtype=dtype, rngs=rngs)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, eps=norm_eps, dtype=dtype)
+            self.q_up = dense(cfg.q_lora_rank, N * qk_dim, std=std, dtype=dtype, rngs=rngs)
+        else:
+            self.q = dense(d_model, N * qk_dim, std=std, dtype=dtype, rngs=rngs)
+        self.kv_down = dense(d_model, cfg.kv_lora_rank, std=std, dtype=dtype, rngs=rngs)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps=norm_eps, dtype=dtype) if cfg.latent_norm else None
+        self.k_rope = dense(d_model, cfg.qk_rope_head_dim, std=std, dtype=dtype, rngs=rngs)
+        self.k_up = dense(cfg.kv_lora_rank, N * cfg.qk_nope_head_dim, std=std, dtype=dtype, rngs=rngs)
+        self.v_up = dense(cfg.kv_lora_rank, N * cfg.v_head_dim, std=std, dtype=dtype, rngs=rngs)
+        self.o = dense(N * cfg.v_head_dim, d_model, std=std, dtype=dtype, rngs=rngs)
+
+    @property
+    def scale(self) -> float:
+        return (self.cfg.qk_nope_head_dim + self.cfg.qk_rope_head_dim) ** -0.5
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, cache: LatentCache | None = None
+    ) -> tuple[jax.Array, LatentCache | None, LatentView]:
+        """x `[B,T,D]` at positions `[B,T]` (-1 padding) -> (output, updated cache, the latent view)."""
+        cfg, att = self.cfg, self.att
+        B, T, _ = x.shape
+        N = att.n_heads
+        q = self.q_up(self.q_norm(self.q_down(x))) if cfg.q_lora_rank else self.q(x)
+        q_nope, q_rope = jnp.split(q.reshape(B, T, N, -1), [cfg.qk_nope_head_dim], axis=-1)
+        q_rope = apply_rope(q_rope, positions, att.rope_theta)
+        c = self.kv_down(x)
+        c = c if self.kv_norm is None else self.kv_norm(c)
+        k_rope = apply_rope(self.k_rope(x)[:, :, None, :], positions, att.rope_theta)[:, :, 0]
+        if cache is None:
+            view = LatentView(c, k_rope, positions)
+        else:
+            cache, view = cache.update(c, k_rope, positions)
+        attend_fn = self._absorbed if cfg.absorb else self._naive
+        out = attend_fn(q_nope, q_rope, view, positions)  # [B,T,N,Dv]
+        return self.o(out.reshape(B, T, N * cfg.v_head_dim)), cache, view
+
+    def _naive(self, q_nope, q_rope, view: LatentView, positions) -> jax.Array:
+        """Expand per-head keys and values from the latents, then standard attention."""
+        cfg = self.cfg
+        B, S, _ = view.c.shape
+        N = q_nope.shape[2]
+        k_nope = self.k_up(view.c).reshape(B, S, N, cfg.qk_nope_head_dim)
+        k_rope = jnp.broadcast_to(view.k_rope[:, :, None, :], (B, S, N, cfg.qk_rope_head_dim))
+        k = jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1)
+        v = self.v_up(view.c).reshape(B, S, N, cfg.v_head_dim)
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        return attention(
+            q, heads_first(k), heads_first(v), positions, view.pos, scale=self.scale, impl=self.att.impl
+        )
+
+    def _absorbed(self, q_nope, q_rope, view: LatentView, positions) -> jax.Array:
+        """Attend over the latents: W_UK moves into the query, W_UV onto the d_c-dim output."""
+        cfg = self.cfg
+        N = q_nope.shape[2]
+        w_uk = self.k_up.kernel[...].reshape(cfg.kv_lora_rank, N, cfg.qk_nope_head_dim)
+        w_uv = self.v_up.kernel[...].reshape(cfg.kv_lora_rank, N, cfg.v_head_dim)
+        q_latent = jnp.einsum("BTNd,CNd->BTNC", q_nope, w_uk)
+        f32 = jnp.float32
+        logits = jnp.einsum("BTNC,BSC->BTNS", q_latent, view.c, preferred_element_type=f32) + jnp.einsum(
+            "BTNR,BSR->BTNS", q_rope, view.k_rope, preferred_element_type=f32
+        )
+        # One shared "KV head": the [B,1,T,N,S] layout of the attention op with K = 1, G = N.
+        probs = masked_softmax(logits[:, None] * self.scale, positions, view.pos)
+        out_latent = attend(probs, view.c[:, None])  # [B,T,N,Dc]
+        return jnp.einsum("BTNC,CNd->BTNd", out_latent, w_uv).astype(q_nope.dtype)

@@ -29,6 +29,17 @@ class Attention(nnx.Module):
     def produces_kv(self) -> bool:
         return self.k is not None
 
+    def kv(self, kv_x: jax.Array, positions: jax.Array, cache: AttentionCache | None = None):
+        """K/V of inputs `[B,T,D]` at positions `[B,T]`, written to `cache` if given. Returns (cache, the
+        view a chunk of queries at these positions attends to)."""
+        cfg = self.cfg
+        B, T, _ = kv_x.shape
+        k = apply_rope(self.k(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+        v = self.v(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        if cache is None:
+            return None, KVView(heads_first(k), heads_first(v), positions)
+        return cache.update(k, v, positions)
+
     def __call__(
         self,
         x: jax.Array,
@@ -40,24 +51,16 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, AttentionCache | None, KVView]:
         """Queries from x `[B,T,D]` at positions `[B,T]` (-1 for padding).
 
-        A producer computes K/V from `kv_x` (default x), writes them to `cache` if given, and attends to
-        what the cache says the chunk sees; a consumer attends to `shared`, its producer's view. Returns
-        the output, the updated cache and the view attended to (for the layers that share it).
+        Attends to `shared` when given (a consumer's producer view, or a view this layer already wrote);
+        otherwise computes K/V from `kv_x` (default x) with `kv()`. Returns the output, the updated cache
+        and the view attended to (for the layers that share it).
         """
         cfg = self.cfg
         B, T, _ = x.shape
         q = apply_rope(self.q(x).reshape(B, T, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
-        if not self.produces_kv:
-            if shared is None or cache is not None:
+        if shared is None:
+            if not self.produces_kv:
                 raise ValueError("a layer without K/V projections attends to its producer's view: pass shared=")
-            view = shared
-        else:
-            kv_x = x if kv_x is None else kv_x
-            k = apply_rope(self.k(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
-            v = self.v(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-            if cache is None:
-                view = KVView(heads_first(k), heads_first(v), positions)
-            else:
-                cache, view = cache.update(k, v, positions)
-        out = attention(q, view.k, view.v, positions, view.pos, window=cfg.window, impl=cfg.impl)
-        return self.o(out.reshape(B, T, cfg.n_heads * cfg.head_dim)), cache, view
+            cache, shared = self.kv(x if kv_x is None else kv_x, positions, cache)
+        out = attention(q, shared.k, shared.v, positions, shared.pos, window=cfg.window, impl=cfg.impl)
+        return self.o(out.reshape(B, T, cfg.n_heads * cfg.head_dim)), cache, shared

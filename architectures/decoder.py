@@ -9,9 +9,10 @@ from flax import nnx
 from architectures.attention import Attention
 from architectures.layers import RMSNorm, SwiGLU, dense
 from architectures.mla import MLA
+from architectures.retention import GatedRetention
 from kvjax.cache import AttentionCache
 from kvjax.config import ModelConfig
-from kvjax.plan import LayerPlan
+from kvjax.plan import SHARABLE_KINDS, LayerPlan
 
 Caches = tuple[AttentionCache, ...]
 
@@ -19,30 +20,45 @@ Caches = tuple[AttentionCache, ...]
 class Block(nnx.Module):
     """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x)).
 
-    A K/V-producing block of a model with `kv_sharing.uses_kv_norm` feeds its K/V projections through a
-    separate `kv_norm` of x (CLA), since those K/V also serve the layers that share them.
+    Layer `layer` of the plan builds the mixer its kind names. A K/V producer for which
+    `cfg.uses_kv_norm(layer)` holds (CLA producers, YOCO's first cross layer) feeds its K/V projections
+    through a separate `kv_norm` of x, since those K/V also serve other layers.
     """
 
-    def __init__(self, cfg: ModelConfig, *, kind: str, produces_kv: bool, rngs: nnx.Rngs):
-        dtype, std = jnp.dtype(cfg.dtype), cfg.init_std
-        self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype)
-        use_kv_norm = produces_kv and cfg.kv_sharing.uses_kv_norm
-        self.kv_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype) if use_kv_norm else None
+    def __init__(self, cfg: ModelConfig, *, layer: int, rngs: nnx.Rngs):
+        kind, produces_kv = cfg.mixers[layer], cfg.kv_source[layer] == layer
+        dtype, std, eps = jnp.dtype(cfg.dtype), cfg.init_std, cfg.norm_eps
+        self.mixer_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype)
+        self.kv_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype) if cfg.uses_kv_norm(layer) else None
         if kind == "mla":
-            self.mixer = MLA(cfg.d_model, cfg.attention, cfg.mla, norm_eps=cfg.norm_eps, std=std, dtype=dtype, rngs=rngs)
+            self.mixer = MLA(cfg.d_model, cfg.attention, cfg.mla, norm_eps=eps, std=std, dtype=dtype, rngs=rngs)
+        elif kind == "gret":
+            att, yoco = cfg.attention, cfg.yoco
+            self.mixer = GatedRetention(
+                cfg.d_model, att.n_heads, att.head_dim, rope_theta=att.rope_theta, form=yoco.gret_form,
+                chunk=yoco.chunk, norm_eps=eps, std=std, dtype=dtype, rngs=rngs,
+            )
         else:
-            self.mixer = Attention(cfg.d_model, cfg.attention, produces_kv=produces_kv, std=std, dtype=dtype, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype)
+            att = cfg.attention_for(kind)
+            self.mixer = Attention(cfg.d_model, att, produces_kv=produces_kv, std=std, dtype=dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, std=std, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, cache=None, *, shared=None):
-        """Returns (x, cache, view): the mixer's updated cache and the K/V view it attended to."""
-        sharing = {} if shared is None else {"shared": shared}
-        if self.kv_norm is not None:
-            sharing["kv_x"] = self.kv_norm(x)
+        """Returns (x, cache, view): the mixer's updated cache and the K/V view it attended to (None for
+        mixers without K/V). With `shared`, the mixer attends to that view and computes no K/V."""
+        if shared is not None:
+            sharing = {"shared": shared}
+        else:
+            sharing = {} if self.kv_norm is None else {"kv_x": self.kv_norm(x)}
         y, cache, view = self.mixer(self.mixer_norm(x), positions, cache, **sharing)
         x = x + y
         return x + self.mlp(self.mlp_norm(x)), cache, view
+
+    def write_kv(self, x, positions, cache=None):
+        """Only this producer's K/V of x `[B,T,D]`, written to `cache`: (cache, view)."""
+        kv_x = self.mixer_norm(x) if self.kv_norm is None else self.kv_norm(x)
+        return self.mixer.kv(kv_x, positions, cache)
 
 
 class Decoder(nnx.Module):
@@ -60,12 +76,7 @@ class Decoder(nnx.Module):
             embedding_init=nnx.initializers.normal(cfg.init_std),
             rngs=rngs,
         )
-        self.blocks = nnx.List(
-            [
-                Block(cfg, kind=kind, produces_kv=src == i, rngs=rngs)
-                for i, (kind, src) in enumerate(zip(self.plan.mixers, self.plan.kv_source))
-            ]
-        )
+        self.blocks = nnx.List([Block(cfg, layer=i, rngs=rngs) for i in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype)
         self.lm_head = (
             None
@@ -85,17 +96,19 @@ class Decoder(nnx.Module):
         return self.run_blocks(self.embed(tokens), positions, caches)
 
     def run_blocks(self, x, positions, caches=None):
-        """The blocks and the final norm over embeddings x `[B,T,D]`; returns (hidden, caches).
+        """The blocks and the final norm over embeddings x `[B,T,D]`; returns (hidden, caches)."""
+        if caches is not None and len(caches) != len(self.plan.producers):
+            raise ValueError(f"got {len(caches)} caches; the plan has {len(self.plan.producers)} producers")
+        x, caches = self._run(x, positions, caches, self.plan.n_layers)
+        return self.final_norm(x), caches
 
-        Producers write their cache (one per producer, in plan order); a consumer attends to the K/V view
-        its producer attended to in this same call.
-        """
+    def _run(self, x, positions, caches, stop: int):
+        """Blocks 0..stop-1: producers write their cache (one per producer, in plan order); a consumer
+        attends to the K/V view its producer attended to in this same call."""
         plan = self.plan
-        if caches is not None and len(caches) != len(plan.producers):
-            raise ValueError(f"got {len(caches)} caches; the plan has {len(plan.producers)} producers")
         new_caches = None if caches is None else list(caches)
         views = {}
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.blocks[:stop]):
             src = plan.kv_source[i]
             if src != i:
                 x, _, _ = block(x, positions, shared=views[src])
@@ -105,7 +118,38 @@ class Decoder(nnx.Module):
             x, cache, views[i] = block(x, positions, cache)
             if new_caches is not None:
                 new_caches[slot] = cache
-        return self.final_norm(x), None if new_caches is None else tuple(new_caches)
+        return x, None if new_caches is None else tuple(new_caches)
+
+    @property
+    def tail_start(self) -> int:
+        """The first layer e of the shared tail: every layer from e on is attention reading producer e's
+        K/V (YOCO's cross-decoder; the last layer of any attention model). Their queries are needed only
+        where logits are; n_layers when there is no such tail."""
+        plan = self.plan
+        e = plan.kv_source[-1]
+        tail = range(e, plan.n_layers)
+        if all(plan.kv_source[i] == e and plan.mixers[i] in SHARABLE_KINDS for i in tail):
+            return e
+        return plan.n_layers
+
+    def prefill_last(self, tokens, positions, caches, last):
+        """Write prompts `[B,T]` (positions -1 for padding) to the caches and return the final-normed hidden
+        state `[B,D]` at each row's token `last[b]`: YOCO's early exit (sec. 2.3). Layers before
+        `tail_start` run on every token; the tail's producer writes K/V for every token; the tail's
+        queries, MLPs and everything after them run for the last tokens only."""
+        e = self.tail_start
+        if e == self.plan.n_layers:
+            hidden, caches = self.hidden(tokens, positions, caches)
+            return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], caches
+        x, caches = self._run(self.embed(tokens), positions, caches, e)
+        caches = list(caches)
+        slot = self.plan.cache_index(e)
+        caches[slot], view = self.blocks[e].write_kv(x, positions, caches[slot])
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)
+        pos = jnp.take_along_axis(positions, last[:, None], axis=1)
+        for block in self.blocks[e:]:
+            x, _, _ = block(x, pos, shared=view)
+        return self.final_norm(x)[:, 0], tuple(caches)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Project hidden states to fp32 vocabulary logits (through the tied embedding if configured)."""

@@ -135,6 +135,21 @@ class RingKVCache(_SlotCache):
 AttentionCache = KVCache | RingKVCache
 
 
+@struct.dataclass
+class RetentionState:
+    """Gated retention's recurrent state S `[B,N,H,H]` (fp32; YOCO sec. 2.2.2): constant size whatever the
+    sequence length, so it holds no positions."""
+
+    s: jax.Array
+
+    @classmethod
+    def init(cls, batch: int, n_heads: int, head_dim: int):
+        return cls(s=jnp.zeros((batch, n_heads, head_dim, head_dim), jnp.float32))
+
+    def nbytes(self) -> int:
+        return self.s.nbytes
+
+
 class LatentView(NamedTuple):
     """What a chunk of MLA queries attends to: latents `[B,S,Dc]`, rope keys `[B,S,Dr]`, positions `[B,S]`."""
 
@@ -183,17 +198,20 @@ def layer_slots(window: int | None, capacity: int) -> int:
     return capacity if window is None else min(window, capacity)
 
 
-def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[AttentionCache | LatentCache, ...]:
+def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[AttentionCache | LatentCache | RetentionState, ...]:
     """Empty caches for every producer layer of the model's plan, in plan order."""
     if batch <= 0 or capacity <= 0:
         raise ValueError(f"batch={batch} and capacity={capacity} must be > 0")
-    att, mla = cfg.attention, cfg.mla
+    mla = cfg.mla
     dtype = jnp.dtype(cfg.dtype)
     plan = LayerPlan.from_config(cfg)
 
     def init(kind: str):
         if kind == "mla":
             return LatentCache.init(batch, capacity, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype)
+        if kind == "gret":
+            return RetentionState.init(batch, cfg.attention.n_heads, cfg.attention.head_dim)
+        att = cfg.attention_for(kind)
         cls = KVCache if att.window is None else RingKVCache
         return cls.init(batch, layer_slots(att.window, capacity), att.n_kv_heads, att.head_dim, dtype)
 

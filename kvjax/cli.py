@@ -28,6 +28,7 @@ def _kv_shape(cfg) -> tuple[str, str]:
 def memory_table(names: list[str], overrides: list[str], tokens: list[int], batch: int) -> str:
     """One row per config: shape, K/V bytes per token, whole-cache bytes, and the ratio to MHA."""
     headers = ["variant", "layers", "KV layers", "KV heads", "head dim", "dtype", "KV B/token", "cache B/token"]
+    headers += ["state B/seq"]
     headers += [f"cache @{t // 1024}k" if t % 1024 == 0 else f"cache @{t}" for t in tokens]
     headers += [f"vs MHA @{tokens[-1] // 1024}k" if tokens[-1] % 1024 == 0 else "vs MHA"]
     rows = []
@@ -39,11 +40,12 @@ def memory_table(names: list[str], overrides: list[str], tokens: list[int], batc
             [
                 cfg.name,
                 cfg.n_layers,
-                len(set(cfg.kv_source)),
+                sum(cfg.mixers[i] != "gret" for i in set(cfg.kv_source)),
                 *_kv_shape(cfg),
                 cfg.dtype,
                 memory.kv_bytes_per_token(cfg),
                 memory.cache_bytes_per_token(cfg),
+                memory.state_bytes_per_sequence(cfg),
                 *(format_bytes(b) for b in total),
                 f"{total[-1] / mha:.4f}",
             ]
@@ -59,9 +61,11 @@ def _cmd_memory(args) -> None:
         raise ConfigError(f"--batch={args.batch} and --tokens={args.tokens} must be > 0")
     print(memory_table(names, overrides, sorted(args.tokens), args.batch))
     print(
-        f"\nKV B/token: K and V of every caching layer (the papers' figure). cache B/token adds each slot's"
-        f" int32 position. Cache columns: all arrays of all layers for batch {args.batch}, sliding windows"
-        f" capped; the ratio compares with MHA of the same shape."
+        f"\nKV layers: layers that store K/V (or an MLA latent). KV B/token: what each token adds to the caches"
+        f" that grow without bound (the papers' figure); cache B/token adds each slot's int32 position."
+        f" state B/seq: what does not grow: full sliding-window rings, recurrent states, length counters."
+        f" Cache columns: all arrays of all layers for batch {args.batch}; the ratio compares with MHA of the"
+        f" same shape."
     )
 
 
@@ -142,7 +146,10 @@ def _cmd_compare(args) -> None:
     exp = load_experiment(args.experiment)
     if args.variants:
         exp = dataclasses.replace(exp, variants=tuple(args.variants))
-    run_compare(exp, Path(args.out) / ("quick" if args.quick else "full"), quick=args.quick)
+    name = Path(args.experiment).stem if args.experiment else "compare"
+    # Every experiment shares runs/compare/{full,quick}/<variant>, so a variant trained with the same
+    # config by another experiment is reused; tables and plots are named after the experiment.
+    run_compare(exp, Path(args.out) / ("quick" if args.quick else "full"), quick=args.quick, name=name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_cmd_generate)
 
     cmp = sub.add_parser("compare", help="train every variant of an experiment and compare them")
-    cmp.add_argument("--experiment", help="experiment YAML (default configs/experiments/compare.yaml)")
+    cmp.add_argument("--experiment", help="experiment YAML or shipped name, e.g. sharing (default: compare)")
     cmp.add_argument("--quick", action="store_true", help="a short run, for a smoke test")
     cmp.add_argument("--variants", nargs="+", help="model configs to compare (default: the experiment's list)")
     cmp.add_argument("--out", default="runs/compare", help="output directory")

@@ -17,7 +17,10 @@ import yaml
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla",)
-MIXER_KINDS = ("attention", "mla")
+MIXER_KINDS = ("attention", "mla", "swa", "gret")  # what a layer of the plan may be
+PATTERN_KINDS = ("attention", "mla")  # what model.layer_pattern may name (YOCO places swa / gret itself)
+YOCO_SELF_MIXERS = ("swa", "gret")
+GRET_FORMS = ("parallel", "chunkwise", "recurrent")
 KV_SHARING_KINDS = ("none", "cla", "mlkv", "explicit")
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 
@@ -100,6 +103,26 @@ class MLAConfig:
             self.qk_rope_head_dim,
             "must be a positive even number (RoPE rotates pairs of channels)",
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class YOCOConfig:
+    """YOCO (Sun et al. 2024, arXiv 2405.05254): the first n_layers/2 layers are a self-decoder of
+    `self_mixer` layers (`swa`: sliding-window attention over a `window`-slot ring; `gret`: gated
+    retention, trained in `gret_form` with chunks of `chunk` tokens); the last n_layers/2 form a
+    cross-decoder whose layers all attend to one global K/V, computed once from the normed self-decoder
+    output by the first cross layer."""
+
+    self_mixer: str = "swa"
+    window: int = 64
+    gret_form: str = "chunkwise"
+    chunk: int = 64
+
+    def __post_init__(self):
+        p = "model.yoco"
+        _require(self.self_mixer in YOCO_SELF_MIXERS, f"{p}.self_mixer", self.self_mixer, f"must be one of {YOCO_SELF_MIXERS}")
+        _positive(p, self, "window", "chunk")
+        _require(self.gret_form in GRET_FORMS, f"{p}.gret_form", self.gret_form, f"must be one of {GRET_FORMS}")
 
 
 def check_kv_source(kv_source: tuple[int, ...], field: str) -> None:
@@ -192,16 +215,30 @@ class ModelConfig:
     kv_sharing: KVSharingConfig = KVSharingConfig()
     layer_pattern: tuple[str, ...] = ("attention",)
     mla: MLAConfig = MLAConfig()
+    yoco: YOCOConfig | None = None
 
     def __post_init__(self):
         _positive("model", self, "vocab_size", "d_model", "n_layers", "ffn_dim", "norm_eps", "init_std")
         _require(self.dtype in DTYPES, "model.dtype", self.dtype, f"must be one of {DTYPES}")
         _require(
-            bool(self.layer_pattern) and all(kind in MIXER_KINDS for kind in self.layer_pattern),
+            bool(self.layer_pattern) and all(kind in PATTERN_KINDS for kind in self.layer_pattern),
             "model.layer_pattern",
             list(self.layer_pattern),
-            f"must be a non-empty list of mixer kinds from {MIXER_KINDS} (repeated to fill model.n_layers)",
+            f"must be a non-empty list of mixer kinds from {PATTERN_KINDS} (repeated to fill model.n_layers)",
         )
+        if self.yoco is not None:
+            _require(
+                self.n_layers >= 2 and self.n_layers % 2 == 0,
+                "model.n_layers",
+                self.n_layers,
+                "must be even and >= 2 for YOCO (half self-decoder, half cross-decoder)",
+            )
+            for field, value, default, why in (
+                ("layer_pattern", self.layer_pattern, ("attention",), "YOCO places its own mixers"),
+                ("kv_sharing.kind", self.kv_sharing.kind, "none", "YOCO's cross-decoder defines the sharing"),
+                ("attention.window", self.attention.window, None, "the cross-decoder attends globally; set model.yoco.window"),
+            ):
+                _require(value == default, f"model.{field}", value, f"must be {default!r} with model.yoco ({why})")
         if "mla" in self.layer_pattern:
             _require(
                 self.attention.window is None,
@@ -234,11 +271,31 @@ class ModelConfig:
     @property
     def kv_source(self) -> tuple[int, ...]:
         """Per layer, the layer whose K/V it attends to (itself for a producer); see kvjax.plan."""
+        if self.yoco is not None:
+            half = self.n_layers // 2
+            return (*range(half), *(half,) * half)
         return self.kv_sharing.kv_source_for(self.n_layers)
+
+    def uses_kv_norm(self, layer: int) -> bool:
+        """Whether producer `layer` feeds its K/V projections through a separate RMSNorm: CLA's producers,
+        and YOCO's first cross layer (the global K/V come from the normed self-decoder output)."""
+        if self.yoco is not None:
+            return layer == self.n_layers // 2
+        return self.kv_source[layer] == layer and self.kv_sharing.uses_kv_norm
+
+    def attention_for(self, kind: str) -> AttentionConfig:
+        """The attention settings of an attention-type layer: YOCO's `swa` layers get its window."""
+        if kind == "swa":
+            return dataclasses.replace(self.attention, window=self.yoco.window)
+        return self.attention
 
     @property
     def mixers(self) -> tuple[str, ...]:
-        """The mixer kind of every layer: `layer_pattern` repeated (and cut) to `n_layers`."""
+        """The mixer kind of every layer: `layer_pattern` repeated (and cut) to `n_layers`, or YOCO's
+        self-decoder mixers followed by attention."""
+        if self.yoco is not None:
+            half = self.n_layers // 2
+            return (self.yoco.self_mixer,) * half + ("attention",) * half
         return tuple(self.layer_pattern[i % len(self.layer_pattern)] for i in range(self.n_layers))
 
 

@@ -56,8 +56,7 @@ def _prefill(graphdef, params, tokens, lengths, *, capacity):
     B, T = tokens.shape
     idx = jnp.arange(T, dtype=jnp.int32)[None, :]
     positions = jnp.where(idx < lengths[:, None], idx, -1)
-    hidden, caches = model.hidden(tokens, positions, init_caches(model.config, B, capacity))
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    last, caches = model.prefill_last(tokens, positions, init_caches(model.config, B, capacity), lengths - 1)
     return model.logits(last), caches
 
 

@@ -1,13 +1,14 @@
 """Analytic cache memory of a model config, computed from the layer plan (never from a live cache).
 
-Only producer layers of the plan cache anything: with CLA / MLKV sharing, per-token K/V bytes are
-2 x producers x n_kv_heads x head_dim x dtype bytes. An MLA layer caches its latent and shared RoPE key,
-(kv_lora_rank + qk_rope_head_dim) x dtype bytes per token (DeepSeek-V2, sec. 2.1.2).
-
-Tests assert that these numbers equal `cache.nbytes()` of real caches byte for byte.
-Per producer layer and cached token: K and V (`2 * n_kv_heads * head_dim * dtype bytes`, the figure
-papers report) plus the slot's int32 position. Per layer and sequence: the int32 length counter.
-A sliding-window layer holds at most `window` tokens.
+Tests assert that these numbers equal `nbytes()` of real caches byte for byte. Only producer layers of
+the plan hold anything (CLA / MLKV consumers and YOCO's cross layers read another layer's cache). Two
+figures describe a model:
+- bytes per token of the caches that grow without bound: per attention producer K and V,
+  `2 * n_kv_heads * head_dim * dtype bytes` (the figure papers report), plus an int32 position per slot;
+  per MLA layer the latent and shared RoPE key, `(kv_lora_rank + qk_rope_head_dim) * dtype bytes`
+  (DeepSeek-V2, sec. 2.1.2), plus the position;
+- fixed bytes per sequence: sliding-window rings at their full `window` slots, recurrent states (gated
+  retention: an fp32 `n_heads x head_dim x head_dim` S), and every cache's int32 length counter.
 """
 
 from __future__ import annotations
@@ -39,23 +40,36 @@ class LayerMemory:
 
 def layer_memory(cfg: ModelConfig) -> tuple[LayerMemory, ...]:
     """One entry per producer layer of the model's plan."""
-    att, mla, item = cfg.attention, cfg.mla, jnp.dtype(cfg.dtype).itemsize
-    per_kind = {
-        "attention": LayerMemory(2 * att.n_kv_heads * att.head_dim * item, _INT32, _INT32, att.window),
-        "mla": LayerMemory((mla.kv_lora_rank + mla.qk_rope_head_dim) * item, _INT32, _INT32, None),
-    }
+    mla, item = cfg.mla, jnp.dtype(cfg.dtype).itemsize
+
+    def memory(kind: str) -> LayerMemory:
+        if kind == "mla":
+            return LayerMemory((mla.kv_lora_rank + mla.qk_rope_head_dim) * item, _INT32, _INT32, None)
+        if kind == "gret":  # fp32 state S [N, H, H], nothing per token
+            return LayerMemory(0, 0, cfg.attention.n_heads * cfg.attention.head_dim**2 * 4, 0)
+        att = cfg.attention_for(kind)
+        return LayerMemory(2 * att.n_kv_heads * att.head_dim * item, _INT32, _INT32, att.window)
+
     plan = LayerPlan.from_config(cfg)
-    return tuple(per_kind[plan.mixers[i]] for i in plan.producers)
+    return tuple(memory(plan.mixers[i]) for i in plan.producers)
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:
-    """K/V payload bytes one token adds across all layers (no window cap, no metadata)."""
-    return sum(m.kv_bytes_per_slot for m in layer_memory(cfg))
+    """K/V (or latent) payload one token adds to the caches that grow without bound (no metadata)."""
+    return sum(m.kv_bytes_per_slot for m in layer_memory(cfg) if m.max_slots is None)
 
 
 def cache_bytes_per_token(cfg: ModelConfig) -> int:
-    """Everything one cached token costs across all layers: K/V payload plus position metadata."""
-    return sum(m.kv_bytes_per_slot + m.meta_bytes_per_slot for m in layer_memory(cfg))
+    """Everything one token adds to the growing caches: payload plus position metadata."""
+    return sum(m.kv_bytes_per_slot + m.meta_bytes_per_slot for m in layer_memory(cfg) if m.max_slots is None)
+
+
+def state_bytes_per_sequence(cfg: ModelConfig) -> int:
+    """Bytes per sequence that do not grow with it: full sliding-window rings, recurrent states, counters."""
+    return sum(
+        m.bytes_per_sequence + (m.max_slots or 0) * (m.kv_bytes_per_slot + m.meta_bytes_per_slot)
+        for m in layer_memory(cfg)
+    )
 
 
 def cache_bytes(cfg: ModelConfig, tokens: int, batch: int = 1) -> int:
@@ -65,8 +79,13 @@ def cache_bytes(cfg: ModelConfig, tokens: int, batch: int = 1) -> int:
 
 def mha_reference(cfg: ModelConfig) -> ModelConfig:
     """The same shape with full multi-head attention: attention layers only, one K/V head per query head
-    in every layer, no window, no cross-layer sharing."""
+    in every layer, no window, no cross-layer sharing, no YOCO."""
     att = dataclasses.replace(cfg.attention, n_kv_heads=cfg.attention.n_heads, window=None)
     return dataclasses.replace(
-        cfg, name=f"{cfg.name}-mha", attention=att, kv_sharing=KVSharingConfig(), layer_pattern=("attention",)
+        cfg,
+        name=f"{cfg.name}-mha",
+        attention=att,
+        kv_sharing=KVSharingConfig(),
+        layer_pattern=("attention",),
+        yoco=None,
     )

@@ -12,6 +12,9 @@ import dataclasses
 from kvjax.config import MIXER_KINDS, ConfigError, ModelConfig, check_kv_source
 
 
+SHARABLE_KINDS = ("attention", "swa")  # mixers with a K/V cache another layer can attend to
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
     mixers: tuple[str, ...]
@@ -26,6 +29,12 @@ class LayerPlan:
             if kind not in MIXER_KINDS:
                 raise ConfigError(f"layer plan: mixers[{i}]={kind!r} must be one of {MIXER_KINDS}")
         check_kv_source(self.kv_source, "layer plan: kv_source")
+        for i, src in enumerate(self.kv_source):
+            if src != i and not {self.mixers[i], self.mixers[src]} <= set(SHARABLE_KINDS):
+                raise ConfigError(
+                    f"layer plan: layer {i} ({self.mixers[i]}) reads layer {src} ({self.mixers[src]}); only "
+                    f"{SHARABLE_KINDS} layers share K/V"
+                )
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> LayerPlan:

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import yaml
 from flax import nnx
 
 from kvjax import memory
 from kvjax.cache import caches_nbytes
-from kvjax.config import CONFIG_ROOT, ConfigError, DecodingConfig, from_dict, load_config
+from kvjax.config import CONFIG_ROOT, ConfigError, DecodingConfig, from_dict, load_config, load_yaml_tree
 from kvjax.generate import Generator
 from kvjax.report import format_bytes, format_table
 from training.trainer import Trainer, prepare_corpus
@@ -46,11 +45,16 @@ class CompareConfig:
             raise ConfigError(f"decode_tokens={self.decode_tokens} must be < decode_context={self.decode_context}")
 
 
-def load_experiment(path: str | Path | None = None) -> CompareConfig:
-    path = Path(path) if path else CONFIG_ROOT / "experiments" / "compare.yaml"
+def load_experiment(name: str | Path | None = None) -> CompareConfig:
+    """An experiment YAML file, or a name under configs/experiments/ (default `compare`); `base:` inherits."""
+    shipped = CONFIG_ROOT / "experiments"
+    path = Path(name) if name else shipped / "compare.yaml"
+    if not path.is_file() and (shipped / f"{name}.yaml").is_file():
+        path = shipped / f"{name}.yaml"
     if not path.is_file():
-        raise ConfigError(f"experiment file {path} does not exist")
-    return from_dict(CompareConfig, yaml.safe_load(path.read_text()) or {})
+        known = sorted(p.stem for p in shipped.glob("*.yaml"))
+        raise ConfigError(f"experiment {name!r} is neither a file nor a shipped experiment (shipped: {known})")
+    return from_dict(CompareConfig, load_yaml_tree(path))
 
 
 @dataclasses.dataclass
@@ -58,6 +62,7 @@ class Row:
     variant: str
     params: int
     kv_bytes_per_token: int
+    state_bytes_per_sequence: int
     cache_bytes_analytic: int
     cache_bytes_measured: int
     tokens_trained: int
@@ -86,8 +91,15 @@ def generation_times(model, prompts: np.ndarray, new_tokens: int) -> tuple[float
 
 
 def run_compare(
-    exp: CompareConfig, out_dir: str | Path, *, quick: bool = False, log: Callable[[str], None] = print
+    exp: CompareConfig,
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    name: str = "compare",
+    log: Callable[[str], None] = print,
 ) -> list[Row]:
+    """Train (or reuse, when a finished run with the same config is there) every variant under
+    out_dir/<variant>, measure it, and write out_dir/<name>.{csv,json,png}."""
     out_dir = Path(out_dir)
     overrides = [*exp.overrides, *(exp.quick if quick else ())]
     configs = {v: load_config(v, overrides) for v in exp.variants}  # every config is checked before training
@@ -115,6 +127,7 @@ def run_compare(
             variant=variant,
             params=int(n_params),
             kv_bytes_per_token=memory.kv_bytes_per_token(cfg.model),
+            state_bytes_per_sequence=memory.state_bytes_per_sequence(cfg.model),
             cache_bytes_analytic=analytic,
             cache_bytes_measured=measured,
             tokens_trained=cfg.train.steps * cfg.train.batch_size * cfg.data.seq_len,
@@ -124,24 +137,25 @@ def run_compare(
         )
         log(f"    bits/byte {row.val_bpb:.3f}, cache {format_bytes(measured)}, decode {tok_s:,.0f} tokens/s")
         rows.append(row)
-    write_outputs(rows, exp, out_dir)
+    write_outputs(rows, exp, out_dir, name)
     log(render(rows, exp))
-    log(f"\nwrote {out_dir}/compare.csv, compare.json and compare.png")
+    log(f"\nwrote {out_dir}/{name}.csv, {name}.json and {name}.png")
     return rows
 
 
 def render(rows: list[Row], exp: CompareConfig) -> str:
     ctx = f"@{exp.decode_context} x{exp.decode_batch}"
-    headers = ["variant", "params", "KV B/token", f"cache {ctx} (analytic)", "(measured)", "val bits/byte", "val ppl", "decode tok/s"]
+    headers = ["variant", "params", "KV B/token", "state B/seq", f"cache {ctx} (analytic)", "(measured)",
+               "val bits/byte", "val ppl", "decode tok/s"]
     body = [
-        [r.variant, f"{r.params:,}", r.kv_bytes_per_token, format_bytes(r.cache_bytes_analytic),
+        [r.variant, f"{r.params:,}", r.kv_bytes_per_token, r.state_bytes_per_sequence, format_bytes(r.cache_bytes_analytic),
          format_bytes(r.cache_bytes_measured), f"{r.val_bpb:.4f}", f"{r.val_ppl:.3f}", f"{r.decode_tokens_per_s:,.0f}"]
         for r in rows
     ]
     return format_table(headers, body)
 
 
-def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path) -> None:
+def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path, name: str = "compare") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,11 +163,11 @@ def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path) -> None:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     records = [dataclasses.asdict(r) for r in rows]
-    with open(out_dir / "compare.csv", "w", newline="") as f:
+    with open(out_dir / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(records[0]))
         writer.writeheader()
         writer.writerows(records)
-    (out_dir / "compare.json").write_text(json.dumps({"experiment": dataclasses.asdict(exp), "rows": records}, indent=2))
+    (out_dir / f"{name}.json").write_text(json.dumps({"experiment": dataclasses.asdict(exp), "rows": records}, indent=2))
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for r in rows:
         per_token = r.cache_bytes_analytic / (exp.decode_batch * exp.decode_context)
@@ -165,5 +179,5 @@ def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path) -> None:
     ax.set_title(f"Quality vs KV memory ({rows[0].tokens_trained:,} training tokens each)")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_dir / "compare.png")
+    fig.savefig(out_dir / f"{name}.png")
     plt.close(fig)

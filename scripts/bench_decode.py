@@ -58,12 +58,11 @@ def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
     )
 
 
-def decode_step_time(gen: Generator, prompts: np.ndarray, steps: int, repeats: int) -> tuple[float, tuple]:
-    """Seconds per decode step: the loop generating 1 + steps tokens minus the loop generating 1 (so
-    prefill and the first sample are excluded), each run on a fresh copy of the prefilled caches, since
-    the loop consumes (donates) them. Returns the step time and the final caches."""
-    tokens, lengths = gen.pad(prompts.tolist(), steps + 1)
-    logits, caches = gen.prefill(tokens, lengths)
+def decode_step_time(gen: Generator, caches, logits, lengths, steps: int, repeats: int) -> tuple[float, tuple]:
+    """Seconds per decode step after a prefill (its caches, next-token logits and prompt lengths): the loop
+    generating 1 + steps tokens minus the loop generating 1 (so the first sample is excluded), each run on
+    a fresh copy of the caches, since the loop consumes (donates) them. Returns the step time and the
+    final caches."""
 
     def run(n_new):
         fresh = jax.block_until_ready(jax.tree.map(jnp.copy, caches))
@@ -94,7 +93,9 @@ def main() -> None:
     gen = Generator(model, capacity=args.context)
     prompt_len = args.context - args.steps - 1
     prompts = np.random.default_rng(0).integers(0, BENCH_MODEL.vocab_size, (args.batch, prompt_len))
-    step, caches = decode_step_time(gen, prompts, args.steps, args.repeats)
+    tokens, lengths = gen.pad(prompts.tolist(), args.steps + 1)
+    logits, caches = gen.prefill(tokens, lengths)
+    step, caches = decode_step_time(gen, caches, logits, lengths, args.steps, args.repeats)
     cache_bytes = caches_nbytes(caches)
     bandwidth = read_bandwidth()
     roofline = (param_bytes + cache_bytes) / bandwidth

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kvjax.cli import main
+from kvjax.config import ConfigError
 from training.compare import load_experiment
 from tests.training.conftest import SMALL_CORPUS
 
@@ -61,3 +62,11 @@ def test_compare_variants_are_checked_before_training(tmp_path, capsys):
     assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", "gqa", "cla9"]) == 2
     assert "config 'cla9' is neither a file nor a shipped model config" in capsys.readouterr().err
     assert not (tmp_path / "quick" / "gqa").exists()
+
+
+def test_experiments_by_name_inherit_the_budget():
+    default, sharing = load_experiment(), load_experiment("sharing")
+    assert sharing.variants == ("gqa", "mqa", "cla2", "mqa-cla2", "cla3", "mlkv-2", "mlkv-1")
+    assert sharing.overrides == default.overrides and sharing.quick == default.quick
+    with pytest.raises(ConfigError, match="neither a file nor a shipped experiment"):
+        load_experiment("sharnig")

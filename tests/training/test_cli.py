@@ -42,20 +42,24 @@ def test_user_errors_exit_2_without_traceback(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compare_quick_end_to_end(tmp_path, capsys):
-    assert main(["compare", "--quick", "--out", str(tmp_path)]) == 0
+    """One variant per kind of cache (dense, ring, cross-layer shared, latent, retention state + global
+    K/V), trained, measured and written; `kvjax compare --quick` runs the whole default list."""
+    variants = ["gqa", "swa", "cla2", "mla", "yoco-gret"]
+    assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", *variants]) == 0
     out_dir = tmp_path / "quick"
     rows = list(csv.DictReader(open(out_dir / "compare.csv")))
-    assert [r["variant"] for r in rows] == list(load_experiment().variants)
+    assert [r["variant"] for r in rows] == variants
     assert all(r["cache_bytes_analytic"] == r["cache_bytes_measured"] for r in rows)
     assert len({r["tokens_trained"] for r in rows}) == 1  # the same budget for every variant
-    by = {r["variant"]: r for r in rows}
-    assert int(by["mha"]["kv_bytes_per_token"]) == 4 * int(by["gqa"]["kv_bytes_per_token"])
-    assert int(by["swa"]["cache_bytes_analytic"]) < int(by["gqa"]["cache_bytes_analytic"])
-    assert 2 * int(by["mqa-cla2"]["kv_bytes_per_token"]) == int(by["mqa"]["kv_bytes_per_token"])
-    assert 4 * int(by["mla"]["kv_bytes_per_token"]) == int(by["gqa"]["kv_bytes_per_token"])
-    assert json.loads((out_dir / "compare.json").read_text())["rows"][0]["variant"] == "mha"
+    by = {r["variant"]: {k: float(v) for k, v in r.items() if k != "variant"} for r in rows}
+    assert by["swa"]["cache_bytes_analytic"] < by["gqa"]["cache_bytes_analytic"] and by["swa"]["kv_bytes_per_token"] == 0
+    assert 2 * by["cla2"]["kv_bytes_per_token"] == by["gqa"]["kv_bytes_per_token"]
+    assert 4 * by["mla"]["kv_bytes_per_token"] == by["gqa"]["kv_bytes_per_token"]
+    assert 4 * by["yoco-gret"]["kv_bytes_per_token"] == by["gqa"]["kv_bytes_per_token"]
+    assert by["yoco-gret"]["state_bytes_per_sequence"] > by["gqa"]["state_bytes_per_sequence"]
+    assert json.loads((out_dir / "compare.json").read_text())["rows"][0]["variant"] == "gqa"
     assert (out_dir / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| mqa " in capsys.readouterr().out
+    assert "| yoco-gret " in capsys.readouterr().out
 
 
 def test_compare_variants_are_checked_before_training(tmp_path, capsys):

@@ -8,6 +8,7 @@ from flax import nnx
 
 from architectures.attention import Attention
 from architectures.layers import RMSNorm, SwiGLU, dense
+from architectures.mamba import Mamba
 from architectures.mla import MLA
 from architectures.retention import GatedRetention
 from kvjax.cache import AttentionCache
@@ -32,6 +33,8 @@ class Block(nnx.Module):
         self.kv_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype) if cfg.uses_kv_norm(layer) else None
         if kind == "mla":
             self.mixer = MLA(cfg.d_model, cfg.attention, cfg.mla, norm_eps=eps, std=std, dtype=dtype, rngs=rngs)
+        elif kind == "mamba":
+            self.mixer = Mamba(cfg.d_model, cfg.mamba, std=std, dtype=dtype, rngs=rngs)
         elif kind == "gret":
             att, yoco = cfg.attention, cfg.yoco
             self.mixer = GatedRetention(

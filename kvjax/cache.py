@@ -136,6 +136,25 @@ AttentionCache = KVCache | RingKVCache
 
 
 @struct.dataclass
+class SSMState:
+    """Mamba's decoding state (Gu and Dao 2023): the last d_conv - 1 conv inputs `[B,K-1,E]` (model dtype)
+    and the SSM state h `[B,E,N]` (fp32). Constant size whatever the sequence length."""
+
+    conv: jax.Array
+    h: jax.Array
+
+    @classmethod
+    def init(cls, batch: int, d_conv: int, d_inner: int, d_state: int, dtype):
+        return cls(
+            conv=jnp.zeros((batch, d_conv - 1, d_inner), dtype),
+            h=jnp.zeros((batch, d_inner, d_state), jnp.float32),
+        )
+
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.h.nbytes
+
+
+@struct.dataclass
 class RetentionState:
     """Gated retention's recurrent state S `[B,N,H,H]` (fp32; YOCO sec. 2.2.2): constant size whatever the
     sequence length, so it holds no positions."""
@@ -198,7 +217,7 @@ def layer_slots(window: int | None, capacity: int) -> int:
     return capacity if window is None else min(window, capacity)
 
 
-def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[AttentionCache | LatentCache | RetentionState, ...]:
+def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[AttentionCache | LatentCache | RetentionState | SSMState, ...]:
     """Empty caches for every producer layer of the model's plan, in plan order."""
     if batch <= 0 or capacity <= 0:
         raise ValueError(f"batch={batch} and capacity={capacity} must be > 0")
@@ -211,6 +230,9 @@ def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[AttentionC
             return LatentCache.init(batch, capacity, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype)
         if kind == "gret":
             return RetentionState.init(batch, cfg.attention.n_heads, cfg.attention.head_dim)
+        if kind == "mamba":
+            m = cfg.mamba
+            return SSMState.init(batch, m.d_conv, m.expand * cfg.d_model, m.d_state, dtype)
         att = cfg.attention_for(kind)
         cls = KVCache if att.window is None else RingKVCache
         return cls.init(batch, layer_slots(att.window, capacity), att.n_kv_heads, att.head_dim, dtype)

@@ -17,8 +17,9 @@ import yaml
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla",)
-MIXER_KINDS = ("attention", "mla", "swa", "gret")  # what a layer of the plan may be
-PATTERN_KINDS = ("attention", "mla")  # what model.layer_pattern may name (YOCO places swa / gret itself)
+MIXER_KINDS = ("attention", "mla", "swa", "gret", "mamba")  # what a layer of the plan may be
+PATTERN_KINDS = ("attention", "mla", "mamba")  # what model.layer_pattern may name (YOCO places swa / gret)
+MAMBA_SCANS = ("associative", "sequential")
 YOCO_SELF_MIXERS = ("swa", "gret")
 GRET_FORMS = ("parallel", "chunkwise", "recurrent")
 KV_SHARING_KINDS = ("none", "cla", "mlkv", "explicit")
@@ -103,6 +104,28 @@ class MLAConfig:
             self.qk_rope_head_dim,
             "must be a positive even number (RoPE rotates pairs of channels)",
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaConfig:
+    """Mamba-1 mixer (Gu and Dao 2023): state size `d_state`, conv kernel `d_conv`, inner width
+    `expand` x d_model, Delta rank `dt_rank` (null: ceil(d_model / 16)), Delta initialised log-uniform in
+    [dt_min, dt_max]; `scan` picks the training/prefill recurrence (associative: log depth)."""
+
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    dt_rank: int | None = None
+    dt_min: float = 1e-3
+    dt_max: float = 0.1
+    scan: str = "associative"
+
+    def __post_init__(self):
+        p = "model.mamba"
+        _positive(p, self, "d_state", "d_conv", "expand")
+        _require(self.dt_rank is None or self.dt_rank > 0, f"{p}.dt_rank", self.dt_rank, "must be > 0 or null")
+        _require(0 < self.dt_min < self.dt_max, f"{p}.dt_min/dt_max", (self.dt_min, self.dt_max), "must satisfy 0 < dt_min < dt_max")
+        _require(self.scan in MAMBA_SCANS, f"{p}.scan", self.scan, f"must be one of {MAMBA_SCANS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +238,7 @@ class ModelConfig:
     kv_sharing: KVSharingConfig = KVSharingConfig()
     layer_pattern: tuple[str, ...] = ("attention",)
     mla: MLAConfig = MLAConfig()
+    mamba: MambaConfig = MambaConfig()
     yoco: YOCOConfig | None = None
 
     def __post_init__(self):
@@ -251,6 +275,14 @@ class ModelConfig:
                 "model.kv_sharing.kind",
                 self.kv_sharing.kind,
                 "must be 'none' for a model with MLA layers (MLA shares K/V through its latent instead)",
+            )
+        if self.kv_sharing.kind != "none":
+            _require(
+                set(self.layer_pattern) == {"attention"},
+                "model.layer_pattern",
+                list(self.layer_pattern),
+                f"must be ['attention'] with model.kv_sharing.kind={self.kv_sharing.kind!r} (only attention "
+                "layers share K/V)",
             )
         share, p = self.kv_sharing, "model.kv_sharing"
         if share.kind == "mlkv":

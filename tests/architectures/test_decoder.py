@@ -8,39 +8,26 @@ from flax import nnx
 
 from architectures import Decoder
 from kvjax.cache import init_caches
+from tests.architectures.oracles import (
+    B,
+    T,
+    assert_cached_decode_equals_full_forward,
+    assert_gradient_causal,
+    stepper,
+    tokens_and_positions,
+)
 
-B, T = 2, 24
 TWO_LAYERS = "model.n_layers=2"
 # The shipped SWA window (64) exceeds these tiny sequences; 8 makes the ring wrap during the test.
 VARIANTS = {"mha": [], "gqa": [], "mqa": [], "swa": ["model.attention.window=8"]}
-
-
-def tokens_and_positions(vocab, seed=0):
-    tokens = jax.random.randint(jax.random.key(seed), (B, T), 0, vocab)
-    return tokens, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-
-
-def stepper(model, jit):
-    """A function (tokens, positions, caches) -> (logits, caches), jitted through split/merge or eager."""
-    if not jit:
-        return model
-    graphdef, state = nnx.split(model)
-    return jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a)).__get__(state)
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_cached_decode_equals_full_forward(make_model, variant, jit):
     cfg, model = make_model(variant, TWO_LAYERS, *VARIANTS[variant])
-    tokens, pos = tokens_and_positions(cfg.vocab_size)
-    full, _ = model(tokens, pos)
-    step = stepper(model, jit)
-    prefill = 10  # longer than the SWA window: exercises the ring's chunk path
-    logits, caches = step(tokens[:, :prefill], pos[:, :prefill], init_caches(cfg, B, T))
-    np.testing.assert_allclose(logits, full[:, :prefill], atol=2e-5, rtol=1e-5)
-    for t in range(prefill, T):
-        logits, caches = step(tokens[:, t : t + 1], pos[:, t : t + 1], caches)
-        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5, rtol=1e-5, err_msg=f"position {t}")
+    # a prefill of 10, longer than the SWA window of 8, exercises the ring's chunk path
+    assert_cached_decode_equals_full_forward(cfg, model, prefill=10, jit=jit)
 
 
 @pytest.mark.parametrize("variant", ["gqa", "swa"])
@@ -106,19 +93,8 @@ def test_sliding_window_at_least_the_length_is_causal_attention(make_model, wind
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gradient_causality(make_model, variant):
-    """d loss(t) / d input(s) is exactly zero for every s > t, and not zero for s <= t."""
     cfg, model = make_model(variant, TWO_LAYERS, *VARIANTS[variant])
-    tokens, pos = tokens_and_positions(cfg.vocab_size)
-    x = model.embed(tokens)
-    t = 11
-
-    def loss_at_t(x):
-        hidden, _ = model.run_blocks(x, pos)
-        return jax.nn.log_softmax(model.logits(hidden[:, t]))[:, 0].sum()
-
-    grad = np.asarray(jax.grad(loss_at_t)(x))
-    assert np.all(grad[:, t + 1 :] == 0)
-    assert np.all(np.abs(grad[:, : t + 1]).sum(axis=-1) > 0)
+    assert_gradient_causal(cfg, model)
 
 
 def test_untied_head_and_bfloat16(make_model):

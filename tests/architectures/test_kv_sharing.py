@@ -8,7 +8,7 @@ from flax import nnx
 from kvjax import memory
 from kvjax.cache import caches_nbytes, init_caches
 from kvjax.plan import LayerPlan
-from tests.architectures.test_decoder import B, T, stepper, tokens_and_positions
+from tests.architectures.oracles import assert_cached_decode_equals_full_forward, tokens_and_positions
 
 THREE_LAYERS = "model.n_layers=3"
 # 3 layers: cla2 -> (0, 0, 2), cla3 -> (0, 0, 0), mlkv-2 -> (0, 1, 1), mlkv-1 -> (0, 0, 0).
@@ -23,17 +23,8 @@ def n_params(model) -> int:
 @pytest.mark.parametrize("variant", SHARED)
 def test_cached_decode_equals_full_forward(make_model, variant):
     cfg, model = make_model(variant, THREE_LAYERS)
-    tokens, pos = tokens_and_positions(cfg.vocab_size)
-    full, _ = model(tokens, pos)
-    step = stepper(model, jit=True)
-    prefill = 9
-    caches = init_caches(cfg, B, T)
+    caches = assert_cached_decode_equals_full_forward(cfg, model, prefill=9)
     assert len(caches) == len(LayerPlan.from_config(cfg).producers) < cfg.n_layers
-    logits, caches = step(tokens[:, :prefill], pos[:, :prefill], caches)
-    np.testing.assert_allclose(logits, full[:, :prefill], atol=2e-5, rtol=1e-5)
-    for t in range(prefill, T):
-        logits, caches = step(tokens[:, t : t + 1], pos[:, t : t + 1], caches)
-        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5, rtol=1e-5, err_msg=f"position {t}")
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from architectures.mamba import Mamba, ssm_scan_associative, ssm_scan_sequential
 from kvjax import memory
 from kvjax.cache import KVCache, SSMState, caches_nbytes, init_caches
 from kvjax.config import ConfigError, MambaConfig, load_config
-from tests.architectures.test_decoder import B, T, stepper, tokens_and_positions
+from tests.architectures.oracles import B, T, assert_cached_decode_equals_full_forward, stepper, tokens_and_positions
 
 
 def test_associative_scan_equals_sequential_scan_equals_a_python_loop():
@@ -39,15 +39,7 @@ def test_initialisation_follows_the_paper():
 
 @pytest.mark.parametrize("variant", ["mamba", "hybrid-mamba-attn"])
 def test_cached_decode_equals_full_forward(make_model, variant):
-    cfg, model = make_model(variant)
-    tokens, pos = tokens_and_positions(cfg.vocab_size)
-    full, _ = model(tokens, pos)
-    step = stepper(model, jit=True)
-    logits, caches = step(tokens[:, :10], pos[:, :10], init_caches(cfg, B, T))
-    np.testing.assert_allclose(logits, full[:, :10], atol=2e-5, rtol=1e-5)
-    for t in range(10, T):
-        logits, caches = step(tokens[:, t : t + 1], pos[:, t : t + 1], caches)
-        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5, rtol=1e-5, err_msg=f"position {t}")
+    assert_cached_decode_equals_full_forward(*make_model(variant))
 
 
 def test_ragged_chunked_prefill_equals_each_row_alone(make_model):

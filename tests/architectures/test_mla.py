@@ -13,7 +13,14 @@ from kvjax import memory
 from kvjax.cache import LatentCache, caches_nbytes, init_caches
 from kvjax.config import AttentionConfig, ConfigError, MLAConfig, load_config
 from kvjax.ops import attention
-from tests.architectures.test_decoder import B, T, stepper, tokens_and_positions
+from tests.architectures.oracles import (
+    B,
+    T,
+    assert_cached_decode_equals_full_forward,
+    assert_gradient_causal,
+    stepper,
+    tokens_and_positions,
+)
 
 TWO_LAYERS = "model.n_layers=2"
 NAIVE = "model.mla.absorb=false"
@@ -33,11 +40,7 @@ def decode_all(model, cfg, tokens, pos, prefill):
 
 @pytest.mark.parametrize("overrides", [[], [NAIVE], [Q_LORA]], ids=["absorbed", "naive", "q-lora"])
 def test_cached_decode_equals_full_forward(make_model, overrides):
-    cfg, model = make_model("mla", TWO_LAYERS, *overrides)
-    tokens, pos = tokens_and_positions(cfg.vocab_size)
-    full, _ = model(tokens, pos)
-    cached, caches = decode_all(model, cfg, tokens, pos, prefill=7)
-    np.testing.assert_allclose(cached, full, atol=2e-5, rtol=1e-5)
+    caches = assert_cached_decode_equals_full_forward(*make_model("mla", TWO_LAYERS, *overrides), prefill=7)
     assert all(isinstance(c, LatentCache) for c in caches) and len(caches) == 2
 
 
@@ -124,16 +127,7 @@ def test_measured_bytes_equal_analytic(make_model, capacity):
 
 
 def test_gradient_causality(make_model):
-    cfg, model = make_model("mla", TWO_LAYERS)
-    tokens, pos = tokens_and_positions(cfg.vocab_size)
-    t = 11
-
-    def loss_at_t(x):
-        hidden, _ = model.run_blocks(x, pos)
-        return jax.nn.log_softmax(model.logits(hidden[:, t]))[:, 0].sum()
-
-    grad = np.asarray(jax.grad(loss_at_t)(model.embed(tokens)))
-    assert np.all(grad[:, t + 1 :] == 0) and np.all(np.abs(grad[:, : t + 1]).sum(axis=-1) > 0)
+    assert_gradient_causal(*make_model("mla", TWO_LAYERS))
 
 
 @pytest.mark.parametrize(

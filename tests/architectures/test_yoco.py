@@ -10,7 +10,7 @@ from architectures.retention import retention_chunkwise, retention_parallel, ret
 from kvjax import DecodingConfig, Generator, memory
 from kvjax.cache import KVCache, RetentionState, RingKVCache, caches_nbytes, init_caches
 from kvjax.config import ConfigError, load_config
-from tests.architectures.test_decoder import B, T, stepper, tokens_and_positions
+from tests.architectures.oracles import B, T, assert_cached_decode_equals_full_forward, stepper, tokens_and_positions
 
 SMALL_WINDOW = "model.yoco.window=8"  # the ring wraps within T = 24 tokens
 
@@ -48,15 +48,7 @@ def test_gret_forms_give_the_same_model(make_model, form):
 
 @pytest.mark.parametrize("variant, overrides", [("yoco-swa", [SMALL_WINDOW]), ("yoco-gret", ["model.yoco.chunk=4"])])
 def test_cached_decode_equals_full_forward(make_model, variant, overrides):
-    cfg, model = make_model(variant, *overrides)
-    tokens, pos = tokens_and_positions(cfg.vocab_size)
-    full, _ = model(tokens, pos)
-    step = stepper(model, jit=True)
-    logits, caches = step(tokens[:, :10], pos[:, :10], init_caches(cfg, B, T))
-    np.testing.assert_allclose(logits, full[:, :10], atol=2e-5, rtol=1e-5)
-    for t in range(10, T):
-        logits, caches = step(tokens[:, t : t + 1], pos[:, t : t + 1], caches)
-        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5, rtol=1e-5, err_msg=f"position {t}")
+    assert_cached_decode_equals_full_forward(*make_model(variant, *overrides))
 
 
 def test_window_at_least_the_length_is_causal_attention(make_model):

@@ -11,11 +11,12 @@ from architectures.layers import RMSNorm, SwiGLU, dense
 from architectures.mamba import Mamba
 from architectures.mla import MLA
 from architectures.retention import GatedRetention
-from kvjax.cache import AttentionCache
+from architectures.rwkv import RWKVChannelMix, RWKVTimeMix
+from kvjax.cache import LayerCache
 from kvjax.config import ModelConfig
 from kvjax.plan import SHARABLE_KINDS, LayerPlan
 
-Caches = tuple[AttentionCache, ...]
+Caches = tuple[LayerCache, ...]
 
 
 class Block(nnx.Module):
@@ -33,6 +34,10 @@ class Block(nnx.Module):
         self.kv_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype) if cfg.uses_kv_norm(layer) else None
         if kind == "mla":
             self.mixer = MLA(cfg.d_model, cfg.attention, cfg.mla, norm_eps=eps, std=std, dtype=dtype, rngs=rngs)
+        elif kind == "rwkv":
+            self.mixer = RWKVTimeMix(
+                cfg.d_model, cfg.rwkv, layer=layer, n_layers=cfg.n_layers, std=std, dtype=dtype, rngs=rngs
+            )
         elif kind == "mamba":
             self.mixer = Mamba(cfg.d_model, cfg.mamba, std=std, dtype=dtype, rngs=rngs)
         elif kind == "gret":
@@ -45,7 +50,12 @@ class Block(nnx.Module):
             att = cfg.attention_for(kind)
             self.mixer = Attention(cfg.d_model, att, produces_kv=produces_kv, std=std, dtype=dtype, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype)
-        self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, std=std, dtype=dtype, rngs=rngs)
+        if kind == "rwkv":  # RWKV's channel mix has a token shift, so it reads and updates the layer state
+            self.mlp = RWKVChannelMix(
+                cfg.d_model, cfg.ffn_dim, layer=layer, n_layers=cfg.n_layers, std=std, dtype=dtype, rngs=rngs
+            )
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, std=std, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, cache=None, *, shared=None):
         """Returns (x, cache, view): the mixer's updated cache and the K/V view it attended to (None for
@@ -56,6 +66,9 @@ class Block(nnx.Module):
             sharing = {} if self.kv_norm is None else {"kv_x": self.kv_norm(x)}
         y, cache, view = self.mixer(self.mixer_norm(x), positions, cache, **sharing)
         x = x + y
+        if isinstance(self.mlp, RWKVChannelMix):
+            y, cache = self.mlp(self.mlp_norm(x), positions, cache)
+            return x + y, cache, view
         return x + self.mlp(self.mlp_norm(x)), cache, view
 
     def write_kv(self, x, positions, cache=None):

@@ -92,7 +92,8 @@ class Mamba(nnx.Module):
         x = jax.nn.silu(conv).astype(f32)
         dbc = self.x_proj(x.astype(u.dtype)).astype(f32)
         dt, Bm, Cm = jnp.split(dbc, [R, R + N], axis=-1)
-        delta = jax.nn.softplus(self.dt_proj(dt.astype(u.dtype)).astype(f32) + self.dt_bias[...].astype(f32)[None, None])
+        dt_bias = self.dt_bias[...].astype(f32)[None, None]
+        delta = jax.nn.softplus(self.dt_proj(dt.astype(u.dtype)).astype(f32) + dt_bias)
         A = -jnp.exp(self.A_log[...])
         a = jnp.exp(delta[..., None] * A[None, None])  # [B,T,E,N]
         b = (delta * x)[..., None] * Bm[:, :, None, :]

@@ -155,6 +155,27 @@ class SSMState:
 
 
 @struct.dataclass
+class RWKVState:
+    """RWKV-7's decoding state (Peng et al. 2025): the last time-mix and channel-mix inputs `[B,D]` (token
+    shift, model dtype) and the WKV state S `[B,N,H,H]` (fp32). Constant size whatever the sequence."""
+
+    att_shift: jax.Array
+    ffn_shift: jax.Array
+    s: jax.Array
+
+    @classmethod
+    def init(cls, batch: int, d_model: int, head_size: int, dtype):
+        return cls(
+            att_shift=jnp.zeros((batch, d_model), dtype),
+            ffn_shift=jnp.zeros((batch, d_model), dtype),
+            s=jnp.zeros((batch, d_model // head_size, head_size, head_size), jnp.float32),
+        )
+
+    def nbytes(self) -> int:
+        return self.att_shift.nbytes + self.ffn_shift.nbytes + self.s.nbytes
+
+
+@struct.dataclass
 class RetentionState:
     """Gated retention's recurrent state S `[B,N,H,H]` (fp32; YOCO sec. 2.2.2): constant size whatever the
     sequence length, so it holds no positions."""
@@ -217,7 +238,10 @@ def layer_slots(window: int | None, capacity: int) -> int:
     return capacity if window is None else min(window, capacity)
 
 
-def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[AttentionCache | LatentCache | RetentionState | SSMState, ...]:
+LayerCache = AttentionCache | LatentCache | RetentionState | SSMState | RWKVState
+
+
+def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[LayerCache, ...]:
     """Empty caches for every producer layer of the model's plan, in plan order."""
     if batch <= 0 or capacity <= 0:
         raise ValueError(f"batch={batch} and capacity={capacity} must be > 0")
@@ -230,6 +254,8 @@ def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[AttentionC
             return LatentCache.init(batch, capacity, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype)
         if kind == "gret":
             return RetentionState.init(batch, cfg.attention.n_heads, cfg.attention.head_dim)
+        if kind == "rwkv":
+            return RWKVState.init(batch, cfg.d_model, cfg.rwkv.head_size, dtype)
         if kind == "mamba":
             m = cfg.mamba
             return SSMState.init(batch, m.d_conv, m.expand * cfg.d_model, m.d_state, dtype)

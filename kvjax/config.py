@@ -17,8 +17,9 @@ import yaml
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla",)
-MIXER_KINDS = ("attention", "mla", "swa", "gret", "mamba")  # what a layer of the plan may be
-PATTERN_KINDS = ("attention", "mla", "mamba")  # what model.layer_pattern may name (YOCO places swa / gret)
+MIXER_KINDS = ("attention", "mla", "swa", "gret", "mamba", "rwkv")  # what a layer of the plan may be
+PATTERN_KINDS = ("attention", "mla", "mamba", "rwkv")  # what model.layer_pattern may name (YOCO places its own)
+RWKV_FORMS = ("scan", "associative")
 MAMBA_SCANS = ("associative", "sequential")
 YOCO_SELF_MIXERS = ("swa", "gret")
 GRET_FORMS = ("parallel", "chunkwise", "recurrent")
@@ -126,6 +127,20 @@ class MambaConfig:
         _require(self.dt_rank is None or self.dt_rank > 0, f"{p}.dt_rank", self.dt_rank, "must be > 0 or null")
         _require(0 < self.dt_min < self.dt_max, f"{p}.dt_min/dt_max", (self.dt_min, self.dt_max), "must satisfy 0 < dt_min < dt_max")
         _require(self.scan in MAMBA_SCANS, f"{p}.scan", self.scan, f"must be one of {MAMBA_SCANS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RWKVConfig:
+    """RWKV-7 layers (Peng et al. 2025): heads of `head_size` channels (d_model must be a multiple);
+    `form` is the training/prefill recurrence (`scan`: per token; `associative`: log depth). The channel
+    mix is model.ffn_dim wide."""
+
+    head_size: int = 16
+    form: str = "scan"
+
+    def __post_init__(self):
+        _positive("model.rwkv", self, "head_size")
+        _require(self.form in RWKV_FORMS, "model.rwkv.form", self.form, f"must be one of {RWKV_FORMS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +254,7 @@ class ModelConfig:
     layer_pattern: tuple[str, ...] = ("attention",)
     mla: MLAConfig = MLAConfig()
     mamba: MambaConfig = MambaConfig()
+    rwkv: RWKVConfig = RWKVConfig()
     yoco: YOCOConfig | None = None
 
     def __post_init__(self):
@@ -250,6 +266,13 @@ class ModelConfig:
             list(self.layer_pattern),
             f"must be a non-empty list of mixer kinds from {PATTERN_KINDS} (repeated to fill model.n_layers)",
         )
+        if "rwkv" in self.layer_pattern:
+            _require(
+                self.d_model % self.rwkv.head_size == 0,
+                "model.rwkv.head_size",
+                self.rwkv.head_size,
+                f"must divide model.d_model={self.d_model}",
+            )
         if self.yoco is not None:
             _require(
                 self.n_layers >= 2 and self.n_layers % 2 == 0,

@@ -9,7 +9,8 @@ figures describe a model:
   (DeepSeek-V2, sec. 2.1.2), plus the position;
 - fixed bytes per sequence: sliding-window rings at their full `window` slots, recurrent states (gated
   retention: an fp32 `n_heads x head_dim x head_dim` S; Mamba: `d_conv - 1` conv inputs of the inner
-  width plus an fp32 `inner x d_state` h), and every cache's int32 length counter.
+  width plus an fp32 `inner x d_state` h; RWKV-7: two token-shift inputs plus an fp32
+  `d_model / head_size` x head_size^2 S), and every cache's int32 length counter.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def layer_memory(cfg: ModelConfig) -> tuple[LayerMemory, ...]:
             return LayerMemory((mla.kv_lora_rank + mla.qk_rope_head_dim) * item, _INT32, _INT32, None)
         if kind == "gret":  # fp32 state S [N, H, H], nothing per token
             return LayerMemory(0, 0, cfg.attention.n_heads * cfg.attention.head_dim**2 * 4, 0)
+        if kind == "rwkv":  # two token-shift inputs [D] in the model dtype + fp32 S [N, H, H]
+            return LayerMemory(0, 0, 2 * cfg.d_model * item + cfg.d_model * cfg.rwkv.head_size * 4, 0)
         if kind == "mamba":  # conv buffer [d_conv - 1, E] in the model dtype + fp32 h [E, N]
             m, inner = cfg.mamba, cfg.mamba.expand * cfg.d_model
             return LayerMemory(0, 0, (m.d_conv - 1) * inner * item + inner * m.d_state * 4, 0)

@@ -49,3 +49,10 @@ def assert_gradient_causal(cfg, model, t: int = 11):
     grad = np.asarray(jax.grad(loss_at_t)(model.embed(tokens)))
     assert np.all(grad[:, t + 1 :] == 0)
     assert np.all(np.abs(grad[:, : t + 1]).sum(axis=-1) > 0)
+
+
+def assert_finite_on_long_sequence(cfg, model, length: int = 4096):
+    """A recurrent model's fp32 outputs stay finite over a long sequence (no overflowing state)."""
+    tokens = jax.random.randint(jax.random.key(0), (1, length), 0, cfg.vocab_size)
+    logits, _ = jax.jit(lambda t, p: model(t, p))(tokens, jnp.arange(length)[None])
+    assert np.isfinite(np.asarray(logits)).all()

@@ -10,7 +10,14 @@ from architectures.mamba import Mamba, ssm_scan_associative, ssm_scan_sequential
 from kvjax import memory
 from kvjax.cache import KVCache, SSMState, caches_nbytes, init_caches
 from kvjax.config import ConfigError, MambaConfig, load_config
-from tests.architectures.oracles import B, T, assert_cached_decode_equals_full_forward, stepper, tokens_and_positions
+from tests.architectures.oracles import (
+    B,
+    T,
+    assert_cached_decode_equals_full_forward,
+    assert_finite_on_long_sequence,
+    stepper,
+    tokens_and_positions,
+)
 
 
 def test_associative_scan_equals_sequential_scan_equals_a_python_loop():
@@ -80,10 +87,7 @@ def test_state_size_does_not_depend_on_the_sequence_and_bytes_are_exact():
 
 
 def test_outputs_stay_finite_on_4k_tokens(make_model):
-    cfg, model = make_model("hybrid-mamba-attn")
-    tokens = jax.random.randint(jax.random.key(0), (1, 4096), 0, cfg.vocab_size)
-    logits, _ = jax.jit(lambda t, p: model(t, p))(tokens, jnp.arange(4096)[None])
-    assert np.isfinite(np.asarray(logits)).all()
+    assert_finite_on_long_sequence(*make_model("hybrid-mamba-attn"))
 
 
 @pytest.mark.parametrize(

@@ -43,8 +43,8 @@ def test_user_errors_exit_2_without_traceback(tmp_path, capsys):
 @pytest.mark.slow
 def test_compare_quick_end_to_end(tmp_path, capsys):
     """One variant per kind of cache (dense, ring, cross-layer shared, latent, retention state + global
-    K/V), trained, measured and written; `kvjax compare --quick` runs the whole default list."""
-    variants = ["gqa", "swa", "cla2", "mla", "yoco-gret"]
+    K/V, RWKV state only), trained, measured and written; `kvjax compare --quick` runs the default list."""
+    variants = ["gqa", "swa", "cla2", "mla", "yoco-gret", "rwkv7"]
     assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", *variants]) == 0
     out_dir = tmp_path / "quick"
     rows = list(csv.DictReader(open(out_dir / "compare.csv")))
@@ -57,6 +57,7 @@ def test_compare_quick_end_to_end(tmp_path, capsys):
     assert 4 * by["mla"]["kv_bytes_per_token"] == by["gqa"]["kv_bytes_per_token"]
     assert 4 * by["yoco-gret"]["kv_bytes_per_token"] == by["gqa"]["kv_bytes_per_token"]
     assert by["yoco-gret"]["state_bytes_per_sequence"] > by["gqa"]["state_bytes_per_sequence"]
+    assert by["rwkv7"]["kv_bytes_per_token"] == 0 and by["rwkv7"]["state_bytes_per_sequence"] > 0
     assert json.loads((out_dir / "compare.json").read_text())["rows"][0]["variant"] == "gqa"
     assert (out_dir / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| yoco-gret " in capsys.readouterr().out

@@ -25,6 +25,11 @@ def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
             f"model.attention.window={cfg.attention.window}: LlamaForCausalLM has no sliding window; export a "
             "model with full causal attention"
         )
+    if set(cfg.mixers) != {"attention"}:
+        raise ConfigError(
+            f"model mixers {sorted(set(cfg.mixers))}: LlamaForCausalLM has only attention layers; export a model "
+            "whose model.layer_pattern is [attention] and that has no model.yoco"
+        )
     if cfg.kv_sharing.kind != "none" or cfg.kv_sharing.uses_kv_norm:
         raise ConfigError(
             f"model.kv_sharing.kind={cfg.kv_sharing.kind!r}: LlamaForCausalLM has no cross-layer K/V sharing; "

@@ -8,7 +8,13 @@ from training.hf_export import hf_state_dict
 
 @pytest.mark.parametrize(
     "name, message",
-    [("swa", "has no sliding window"), ("cla2", "has no cross-layer K/V sharing")],
+    [
+        ("swa", "has no sliding window"),
+        ("cla2", "has no cross-layer K/V sharing"),
+        ("mla", "has only attention layers"),
+        ("rwkv7", "has only attention layers"),
+        ("yoco-gret", "has only attention layers"),
+    ],
 )
 def test_export_refuses_what_llama_cannot_express(make_model, name, message):
     _, model = make_model(name, "model.n_layers=2")

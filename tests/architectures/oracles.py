@@ -56,3 +56,18 @@ def assert_finite_on_long_sequence(cfg, model, length: int = 4096):
     tokens = jax.random.randint(jax.random.key(0), (1, length), 0, cfg.vocab_size)
     logits, _ = jax.jit(lambda t, p: model(t, p))(tokens, jnp.arange(length)[None])
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def assert_ragged_prefill_continues_each_row(cfg, model):
+    """Rows of lengths T and 13, right-padded (position -1) and prefilled in chunks of 5 up to 15: row 1
+    then continues from its true end as if the padding never happened (no state or buffer saw it)."""
+    tokens, pos = tokens_and_positions(cfg.vocab_size, seed=1)
+    full, _ = model(tokens, pos)
+    ragged = jnp.where(pos < jnp.array([[T], [13]]), pos, -1)
+    step = stepper(model, jit=True)
+    caches = init_caches(cfg, B, T)
+    for start in range(0, 15, 5):
+        _, caches = step(tokens[:, start : start + 5], ragged[:, start : start + 5], caches)
+    for t in range(13, 16):
+        logits, caches = step(tokens[:, t : t + 1], jnp.full((B, 1), t), caches)
+        np.testing.assert_allclose(logits[1, 0], full[1, t], atol=2e-5, rtol=1e-5, err_msg=f"position {t}")

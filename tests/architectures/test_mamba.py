@@ -11,11 +11,9 @@ from kvjax import memory
 from kvjax.cache import KVCache, SSMState, caches_nbytes, init_caches
 from kvjax.config import ConfigError, MambaConfig, load_config
 from tests.architectures.oracles import (
-    B,
-    T,
     assert_cached_decode_equals_full_forward,
     assert_finite_on_long_sequence,
-    stepper,
+    assert_ragged_prefill_continues_each_row,
     tokens_and_positions,
 )
 
@@ -50,20 +48,8 @@ def test_cached_decode_equals_full_forward(make_model, variant):
 
 
 def test_ragged_chunked_prefill_equals_each_row_alone(make_model):
-    """Right-padded rows fed in chunks of 5: padding never enters the conv buffer nor the state."""
-    cfg, model = make_model("mamba")
-    tokens, pos = tokens_and_positions(cfg.vocab_size, seed=1)
-    full, _ = model(tokens, pos)
-    lengths = np.array([T, 13])
-    ragged = jnp.where(pos < lengths[:, None], pos, -1)
-    step = stepper(model, jit=True)
-    caches = init_caches(cfg, B, T)
-    for start in range(0, 15, 5):
-        logits, caches = step(tokens[:, start : start + 5], ragged[:, start : start + 5], caches)
-    # row 1 ended at 13 inside the last chunk; continue it one token at a time from its true position
-    for t in range(13, 16):
-        logits, caches = step(tokens[:, t : t + 1], jnp.full((B, 1), t), caches)
-        np.testing.assert_allclose(logits[1, 0], full[1, t], atol=2e-5, rtol=1e-5, err_msg=f"position {t}")
+    """Padding never enters the conv buffer nor the state."""
+    assert_ragged_prefill_continues_each_row(*make_model("mamba"))
 
 
 def test_scan_choice_gives_the_same_model(make_model):

@@ -14,11 +14,9 @@ from kvjax import DecodingConfig, Generator, memory
 from kvjax.cache import RWKVState, caches_nbytes, init_caches
 from kvjax.config import ConfigError, RWKVConfig, load_config
 from tests.architectures.oracles import (
-    B,
-    T,
     assert_cached_decode_equals_full_forward,
     assert_finite_on_long_sequence,
-    stepper,
+    assert_ragged_prefill_continues_each_row,
     tokens_and_positions,
 )
 
@@ -106,16 +104,7 @@ def test_forms_give_the_same_model(make_model):
 
 def test_ragged_chunked_prefill_and_batched_generation(make_model):
     cfg, model = make_model("rwkv7")
-    tokens, pos = tokens_and_positions(cfg.vocab_size, seed=1)
-    full, _ = model(tokens, pos)
-    ragged = jnp.where(pos < jnp.array([[T], [13]]), pos, -1)
-    step = stepper(model, jit=True)
-    caches = init_caches(cfg, B, T)
-    for start in range(0, 15, 5):
-        _, caches = step(tokens[:, start : start + 5], ragged[:, start : start + 5], caches)
-    for t in range(13, 16):  # row 1 continues from its true end, as if the padding never happened
-        logits, caches = step(tokens[:, t : t + 1], jnp.full((B, 1), t), caches)
-        np.testing.assert_allclose(logits[1, 0], full[1, t], atol=2e-5, rtol=1e-5, err_msg=f"position {t}")
+    assert_ragged_prefill_continues_each_row(cfg, model)
     gen = Generator(model, capacity=32)
     prompts = [[5, 17, 3], list(range(40, 51))]
     batch = gen(prompts, DecodingConfig(max_new_tokens=5))

@@ -68,3 +68,12 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+def last_valid(x: jax.Array, valid: jax.Array, prev: jax.Array) -> jax.Array:
+    """Each row's entry of x `[B,T,...]` at its last valid token (`valid` `[B,T]`, right-padded), or
+    `prev` `[B,...]` for a row with none: what a recurrent layer carries to the next chunk."""
+    n = valid.sum(axis=1)
+    index = jnp.maximum(n - 1, 0).reshape(-1, *([1] * (x.ndim - 1)))
+    last = jnp.take_along_axis(x, index, axis=1)[:, 0]
+    return jnp.where((n > 0).reshape(-1, *([1] * (last.ndim - 1))), last, prev.astype(last.dtype))

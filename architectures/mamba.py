@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from architectures.layers import dense
+from architectures.layers import dense, last_valid
 from kvjax.cache import SSMState
 from kvjax.config import MambaConfig
 
@@ -106,6 +106,4 @@ class Mamba(nnx.Module):
         n_valid = valid.sum(axis=1)  # the new conv buffer ends at each row's last valid input
         take = n_valid[:, None] + jnp.arange(cfg.d_conv - 1)[None, :]
         conv_state = jnp.take_along_axis(xs, take[..., None], axis=1)
-        h_last = jnp.take_along_axis(hs, jnp.maximum(n_valid - 1, 0)[:, None, None, None], axis=1)[:, 0]
-        h_last = jnp.where((n_valid > 0)[:, None, None], h_last, h0)
-        return out, SSMState(conv=conv_state.astype(state.conv.dtype), h=h_last), None
+        return out, SSMState(conv=conv_state.astype(state.conv.dtype), h=last_valid(hs, valid, h0)), None

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from architectures.layers import dense
+from architectures.layers import dense, last_valid
 from kvjax.cache import RWKVState
 from kvjax.config import RWKVConfig
 
@@ -42,13 +42,6 @@ GROUP_NORM_EPS = 64e-5  # the reference's 1e-5 * head_size_divisor**2
 def _shifted(x: jax.Array, prev: jax.Array) -> jax.Array:
     """x_{t-1} for every t of x `[B,T,D]`, with `prev` `[B,D]` before the first."""
     return jnp.concatenate([prev[:, None].astype(x.dtype), x[:, :-1]], axis=1)
-
-
-def _last_valid(x: jax.Array, valid: jax.Array, prev: jax.Array) -> jax.Array:
-    """Each row's last valid x `[B,D]` (`prev` for a row with none)."""
-    n = valid.sum(axis=1)
-    last = jnp.take_along_axis(x, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]
-    return jnp.where((n > 0)[:, None], last, prev.astype(last.dtype))
 
 
 def wkv_scan(r, w, k, v, kk, a, s0):
@@ -146,7 +139,7 @@ class RWKVTimeMix(nnx.Module):
         out = self.o(((y + bonus.reshape(B, T, D)) * g).astype(x.dtype))
         if state is None:
             return out, None, None
-        return out, state.replace(s=s, att_shift=_last_valid(x, valid[..., 0], prev)), None
+        return out, state.replace(s=s, att_shift=last_valid(x, valid[..., 0], prev)), None
 
 
 class RWKVChannelMix(nnx.Module):
@@ -164,4 +157,4 @@ class RWKVChannelMix(nnx.Module):
         out = self.value(jnp.square(jax.nn.relu(self.key(xk))))
         if state is None:
             return out, None
-        return out, state.replace(ffn_shift=_last_valid(x, positions >= 0, prev).astype(state.ffn_shift.dtype))
+        return out, state.replace(ffn_shift=last_valid(x, positions >= 0, prev).astype(state.ffn_shift.dtype))

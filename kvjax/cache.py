@@ -57,12 +57,16 @@ def _append_slots(length: jax.Array, pos: jax.Array, capacity: int) -> jax.Array
     return jnp.where(pos >= 0, slots, capacity)
 
 
-class _Positioned:
-    """What every positioned cache shares: exact bytes, and writing a chunk of tokens to given slots."""
+class _Arrays:
+    """What every cache and recurrent state shares: its exact size."""
 
     def nbytes(self) -> int:
         """Exact bytes of every array the cache holds."""
         return sum(leaf.nbytes for leaf in jax.tree.leaves(self))
+
+
+class _Positioned(_Arrays):
+    """What every positioned cache shares: writing a chunk of tokens to given slots."""
 
     def _write_slots(self, slots: jax.Array, pos: jax.Array, **payload: jax.Array):
         """Token t of row b goes to slot slots[b, t] in `pos` and in each named payload array."""
@@ -136,7 +140,7 @@ AttentionCache = KVCache | RingKVCache
 
 
 @struct.dataclass
-class SSMState:
+class SSMState(_Arrays):
     """Mamba's decoding state (Gu and Dao 2023): the last d_conv - 1 conv inputs `[B,K-1,E]` (model dtype)
     and the SSM state h `[B,E,N]` (fp32). Constant size whatever the sequence length."""
 
@@ -150,12 +154,9 @@ class SSMState:
             h=jnp.zeros((batch, d_inner, d_state), jnp.float32),
         )
 
-    def nbytes(self) -> int:
-        return self.conv.nbytes + self.h.nbytes
-
 
 @struct.dataclass
-class RWKVState:
+class RWKVState(_Arrays):
     """RWKV-7's decoding state (Peng et al. 2025): the last time-mix and channel-mix inputs `[B,D]` (token
     shift, model dtype) and the WKV state S `[B,N,H,H]` (fp32). Constant size whatever the sequence."""
 
@@ -171,12 +172,9 @@ class RWKVState:
             s=jnp.zeros((batch, d_model // head_size, head_size, head_size), jnp.float32),
         )
 
-    def nbytes(self) -> int:
-        return self.att_shift.nbytes + self.ffn_shift.nbytes + self.s.nbytes
-
 
 @struct.dataclass
-class RetentionState:
+class RetentionState(_Arrays):
     """Gated retention's recurrent state S `[B,N,H,H]` (fp32; YOCO sec. 2.2.2): constant size whatever the
     sequence length, so it holds no positions."""
 
@@ -185,9 +183,6 @@ class RetentionState:
     @classmethod
     def init(cls, batch: int, n_heads: int, head_dim: int):
         return cls(s=jnp.zeros((batch, n_heads, head_dim, head_dim), jnp.float32))
-
-    def nbytes(self) -> int:
-        return self.s.nbytes
 
 
 class LatentView(NamedTuple):

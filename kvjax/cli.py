@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvjax import memory
 from kvjax.config import ConfigError, load_config
+from kvjax.plan import KV_KINDS, SHARABLE_KINDS
 from kvjax.report import format_bytes, format_table
 
 
@@ -22,7 +23,7 @@ def _kv_shape(cfg) -> tuple[str, str]:
     """(KV heads, head dim) columns: an MLA layer caches one latent plus one shared RoPE key."""
     if "mla" in cfg.mixers:
         return "latent", f"{cfg.mla.kv_lora_rank}+{cfg.mla.qk_rope_head_dim}"
-    if not {"attention", "swa"} & set(cfg.mixers):
+    if not set(SHARABLE_KINDS) & set(cfg.mixers):
         return "-", "-"
     return str(cfg.attention.n_kv_heads), str(cfg.attention.head_dim)
 
@@ -42,7 +43,7 @@ def memory_table(names: list[str], overrides: list[str], tokens: list[int], batc
             [
                 cfg.name,
                 cfg.n_layers,
-                sum(cfg.mixers[i] in ("attention", "swa", "mla") for i in set(cfg.kv_source)),
+                sum(cfg.mixers[i] in KV_KINDS for i in set(cfg.kv_source)),
                 *_kv_shape(cfg),
                 cfg.dtype,
                 memory.kv_bytes_per_token(cfg),

@@ -13,6 +13,7 @@ from kvjax.config import MIXER_KINDS, ConfigError, ModelConfig, check_kv_source
 
 
 SHARABLE_KINDS = ("attention", "swa")  # mixers with a K/V cache another layer can attend to
+KV_KINDS = (*SHARABLE_KINDS, "mla")  # mixers that cache K/V (or an MLA latent) per token
 
 
 @dataclasses.dataclass(frozen=True)

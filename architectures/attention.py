@@ -13,7 +13,7 @@ from flax import nnx
 from architectures.layers import apply_rope, dense
 from kvjax.cache import AttentionCache, KVView, heads_first
 from kvjax.config import AttentionConfig
-from kvjax.ops import attention
+from kvjax.ops import attention, attention_probs
 
 
 class Attention(nnx.Module):
@@ -57,10 +57,25 @@ class Attention(nnx.Module):
         """
         cfg = self.cfg
         B, T, _ = x.shape
-        q = apply_rope(self.q(x).reshape(B, T, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
+        q = self.queries(x, positions)
         if shared is None:
             if not self.produces_kv:
                 raise ValueError("a layer without K/V projections attends to its producer's view: pass shared=")
             cache, shared = self.kv(x if kv_x is None else kv_x, positions, cache)
-        out = attention(q, shared.k, shared.v, positions, shared.pos, window=cfg.window, impl=cfg.impl)
+        out = attention(q, shared.k, shared.v, positions, shared.pos, **self._view_args(shared))
         return self.o(out.reshape(B, T, cfg.n_heads * cfg.head_dim)), cache, shared
+
+    def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Post-RoPE queries `[B,T,N,H]` of x `[B,T,D]`."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        return apply_rope(self.q(x).reshape(B, T, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
+
+    def probs(self, x: jax.Array, positions: jax.Array, view: KVView) -> jax.Array:
+        """Attention probabilities `[B,K,T,G,S]` of the queries of x `[B,T,D]` over `view`: what
+        attention-based KV compressors score by (kvjax.compress)."""
+        q = self.queries(x, positions)
+        return attention_probs(q, view.k, view.v, positions, view.pos, **self._view_args(view))
+
+    def _view_args(self, view: KVView) -> dict:
+        return dict(window=self.cfg.window, impl=self.cfg.impl, k_head=view.head, n_kv_heads=self.cfg.n_kv_heads)

@@ -12,7 +12,7 @@ from architectures.mamba import Mamba
 from architectures.mla import MLA
 from architectures.retention import GatedRetention
 from architectures.rwkv import RWKVChannelMix, RWKVTimeMix
-from kvjax.cache import LayerCache
+from kvjax.cache import KVCache, LatentCache, LayerCache, PooledKVCache
 from kvjax.config import ModelConfig
 from kvjax.plan import SHARABLE_KINDS, LayerPlan
 
@@ -71,6 +71,11 @@ class Block(nnx.Module):
             return x + y, cache, view
         return x + self.mlp(self.mlp_norm(x)), cache, view
 
+    def observe(self, x, positions, view):
+        """Attention probabilities of this block's queries for inputs x `[B,W,D]` over `view` (see
+        `Attention.probs`, `MLA.probs`)."""
+        return self.mixer.probs(self.mixer_norm(x), positions, view)
+
     def write_kv(self, x, positions, cache=None):
         """Only this producer's K/V of x `[B,T,D]`, written to `cache`: (cache, view)."""
         kv_x = self.mixer_norm(x) if self.kv_norm is None else self.kv_norm(x)
@@ -115,14 +120,24 @@ class Decoder(nnx.Module):
         """The blocks and the final norm over embeddings x `[B,T,D]`; returns (hidden, caches)."""
         if caches is not None and len(caches) != len(self.plan.producers):
             raise ValueError(f"got {len(caches)} caches; the plan has {len(self.plan.producers)} producers")
-        x, caches = self._run(x, positions, caches, self.plan.n_layers)
+        x, caches, _ = self._run(x, positions, caches, self.plan.n_layers)
         return self.final_norm(x), caches
 
-    def _run(self, x, positions, caches, stop: int):
+    def observe(self, tokens, positions, caches, obs_index, reduce):
+        """`hidden` that also observes attention for KV compressors (kvjax.compress): for each producer
+        whose cache keeps tokens (KVCache, PooledKVCache, LatentCache), `reduce(probs, obs_pos, view)`
+        of the probabilities `[B,K,W,G,S]` of the queries at token indices obs_index `[B,W]` (-1: none)
+        over its updated cache. Returns (hidden, caches, one reduction per producer or None)."""
+        x, caches, observed = self._run(self.embed(tokens), positions, caches, self.plan.n_layers, (obs_index, reduce))
+        return self.final_norm(x), caches, observed
+
+    def _run(self, x, positions, caches, stop: int, observe=None):
         """Blocks 0..stop-1: producers write their cache (one per producer, in plan order); a consumer
-        attends to the K/V view its producer attended to in this same call."""
+        attends to the K/V view its producer attended to in this same call. With `observe`
+        (obs_index, reduce), see `observe`."""
         plan = self.plan
         new_caches = None if caches is None else list(caches)
+        observed = [None] * len(plan.producers)
         views = {}
         for i, block in enumerate(self.blocks[:stop]):
             src = plan.kv_source[i]
@@ -131,10 +146,16 @@ class Decoder(nnx.Module):
                 continue
             slot = plan.cache_index(i)
             cache = None if caches is None else caches[slot]
+            x_in = x
             x, cache, views[i] = block(x, positions, cache)
             if new_caches is not None:
                 new_caches[slot] = cache
-        return x, None if new_caches is None else tuple(new_caches)
+            if observe is not None and isinstance(cache, KVCache | PooledKVCache | LatentCache):
+                obs_index, reduce = observe
+                x_obs = jnp.take_along_axis(x_in, jnp.maximum(obs_index, 0)[:, :, None], axis=1)
+                obs_pos = jnp.where(obs_index >= 0, jnp.take_along_axis(positions, jnp.maximum(obs_index, 0), axis=1), -1)
+                observed[slot] = reduce(block.observe(x_obs, obs_pos, views[i]), obs_pos, views[i])
+        return x, None if new_caches is None else tuple(new_caches), tuple(observed)
 
     @property
     def tail_start(self) -> int:
@@ -157,7 +178,7 @@ class Decoder(nnx.Module):
         if e == self.plan.n_layers:
             hidden, caches = self.hidden(tokens, positions, caches)
             return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], caches
-        x, caches = self._run(self.embed(tokens), positions, caches, e)
+        x, caches, _ = self._run(self.embed(tokens), positions, caches, e)
         caches = list(caches)
         slot = self.plan.cache_index(e)
         caches[slot], view = self.blocks[e].write_kv(x, positions, caches[slot])

@@ -56,9 +56,7 @@ class MLA(nnx.Module):
         cfg, att = self.cfg, self.att
         B, T, _ = x.shape
         N = att.n_heads
-        q = self.q_up(self.q_norm(self.q_down(x))) if cfg.q_lora_rank else self.q(x)
-        q_nope, q_rope = jnp.split(q.reshape(B, T, N, -1), [cfg.qk_nope_head_dim], axis=-1)
-        q_rope = apply_rope(q_rope, positions, att.rope_theta)
+        q_nope, q_rope = self.queries(x, positions)
         c = self.kv_down(x)
         c = c if self.kv_norm is None else self.kv_norm(c)
         k_rope = apply_rope(self.k_rope(x)[:, :, None, :], positions, att.rope_theta)[:, :, 0]
@@ -69,6 +67,31 @@ class MLA(nnx.Module):
         attend_fn = self._absorbed if cfg.absorb else self._naive
         out = attend_fn(q_nope, q_rope, view, positions)  # [B,T,N,Dv]
         return self.o(out.reshape(B, T, N * cfg.v_head_dim)), cache, view
+
+    def queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(q_C `[B,T,N,d_nope]`, RoPE'd q_R `[B,T,N,d_R]`) of x `[B,T,D]` (eqs. 12-14, 16)."""
+        cfg, att = self.cfg, self.att
+        B, T, _ = x.shape
+        q = self.q_up(self.q_norm(self.q_down(x))) if cfg.q_lora_rank else self.q(x)
+        q_nope, q_rope = jnp.split(q.reshape(B, T, att.n_heads, -1), [cfg.qk_nope_head_dim], axis=-1)
+        return q_nope, apply_rope(q_rope, positions, att.rope_theta)
+
+    def probs(self, x: jax.Array, positions: jax.Array, view: LatentView) -> jax.Array:
+        """Attention probabilities `[B,1,T,N,S]` of the queries of x over the latent view (one shared
+        "KV head", as in the absorbed form; the naive form has the same probabilities)."""
+        return self._latent_probs(*self.queries(x, positions), view, positions)
+
+    def _latent_probs(self, q_nope, q_rope, view: LatentView, positions) -> jax.Array:
+        cfg = self.cfg
+        N = q_nope.shape[2]
+        w_uk = self.k_up.kernel[...].reshape(cfg.kv_lora_rank, N, cfg.qk_nope_head_dim)
+        q_latent = jnp.einsum("BTNd,CNd->BTNC", q_nope, w_uk)
+        f32 = jnp.float32
+        logits = jnp.einsum("BTNC,BSC->BTNS", q_latent, view.c, preferred_element_type=f32) + jnp.einsum(
+            "BTNR,BSR->BTNS", q_rope, view.k_rope, preferred_element_type=f32
+        )
+        # One shared "KV head": the [B,1,T,N,S] layout of the attention op with K = 1, G = N.
+        return masked_softmax(logits[:, None] * self.scale, positions, view.pos)
 
     def _naive(self, q_nope, q_rope, view: LatentView, positions) -> jax.Array:
         """Expand per-head keys and values from the latents, then standard attention."""
@@ -88,14 +111,7 @@ class MLA(nnx.Module):
         """Attend over the latents: W_UK moves into the query, W_UV onto the d_c-dim output."""
         cfg = self.cfg
         N = q_nope.shape[2]
-        w_uk = self.k_up.kernel[...].reshape(cfg.kv_lora_rank, N, cfg.qk_nope_head_dim)
         w_uv = self.v_up.kernel[...].reshape(cfg.kv_lora_rank, N, cfg.v_head_dim)
-        q_latent = jnp.einsum("BTNd,CNd->BTNC", q_nope, w_uk)
-        f32 = jnp.float32
-        logits = jnp.einsum("BTNC,BSC->BTNS", q_latent, view.c, preferred_element_type=f32) + jnp.einsum(
-            "BTNR,BSR->BTNS", q_rope, view.k_rope, preferred_element_type=f32
-        )
-        # One shared "KV head": the [B,1,T,N,S] layout of the attention op with K = 1, G = N.
-        probs = masked_softmax(logits[:, None] * self.scale, positions, view.pos)
+        probs = self._latent_probs(q_nope, q_rope, view, positions)
         out_latent = attend(probs, view.c[:, None])  # [B,T,N,Dc]
         return jnp.einsum("BTNC,CNd->BTNd", out_latent, w_uv).astype(q_nope.dtype)

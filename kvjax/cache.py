@@ -23,11 +23,14 @@ from kvjax.plan import LayerPlan
 
 
 class KVView(NamedTuple):
-    """What a chunk of queries attends to: keys and values `[B,K,S,H]` and their positions `[B,S]`."""
+    """What a chunk of queries attends to: keys and values `[B,K,S,H]` and their positions `[B,S]` (or
+    `[B,K,S]` once heads hold different tokens). A pooled view has k, v `[B,P,H]`, pos `[B,P]` and each
+    entry's KV head `head` `[B,P]`."""
 
     k: jax.Array
     v: jax.Array
     pos: jax.Array
+    head: jax.Array | None = None
 
 
 def _check_chunk(cache, k, v, pos) -> None:
@@ -43,11 +46,11 @@ def heads_first(x: jax.Array) -> jax.Array:
     return x.transpose(0, 2, 1, 3)
 
 
-def _scatter(buf: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:
+def _scatter(buf: jax.Array, slots: jax.Array, values: jax.Array, head_major: bool) -> jax.Array:
     """Token t of row b goes to slot slots[b, t] (slots outside [0, S) are dropped): for token-major
-    buf `[B,S,...]` and values `[B,T,...]`, or for head-major K/V buf `[B,K,S,H]` and values `[B,T,K,H]`."""
+    buf `[B,S,...]` and values `[B,T,...]`, or for head-major buf `[B,K,S,...]` and values `[B,T,K,...]`."""
     rows = jnp.arange(buf.shape[0])[:, None]
-    index = (rows, slice(None), slots) if buf.ndim == 4 else (rows, slots)
+    index = (rows, slice(None), slots) if head_major else (rows, slots)
     return buf.at[index].set(values.astype(buf.dtype), mode="drop")
 
 
@@ -68,12 +71,20 @@ class _Arrays:
 class _Positioned(_Arrays):
     """What every positioned cache shares: writing a chunk of tokens to given slots."""
 
+    _HEAD_MAJOR: tuple[str, ...] = ()  # payload fields stored `[B,K,S,...]`
+
     def _write_slots(self, slots: jax.Array, pos: jax.Array, **payload: jax.Array):
-        """Token t of row b goes to slot slots[b, t] in `pos` and in each named payload array."""
+        """Token t of row b goes to slot slots[b, t] in `pos` and in each named payload array. Per-head
+        positions `[B,K,S]` (a head-wise compressed cache) get the token's position in every head."""
+        per_head = self.pos.ndim == 3
+        pos_values = jnp.broadcast_to(pos[:, :, None], (*pos.shape, self.pos.shape[1])) if per_head else pos
         return self.replace(
-            pos=_scatter(self.pos, slots, pos),
+            pos=_scatter(self.pos, slots, pos_values, per_head),
             length=self.length + (pos >= 0).sum(axis=1, dtype=jnp.int32),
-            **{name: _scatter(getattr(self, name), slots, value) for name, value in payload.items()},
+            **{
+                name: _scatter(getattr(self, name), slots, value, name in self._HEAD_MAJOR)
+                for name, value in payload.items()
+            },
         )
 
 
@@ -83,8 +94,10 @@ class _SlotCache(_Positioned):
 
     k: jax.Array  # [B,K,S,H], head-major (see kvjax.ops)
     v: jax.Array  # [B,K,S,H]
-    pos: jax.Array  # [B,S] int32, -1 for an empty slot
-    length: jax.Array  # [B] int32, tokens written so far
+    pos: jax.Array  # [B,S] int32, -1 for an empty slot; [B,K,S] after head-wise compression
+    length: jax.Array  # [B] int32, slots filled (the next token goes to slot `length`)
+
+    _HEAD_MAJOR = ("k", "v")
 
     @classmethod
     def init(cls, batch: int, capacity: int, n_kv_heads: int, head_dim: int, dtype):
@@ -136,7 +149,47 @@ class RingKVCache(_SlotCache):
         return new, view
 
 
-AttentionCache = KVCache | RingKVCache
+@struct.dataclass
+class PooledKVCache(_Positioned):
+    """One pool of KV entries per sequence shared by all KV heads, each entry tagged with its head: what
+    AdaKV's per-head budgets need to really shrink memory (Feng et al. 2024, arXiv 2407.11550, where a
+    flattened variable-length layout does this). Heads keep different numbers of tokens, yet shapes stay
+    static: the pool holds P = (sum of head budgets) + headroom entries.
+
+    k, v `[B,P,H]`; pos `[B,P]` (-1 empty); head `[B,P]` int32 (the entry's KV head); length `[B]`
+    (entries filled). A new token appends one entry per KV head; attention masks entries of other heads
+    (`kvjax.ops.attention` with `k_head`)."""
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    head: jax.Array
+    length: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[PooledKVCache, KVView]:
+        """Append a chunk k, v `[B,T,K,H]` (pos `[B,T]`, -1 padding): K entries per token, head-major
+        within the token."""
+        B, T, K, H = k.shape
+        if v.shape != k.shape or pos.shape != (B, T) or B != self.k.shape[0] or H != self.k.shape[2]:
+            raise ValueError(f"new k {k.shape} / v {v.shape} / pos {pos.shape} must be [B, T, K, H={self.k.shape[2]}]")
+        flat_pos = jnp.repeat(pos, K, axis=1)
+        slots = jnp.where(flat_pos >= 0, self.length[:, None] + jnp.cumsum(flat_pos >= 0, axis=1) - 1, self.capacity)
+        heads = jnp.broadcast_to(jnp.tile(jnp.arange(K, dtype=jnp.int32), T)[None], (B, T * K))
+        new = self.replace(
+            k=_scatter(self.k, slots, k.reshape(B, T * K, H), False),
+            v=_scatter(self.v, slots, v.reshape(B, T * K, H), False),
+            pos=_scatter(self.pos, slots, flat_pos, False),
+            head=_scatter(self.head, slots, heads, False),
+            length=self.length + (flat_pos >= 0).sum(axis=1, dtype=jnp.int32),
+        )
+        return new, KVView(new.k, new.v, new.pos, new.head)
+
+
+AttentionCache = KVCache | RingKVCache | PooledKVCache
 
 
 @struct.dataclass

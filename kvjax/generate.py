@@ -17,6 +17,9 @@ import numpy as np
 from flax import nnx, struct
 
 from kvjax.cache import init_caches
+from kvjax.compress import Policy, check_policy, compress_caches, compressible, plan_stages
+from kvjax.compress.apply import observe_fn
+from kvjax.compress.scorers import observed_queries
 from kvjax.config import DecodingConfig
 from kvjax.sampling import sample
 
@@ -44,6 +47,7 @@ class _LoopState:
     n_generated: jax.Array  # [B]
     rng: jax.Array
     caches: tuple
+    stats: tuple  # per cache: the decode-time policy's running statistic (H2O's attention sums), or None
 
 
 def prompt_bucket(length: int, capacity: int) -> int:
@@ -60,10 +64,48 @@ def _prefill(graphdef, params, tokens, lengths, *, capacity):
     return model.logits(last), caches
 
 
-def _decode(graphdef, params, caches, logits, lengths, rng, *, n_new, sampling, eos_id, pad_id):
+def _prefill_compressed(graphdef, params, tokens, lengths, obs_index, arrays, *, capacity, statics, slots):
+    """Prefill that observes the attention the policy's scorers need, then compresses the caches.
+    Runs every layer on every prompt token (no early exit): the scorers read every producer's queries."""
+    model = nnx.merge(graphdef, params)
+    B, T = tokens.shape
+    idx = jnp.arange(T, dtype=jnp.int32)[None, :]
+    positions = jnp.where(idx < lengths[:, None], idx, -1)
+    reduce = observe_fn(tuple(static[0] for static in statics))
+    hidden, caches, observed = model.observe(tokens, positions, init_caches(model.config, B, capacity), obs_index, reduce)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    caches, stats = compress_caches(caches, observed, statics, arrays, lengths - 1, slots)
+    return model.logits(last), caches, stats
+
+
+def _decode_step(model, tokens, pos, caches, stats, step, evict):
+    """One decode step; with `evict` (the decode-time policy: static, arrays, slots) the step also
+    observes its query's attention and, every `every` steps, evicts back to the budget."""
+    if evict is None:
+        logits, caches = model(tokens, pos, caches)
+        return logits, caches, stats
+    static, arrays, slots = evict
+    stage = static[0]
+    obs = jnp.zeros(tokens.shape, jnp.int32)
+    hidden, caches, observed = model.observe(tokens, pos, caches, obs, observe_fn((stage,)))
+    running = tuple(
+        None if o is None or o[0] is None else (o[0] + st if stage.method == "h2o" else o[0])
+        for o, st in zip(observed, stats)
+    )
+    as_observed = tuple(None if st is None else (st,) for st in running)
+
+    def compress(caches, running):
+        return compress_caches(caches, as_observed, (static,), (arrays,), pos[:, 0], slots)
+
+    caches, stats = jax.lax.cond(step % stage.every == 0, compress, lambda c, r: (c, r), caches, running)
+    return model.logits(hidden), caches, stats
+
+
+def _decode(graphdef, params, caches, logits, lengths, rng, stats, evict_arrays, *, n_new, sampling, eos_id, pad_id, evict):
     """Sample n_new tokens: the first from the prefill logits, each next one after a decode step."""
     model = nnx.merge(graphdef, params)
     B = logits.shape[0]
+    evict = None if evict is None else (evict[0], evict_arrays, evict[1])
 
     def pick(logits, rng, done):
         tok = sample(logits, rng, **dict(sampling))
@@ -81,6 +123,7 @@ def _decode(graphdef, params, caches, logits, lengths, rng, *, n_new, sampling, 
         n_generated=jnp.ones((B,), jnp.int32),
         rng=rng,
         caches=caches,
+        stats=stats,
     )
 
     def cond(s: _LoopState):
@@ -89,7 +132,7 @@ def _decode(graphdef, params, caches, logits, lengths, rng, *, n_new, sampling, 
     def body(s: _LoopState):
         prev = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
         pos = (lengths + s.step - 1)[:, None]
-        logits, caches = model(prev, pos, s.caches)
+        logits, caches, stats = _decode_step(model, prev, pos, s.caches, s.stats, s.step, evict)
         rng, sub = jax.random.split(s.rng)
         tok, logp, done = pick(logits[:, 0], sub, s.done)
         return _LoopState(
@@ -100,6 +143,7 @@ def _decode(graphdef, params, caches, logits, lengths, rng, *, n_new, sampling, 
             n_generated=s.n_generated + (~s.done).astype(jnp.int32),
             rng=rng,
             caches=caches,
+            stats=stats,
         )
 
     final = jax.lax.while_loop(cond, body, state)
@@ -107,24 +151,36 @@ def _decode(graphdef, params, caches, logits, lengths, rng, *, n_new, sampling, 
 
 
 class Generator:
-    """Compiled generation for one model and cache capacity; reuse it to compile once per shape.
+    """Compiled generation for one model, cache capacity and (optional) compression policy; reuse it to
+    compile once per shape.
 
-    The model's weights are captured when the Generator is made (`nnx.split`); make a new one after
-    changing them.
+    `capacity` is the prefill cache: it must hold the prompt plus the new tokens, or only the prompt
+    when the policy holds a fixed budget during decoding (`every=`). The model's weights are captured
+    when the Generator is made (`nnx.split`); make a new one after changing them.
     """
 
-    def __init__(self, model: nnx.Module, *, capacity: int):
+    def __init__(self, model: nnx.Module, *, capacity: int, policy: Policy | None = None):
         if capacity <= 0:
             raise ValueError(f"capacity={capacity} must be > 0")
         self.config = model.config
         self.capacity = capacity
+        self.policy = policy
+        if policy is not None:
+            check_policy(policy, self.config)
         graphdef, self.params = nnx.split(model)
         self._prefill = jax.jit(partial(_prefill, graphdef), static_argnames=("capacity",))
+        self._prefill_compressed = jax.jit(
+            partial(_prefill_compressed, graphdef), static_argnames=("capacity", "statics", "slots")
+        )
         self._decode = jax.jit(
             partial(_decode, graphdef),
-            static_argnames=("n_new", "sampling", "eos_id", "pad_id"),
+            static_argnames=("n_new", "sampling", "eos_id", "pad_id", "evict"),
             donate_argnames=("caches",),
         )
+
+    @property
+    def _holds_budget(self) -> bool:
+        return self.policy is not None and self.policy.decode_stage is not None
 
     def pad(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Right-pad prompts to their bucket length; checks everything before any compute."""
@@ -134,9 +190,10 @@ class Generator:
         if lengths.min() == 0:
             raise ValueError(f"prompt {int(lengths.argmin())} is empty; every prompt needs >= 1 token")
         longest = int(lengths.max())
-        if longest + max_new_tokens > self.capacity:
+        new = 0 if self._holds_budget else max_new_tokens
+        if longest + new > self.capacity:
             raise ValueError(
-                f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} needs {longest + max_new_tokens}"
+                f"prompt of {longest} tokens + max_new_tokens={new} needs {longest + new}"
                 f" cache slots but the capacity is {self.capacity}; raise capacity or shorten the prompt"
             )
         tokens = np.zeros((len(prompts), prompt_bucket(longest, self.capacity)), np.int32)
@@ -151,21 +208,58 @@ class Generator:
         """Padded prompts `[B,T]` -> next-token logits `[B,V]` and caches holding the prompts."""
         return self._prefill(self.params, tokens, lengths, capacity=self.capacity)
 
+    def compression_plan(self, lengths: np.ndarray, max_new_tokens: int):
+        """The policy's budgets for prompts of `lengths` (checked here, before any compute)."""
+        decode = self.policy.decode_stage
+        headroom = decode.every if decode is not None else max_new_tokens
+        return plan_stages(self.config, self.policy.stages, lengths, headroom)
+
+    def prefill_compressed(self, tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int):
+        """Prefill, then compress with the policy: (logits `[B,V]`, compressed caches, scorer statistics
+        for decode-time eviction). The caches leave room for max_new_tokens (or the policy's `every`)."""
+        plans = self.compression_plan(lengths, max_new_tokens)
+        window = max(observed_queries(st, tokens.shape[1]) for st in self.policy.stages)
+        obs_index = np.asarray(lengths)[:, None] - max(window, 1) + np.arange(max(window, 1))[None, :]
+        return self._prefill_compressed(
+            self.params,
+            tokens,
+            lengths,
+            np.where(obs_index >= 0, obs_index, -1).astype(np.int32),
+            tuple(p.arrays for p in plans),
+            capacity=self.capacity,
+            statics=tuple(p.static for p in plans),
+            slots=compressible(self.config),
+        )
+
     def decode(
-        self, caches: tuple, logits: jax.Array, lengths: np.ndarray, decoding: DecodingConfig, rng: jax.Array
+        self,
+        caches: tuple,
+        logits: jax.Array,
+        lengths: np.ndarray,
+        decoding: DecodingConfig,
+        rng: jax.Array,
+        stats: tuple | None = None,
     ) -> GenerationResult:
-        """Sample `decoding.max_new_tokens` tokens after a prefill; the caches are donated (consumed)."""
+        """Sample `decoding.max_new_tokens` tokens after a prefill; the caches are donated (consumed).
+        With a policy that holds its budget, pass the `stats` that `prefill_compressed` returned."""
         sampling = (("temperature", decoding.temperature), ("top_k", decoding.top_k), ("top_p", decoding.top_p))
+        evict, arrays = None, None
+        if self._holds_budget:
+            last = self.compression_plan(lengths, decoding.max_new_tokens)[-1]
+            evict, arrays = (last.static, compressible(self.config)), last.arrays
         out, logprobs, n_generated, caches = self._decode(
             self.params,
             caches,
             logits,
             jnp.asarray(lengths),
             rng,
+            stats if stats is not None else (None,) * len(caches),
+            arrays,
             n_new=decoding.max_new_tokens,
             sampling=sampling,
             eos_id=decoding.eos_id,
             pad_id=decoding.eos_id or 0,
+            evict=evict,
         )
         return GenerationResult(np.asarray(out), np.asarray(logprobs), np.asarray(n_generated), caches)
 
@@ -178,8 +272,11 @@ class Generator:
     ) -> GenerationResult:
         tokens, lengths = self.pad(prompts, decoding.max_new_tokens)
         rng = jax.random.key(decoding.seed) if rng is None else rng
-        logits, caches = self.prefill(tokens, lengths)
-        return self.decode(caches, logits, lengths, decoding, rng)
+        if self.policy is None:
+            logits, caches = self.prefill(tokens, lengths)
+            return self.decode(caches, logits, lengths, decoding, rng)
+        logits, caches, stats = self.prefill_compressed(tokens, lengths, decoding.max_new_tokens)
+        return self.decode(caches, logits, lengths, decoding, rng, stats)
 
 
 def default_capacity(prompts: Sequence[Sequence[int]], max_new_tokens: int, multiple: int = 64) -> int:
@@ -195,7 +292,9 @@ def generate(
     *,
     capacity: int | None = None,
     rng: jax.Array | None = None,
+    policy: Policy | None = None,
 ) -> GenerationResult:
-    """Generate from a batch of token-id prompts. One-off convenience; use `Generator` to reuse compiles."""
+    """Generate from a batch of token-id prompts, optionally compressing the cache with `policy`. One-off
+    convenience; use `Generator` to reuse compiles."""
     capacity = default_capacity(prompts, decoding.max_new_tokens) if capacity is None else capacity
-    return Generator(model, capacity=capacity)(prompts, decoding, rng=rng)
+    return Generator(model, capacity=capacity, policy=policy)(prompts, decoding, rng=rng)

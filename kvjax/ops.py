@@ -22,29 +22,59 @@ _MASKED = -1e30
 
 
 def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None = None) -> jax.Array:
-    """Boolean mask `[B,T,S]`: which keys each query may attend to, from positions alone."""
-    q = q_pos[:, :, None]
-    k = k_pos[:, None, :]
+    """Boolean mask: which keys each query may attend to, from positions alone. `[B,T,S]` for key
+    positions shared by every KV head `[B,S]`; `[B,K,T,S]` for per-head positions `[B,K,S]` (a cache
+    compressed head by head keeps different tokens in each head)."""
+    if k_pos.ndim == 2:
+        q, k = q_pos[:, :, None], k_pos[:, None, :]
+    else:
+        q, k = q_pos[:, None, :, None], k_pos[:, :, None, :]
     mask = (k >= 0) & (k <= q)
     if window is not None:
         mask &= q - k < window
     return mask
 
 
-def _check(q, k, v, q_pos, k_pos, window, impl) -> None:
+def _grouped_mask(q_pos, k_pos, window, k_head, n_kv_heads) -> jax.Array:
+    """`visible` laid out as `[B,K|1,T,1,S]` for `[B,K,T,G,S]` logits; with `k_head` `[B,S]` (a pooled
+    cache, see `kvjax.cache.PooledKVCache`) a key is visible only to the query heads of its KV head."""
+    mask = visible(q_pos, k_pos, window)
+    mask = mask[:, None, :, None, :] if mask.ndim == 3 else mask[:, :, :, None, :]
+    if k_head is not None:
+        own = k_head[:, None, :] == jnp.arange(n_kv_heads, dtype=k_head.dtype)[None, :, None]  # [B,K,S]
+        mask = mask & own[:, :, None, None, :]
+    return mask
+
+
+def _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads) -> int:
+    """Validates shapes; returns the number of KV heads K."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r} must be one of {IMPLS}")
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"q {q.shape} must be [B,T,N,H]; k {k.shape} [B,K,S,H] and v {v.shape} [B,K,S,Hv]")
-    (B, T, N, H), (Bk, K, S, Hk) = q.shape, k.shape
+    if k_head is None:
+        if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+            raise ValueError(f"q {q.shape} must be [B,T,N,H]; k {k.shape} [B,K,S,H] and v {v.shape} [B,K,S,Hv]")
+        K, S = k.shape[1], k.shape[2]
+    else:
+        if q.ndim != 4 or k.ndim != 3 or v.ndim != 3 or v.shape[:2] != k.shape[:2] or k_head.shape != k.shape[:2]:
+            raise ValueError(
+                f"pooled attention: q {q.shape} must be [B,T,N,H]; k {k.shape} [B,P,H], v {v.shape} [B,P,Hv] "
+                f"and k_head {k_head.shape} [B,P]"
+            )
+        if n_kv_heads is None:
+            raise ValueError("pooled attention (k_head given) needs n_kv_heads")
+        K, S = n_kv_heads, k.shape[1]
+    (B, T, N, H), Bk, Hk = q.shape, k.shape[0], k.shape[-1]
     if B != Bk or H != Hk:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head_dim")
     if N % K:
         raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
-    if q_pos.shape != (B, T) or k_pos.shape != (B, S):
-        raise ValueError(f"q_pos {q_pos.shape} must be {(B, T)} and k_pos {k_pos.shape} must be {(B, S)}")
+    if q_pos.shape != (B, T) or k_pos.shape not in ((B, S), (B, K, S)) or (k_head is not None and k_pos.ndim == 3):
+        raise ValueError(
+            f"q_pos {q_pos.shape} must be {(B, T)} and k_pos {k_pos.shape} must be {(B, S)} or, per head, {(B, K, S)}"
+        )
     if window is not None and window <= 0:
         raise ValueError(f"window={window} must be > 0 or None")
+    return K
 
 
 def attention(
@@ -57,35 +87,53 @@ def attention(
     window: int | None = None,
     scale: float | None = None,
     impl: str = "xla",
+    k_head: jax.Array | None = None,
+    n_kv_heads: int | None = None,
 ) -> jax.Array:
     """softmax(q k^T * scale, masked by positions) v, for q `[B,T,N,H]`, k `[B,K,S,H]`, v `[B,K,S,Hv]`.
 
     Returns `[B,T,N,Hv]` in q's dtype; a query that sees no key (padding) gets zeros. `scale` defaults
-    to 1/sqrt(H).
+    to 1/sqrt(H). k_pos is `[B,S]`, or `[B,K,S]` when each KV head holds different tokens. A pooled
+    cache passes k `[B,P,H]`, v `[B,P,Hv]`, k_pos `[B,P]`, each entry's KV head `k_head` `[B,P]` and
+    `n_kv_heads`.
     """
-    _check(q, k, v, q_pos, k_pos, window, impl)
+    probs = attention_probs(
+        q, k, v, q_pos, k_pos, window=window, scale=scale, impl=impl, k_head=k_head, n_kv_heads=n_kv_heads
+    )
+    return attend(probs, v).astype(q.dtype)
+
+
+def attention_probs(
+    q, k, v, q_pos, k_pos, *, window=None, scale=None, impl="xla", k_head=None, n_kv_heads=None
+) -> jax.Array:
+    """The attention probabilities `[B,K,T,G,S]` (fp32) of `attention`, which compressors also observe."""
+    K = _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads)
     B, T, N, H = q.shape
-    K = k.shape[1]
     scale = H**-0.5 if scale is None else scale
     q_BTKGH = q.reshape(B, T, K, N // K, H)
-    logits = jnp.einsum("BTKGH,BKSH->BKTGS", q_BTKGH, k, preferred_element_type=jnp.float32) * scale
-    return attend(masked_softmax(logits, q_pos, k_pos, window), v).astype(q.dtype)
+    spec = "BTKGH,BKSH->BKTGS" if k_head is None else "BTKGH,BSH->BKTGS"
+    logits = jnp.einsum(spec, q_BTKGH, k, preferred_element_type=jnp.float32) * scale
+    return masked_softmax(logits, q_pos, k_pos, window, k_head=k_head)
 
 
-def masked_softmax(logits: jax.Array, q_pos: jax.Array, k_pos: jax.Array, window: int | None = None) -> jax.Array:
-    """Attention probabilities from fp32 logits `[B,K,T,G,S]`, masked by positions (`visible`); a query
-    that sees no key gets all zeros."""
+def masked_softmax(
+    logits: jax.Array, q_pos: jax.Array, k_pos: jax.Array, window: int | None = None, *, k_head=None
+) -> jax.Array:
+    """Attention probabilities from fp32 logits `[B,K,T,G,S]`, masked by positions (`visible`) and, for a
+    pooled cache, by each entry's KV head; a query that sees no key gets all zeros."""
     # Every [.., T, G, S] tensor is in the order the dot emits; asking for [.., G, T, S] made XLA:CPU
     # transpose the logits inside each mask op (half of a 2k-token prefill's time).
     # jax.nn.softmax rather than a hand-fused one: its backward rule kept training 1.6-2x faster.
-    mask = visible(q_pos, k_pos, window)[:, None, :, None, :]  # [B,1,T,1,S]
+    mask = _grouped_mask(q_pos, k_pos, window, k_head, logits.shape[1])
     return jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, _MASKED), axis=-1), 0.0)
 
 
 def attend(probs: jax.Array, v: jax.Array) -> jax.Array:
-    """Probabilities `[B,K,T,G,S]` times values `[B,K,S,Hv]` -> `[B,T,K*G,Hv]` (query heads grouped by K)."""
+    """Probabilities `[B,K,T,G,S]` times values `[B,K,S,Hv]` (or a pool's `[B,S,Hv]`) -> `[B,T,K*G,Hv]`
+    (query heads grouped by K)."""
     B, K, T, G, _ = probs.shape
     # Output in the dot's natural order, then transposed (a T-sized copy): asking the einsum for
     # BTKGH directly made XLA:CPU pick a 9x slower dot.
-    out_BKTGH = jnp.einsum("BKTGS,BKSH->BKTGH", probs.astype(v.dtype), v)
+    spec = "BKTGS,BKSH->BKTGH" if v.ndim == 4 else "BKTGS,BSH->BKTGH"
+    out_BKTGH = jnp.einsum(spec, probs.astype(v.dtype), v)
     return out_BKTGH.transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, v.shape[-1])

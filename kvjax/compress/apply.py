@@ -1,0 +1,189 @@
+"""Running a policy over a model's caches: the host-side budget plan (checked before any compute) and
+the pure, jit-able compression of every compressible cache.
+
+Compressible caches are those that grow with the sequence: attention producers without a window
+(the GQA family, CLA / MLKV producers, YOCO's global cache) and MLA's latent cache. Sliding-window
+rings, gated retention, Mamba and RWKV states are left as they are (already bounded). MLA has one
+latent per token shared by all heads, so head-wise methods (AdaKV) do not apply, key norm has no keys
+to measure and CaM has no separate values to merge: those raise a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import KVCache, LatentCache
+from kvjax.compress import reducers, scorers
+from kvjax.compress.policy import Policy, Stage, stage_counts
+from kvjax.config import ConfigError, ModelConfig
+from kvjax.plan import LayerPlan
+
+_INT32 = 4
+
+
+def compressible(cfg: ModelConfig) -> tuple[int, ...]:
+    """Cache indices (positions in the model's cache tuple) of the caches a policy compresses."""
+    plan = LayerPlan.from_config(cfg)
+    out = []
+    for slot, layer in enumerate(plan.producers):
+        kind = plan.mixers[layer]
+        if kind == "mla" or (kind in ("attention", "swa") and cfg.attention_for(kind).window is None):
+            out.append(slot)
+    return tuple(out)
+
+
+def check_policy(policy: Policy, cfg: ModelConfig) -> None:
+    """Errors for a policy this model cannot run, before any compute."""
+    slots = compressible(cfg)
+    if not slots:
+        raise ConfigError(
+            f"model {cfg.name!r} has no cache that grows with the sequence (layers: {sorted(set(cfg.mixers))}); "
+            "there is nothing for a token-level policy to compress"
+        )
+    mla = "mla" in cfg.mixers
+    for i, stage in enumerate(policy.stages):
+        where = f"policy stage {stage.method!r}"
+        if stage.pooled and i != len(policy.stages) - 1:
+            raise ConfigError(f"{where}: allocator='adakv' must be the last stage of a chain")
+        if mla and (stage.method == "keynorm" or stage.reducer == "cam" or stage.pooled):
+            raise ConfigError(
+                f"{where}: {cfg.name!r} has MLA layers, whose cache is one latent shared by all heads: key "
+                "norm (no per-head keys), CaM (no separate values) and AdaKV (no heads) do not apply"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """One stage's budgets over the compressible caches: tokens kept per head and row `counts`
+    `[n, B]`, always-kept recent tokens `windows` `[n, B]`, AdaKV per-head floors `floors` `[n, B]`;
+    static slot counts `keep_caps` (largest budget, K x it for a pool) and `capacities` (plus headroom)."""
+
+    stage: Stage
+    counts: np.ndarray
+    windows: np.ndarray
+    floors: np.ndarray
+    keep_caps: tuple[int, ...]
+    capacities: tuple[int, ...]
+
+    heads: tuple[int, ...]
+
+    @property
+    def static(self):
+        return (self.stage, self.keep_caps, self.capacities, self.heads)
+
+    @property
+    def arrays(self):
+        return (jnp.asarray(self.counts, jnp.int32), jnp.asarray(self.windows, jnp.int32), jnp.asarray(self.floors, jnp.int32))
+
+
+def _kv_heads(cfg: ModelConfig, slot: int) -> int:
+    plan = LayerPlan.from_config(cfg)
+    kind = plan.mixers[plan.producers[slot]]
+    return 1 if kind == "mla" else cfg.attention_for(kind).n_kv_heads
+
+
+def plan_stages(cfg: ModelConfig, stages: tuple[Stage, ...], lengths, headroom: int) -> tuple[StagePlan, ...]:
+    """Budgets of each stage for rows of `lengths` tokens; the last stage's caches get `headroom` free
+    slots per head for the tokens that follow. Raises ConfigError for impossible budgets."""
+    slots = compressible(cfg)
+    current = np.broadcast_to(np.asarray(lengths, np.int64), (len(slots), len(lengths)))
+    plans = []
+    for i, stage in enumerate(stages):
+        last = i == len(stages) - 1
+        counts = np.stack([stage_counts(stage, current[j], len(slots))[j] for j in range(len(slots))])
+        windows = np.vectorize(stage.n_window)(counts)
+        floors = np.floor(stage.floor * counts + 1e-9).astype(np.int64)
+        heads = [_kv_heads(cfg, s) if stage.pooled else 1 for s in slots]
+        keep_caps = tuple(int(counts[j].max()) * heads[j] for j in range(len(slots)))
+        capacities = tuple(keep_caps[j] + (headroom * heads[j] if last else 0) for j in range(len(slots)))
+        plans.append(StagePlan(stage, counts, windows, floors, keep_caps, capacities, tuple(heads)))
+        current = counts
+    return tuple(plans)
+
+
+def observe_fn(stages: tuple[Stage, ...]):
+    """The `reduce` passed to `Decoder.observe`: each stage's statistic of the observed attention."""
+
+    def reduce(probs, obs_pos, view):
+        pooled = getattr(view, "head", None) is not None
+        return tuple(scorers.observe(stage, probs, obs_pos, pooled) for stage in stages)
+
+    return reduce
+
+
+def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[int, ...]):
+    """Apply stages (their `StagePlan.static` / `.arrays`) to the compressible caches `slots`, in order.
+
+    observed: per cache, the tuple of per-stage statistics from `observe_fn` (None: not observed).
+    Returns (caches, per cache the last stage's statistic, following the kept slots)."""
+    caches, last_stats = list(caches), [None] * len(caches)
+    for j, slot in enumerate(slots):
+        cache = caches[slot]
+        stats = list(observed[slot]) if observed[slot] is not None else [None] * len(statics)
+        for static, (counts, windows, floors) in zip(statics, arrays):
+            stage, keep_caps, capacities, heads = static
+            cache, stats = reduce_cache(
+                stage, cache, stats, counts[j], windows[j], floors[j], last_pos, keep_caps[j], capacities[j], heads[j]
+            )
+            stats = stats[1:] or stats  # the next stage's statistic comes first; the last one is kept
+        caches[slot], last_stats[slot] = cache, stats[0]
+    return tuple(caches), tuple(last_stats)
+
+
+def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, keep_cap: int, capacity: int, heads: int):
+    """One stage on one cache. stats[0] is this stage's statistic, the rest belong to later stages; all
+    follow the kept slots. `heads`: the KV heads a pooled (AdaKV) cache spreads its budget over.
+    Returns (new cache, the statistics gathered to its slots)."""
+    if stage.pooled and isinstance(cache, KVCache):
+        pooled = [reducers.to_pool(cache, s) for s in stats]
+        cache, stats = pooled[0][0], [p[1] for p in pooled]
+    pooled = not isinstance(cache, KVCache | LatentCache)
+    stat = stats[0]
+    scores = scorers.score(stage, cache, stat, last_pos)
+    pos = cache.pos if cache.pos.ndim == 3 else cache.pos[:, None]
+    Kh = max(scores.shape[1], pos.shape[1])
+    shape = (pos.shape[0], Kh, pos.shape[-1])
+    idx, valid = reducers.top_slots(
+        jnp.broadcast_to(scores, shape),
+        jnp.broadcast_to(pos, shape),
+        count * heads if pooled else count,
+        keep_cap,
+        sinks=stage.n_sinks,
+        window=window,
+        last_pos=last_pos,
+        floor=floor if pooled else None,
+        head=cache.head[:, None] if pooled else None,
+    )
+    if stage.reducer == "cam":
+        cache = reducers.merge_cam(cache, idx, valid, stat)
+    elif stage.reducer == "kvmerger":
+        cache = reducers.merge_kvmerger(cache, idx, valid, stage.sigma)
+    new = reducers.gather(cache, idx, valid, capacity, per_head=Kh > 1)
+    return new, [reducers.gather_stat(s, idx, valid, capacity) for s in stats]
+
+
+def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch: int, capacity: int) -> int:
+    """Exact bytes of a model's caches after `plans` ran on caches of `capacity` slots: compressed caches
+    at their planned capacity (payload, positions shared or per head, pool head ids, length counter),
+    every other cache as `kvjax.memory` counts it."""
+    from kvjax.memory import layer_memory
+
+    per_head = any(p.stage.per_head for p in plans)
+    last = plans[-1]
+    total = 0
+    slots = compressible(cfg)
+    for slot, mem in enumerate(layer_memory(cfg)):
+        if slot not in slots:
+            total += mem.bytes(capacity)
+            continue
+        cap = last.capacities[slots.index(slot)]
+        K = _kv_heads(cfg, slot)
+        if last.stage.pooled:  # entry: one head's K and V, its position and its head id
+            slot_bytes = mem.kv_bytes_per_slot // K + 2 * _INT32
+        else:
+            slot_bytes = mem.kv_bytes_per_slot + _INT32 * (K if per_head and K > 1 else 1)
+        total += cap * slot_bytes + mem.bytes_per_sequence
+    return batch * total

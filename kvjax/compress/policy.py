@@ -1,0 +1,226 @@
+"""Compression policies: which scorer, allocator and reducer run, with what budget and when.
+
+A policy is a chain of stages written `method:budget[:key=value,...]` joined by `+`, for example
+`snapkv:0.5`, `streaming:512:sinks=4`, `h2o:0.5:every=1`, `snapkv:0.5:allocator=adakv,reducer=kvmerger`
+or `streaming:0.5+snapkv:0.5`.
+
+Budget convention (one for every method): a number below 1 is a **ratio**, the fraction of the cached
+tokens removed (kvpress's `compression_ratio`; a row of L tokens keeps int(L * (1 - ratio))); an
+integer >= 1 is a **size**, the tokens kept per sequence. A chain applies its stages in order, each
+to what the previous one kept, so keep fractions multiply (0.5 then 0.5 keeps a quarter).
+
+When it runs: every stage compresses once after the prefill; `every=n` on the last stage also holds its
+budget during decoding, evicting back to it every n steps (the cache holds budget + n slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvjax.config import ConfigError
+
+SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm")
+ALLOCATORS = ("uniform", "pyramid", "adakv")
+REDUCERS = ("select", "cam", "kvmerger")
+POOLINGS = ("avg", "max")
+# Tokens always kept, per method: StreamingLLM's attention sinks and recent window (Xiao et al. 2024);
+# H2O's recent half of the budget (Zhang et al. 2023, equal heavy and recent budgets); SnapKV's
+# observation window (Li et al. 2024, w = 32). `window=None` means the method's own rule.
+_DEFAULT_SINKS = {"streaming": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One compression step. `window` None: the method's rule (StreamingLLM: the rest of the budget,
+    H2O: half of it, SnapKV: `obs_window`, others: 0)."""
+
+    method: str
+    ratio: float | None = None
+    size: int | None = None
+    sinks: int | None = None
+    window: int | None = None
+    allocator: str = "uniform"
+    reducer: str = "select"
+    every: int = 0
+    obs_window: int = 32  # SnapKV: the last prompt queries that vote
+    kernel: int = 5  # SnapKV: 1-D pooling kernel over neighbouring slots
+    pooling: str = "avg"
+    normalize: bool = False  # H2O: divide by the number of queries that saw each key (kvpress)
+    beta: float = 20.0  # PyramidKV: the top layer keeps budget / beta
+    floor: float = 0.2  # AdaKV: each head keeps at least floor x its uniform share
+    sigma: float = 1.0  # KVMerger: Gaussian kernel width over unit-key distances
+
+    def __post_init__(self):
+        where = f"policy stage {self.method!r}"
+        if self.method not in SCORERS:
+            raise ConfigError(f"{where}: method={self.method!r} must be one of {SCORERS}")
+        if (self.ratio is None) == (self.size is None):
+            raise ConfigError(f"{where}: give exactly one budget, a ratio in [0, 1) or a size >= 1")
+        if self.ratio is not None and not 0 <= self.ratio < 1:
+            raise ConfigError(f"{where}: ratio={self.ratio} must be in [0, 1) (the fraction of tokens removed)")
+        if self.size is not None and self.size < 1:
+            raise ConfigError(f"{where}: size={self.size} must be >= 1 (tokens kept)")
+        for name, allowed in (("allocator", ALLOCATORS), ("reducer", REDUCERS), ("pooling", POOLINGS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{where}: {name}={getattr(self, name)!r} must be one of {allowed}")
+        for name in ("sinks", "window", "every"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"{where}: {name}={value} must be >= 0")
+        for name in ("obs_window", "kernel"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}: {name}={getattr(self, name)} must be >= 1")
+        if self.kernel % 2 == 0:
+            raise ConfigError(f"{where}: kernel={self.kernel} must be odd (centred pooling)")
+        if self.beta < 1 or not 0 <= self.floor <= 1 or self.sigma <= 0:
+            raise ConfigError(f"{where}: beta={self.beta} must be >= 1, floor={self.floor} in [0, 1], sigma > 0")
+        if self.reducer == "cam" and self.method in ("streaming", "keynorm"):
+            raise ConfigError(f"{where}: reducer='cam' weighs merges by attention; use h2o, snapkv or tova")
+
+    @property
+    def n_sinks(self) -> int:
+        return _DEFAULT_SINKS.get(self.method, 0) if self.sinks is None else self.sinks
+
+    def n_window(self, keep: int) -> int:
+        """Recent tokens always kept when `keep` tokens are kept."""
+        if self.window is not None:
+            return self.window
+        return {"streaming": keep - self.n_sinks, "h2o": keep // 2, "snapkv": self.obs_window}.get(self.method, 0)
+
+    @property
+    def fixed_protected(self) -> int:
+        """Sinks plus a window that does not scale with the budget (the least a layer may keep)."""
+        fixed = {"snapkv": self.obs_window}.get(self.method, 0) if self.window is None else self.window
+        return self.n_sinks + fixed
+
+    def keep(self, length: int) -> int:
+        """Tokens this stage keeps of `length`."""
+        return int(length * (1 - self.ratio) + 1e-9) if self.ratio is not None else self.size
+
+    @property
+    def pooled(self) -> bool:
+        return self.allocator == "adakv"
+
+    @property
+    def per_head(self) -> bool:
+        """Whether heads may keep different tokens (so positions are stored per head)."""
+        return self.pooled or self.method in ("h2o", "snapkv", "keynorm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    stages: tuple[Stage, ...]
+
+    def __post_init__(self):
+        if not self.stages:
+            raise ConfigError("a policy needs at least one stage")
+        for stage in self.stages[:-1]:
+            if stage.every:
+                raise ConfigError(f"policy stage {stage.method!r}: every= is allowed on the last stage only")
+
+    @property
+    def decode_stage(self) -> Stage | None:
+        """The stage that holds its budget during decoding, if any."""
+        return self.stages[-1] if self.stages[-1].every else None
+
+    def __str__(self) -> str:
+        return "+".join(_stage_text(s) for s in self.stages)
+
+
+def _stage_text(stage: Stage) -> str:
+    budget = stage.ratio if stage.ratio is not None else stage.size
+    defaults = Stage(stage.method, ratio=0.5)
+    opts = [
+        f"{f.name}={str(getattr(stage, f.name)).lower()}"
+        for f in dataclasses.fields(Stage)
+        if f.name not in ("method", "ratio", "size") and getattr(stage, f.name) != getattr(defaults, f.name)
+    ]
+    return f"{stage.method}:{budget}" + (":" + ",".join(opts) if opts else "")
+
+
+_OPTION_TYPES = {f.name: f.type for f in dataclasses.fields(Stage)}
+
+
+def _option(name: str, text: str, where: str):
+    kind = _OPTION_TYPES.get(name)
+    if kind is None or name in ("method", "ratio", "size"):
+        allowed = sorted(set(_OPTION_TYPES) - {"method", "ratio", "size"})
+        raise ConfigError(f"{where}: unknown option {name!r}; allowed: {allowed}")
+    try:
+        if "bool" in kind:
+            if text.lower() not in ("true", "false"):
+                raise ValueError
+            return text.lower() == "true"
+        if "int" in kind:
+            return int(text)
+        if "float" in kind:
+            return float(text)
+        return text
+    except ValueError:
+        raise ConfigError(f"{where}: {name}={text!r} is not a valid {kind}") from None
+
+
+def parse_stage(text: str) -> Stage:
+    where = f"policy stage {text!r}"
+    parts = text.strip().split(":")
+    if len(parts) not in (2, 3) or not parts[1]:
+        raise ConfigError(f"{where}: write method:budget[:key=value,...], e.g. snapkv:0.5 or streaming:512")
+    method, budget = parts[0], parts[1]
+    try:
+        value = float(budget)
+    except ValueError:
+        raise ConfigError(f"{where}: budget {budget!r} must be a ratio in [0, 1) or a size >= 1") from None
+    if value >= 1 and value != int(value):
+        raise ConfigError(f"{where}: size {budget!r} must be a whole number of tokens")
+    options = {}
+    for item in parts[2].split(",") if len(parts) == 3 else ():
+        name, eq, raw = item.partition("=")
+        if not eq:
+            raise ConfigError(f"{where}: option {item!r} must be key=value")
+        options[name.strip()] = _option(name.strip(), raw.strip(), where)
+    budget_field = {"ratio": value} if value < 1 else {"size": int(value)}
+    return Stage(method, **budget_field, **options)
+
+
+def parse_policy(text: str) -> Policy:
+    """`snapkv:0.5`, `h2o:0.25:every=1`, `streaming:0.5+snapkv:0.5` ... (see the module docstring)."""
+    if not text or not text.strip():
+        raise ConfigError("policy '' is empty; write e.g. snapkv:0.5")
+    return Policy(tuple(parse_stage(part) for part in text.split("+")))
+
+
+def stage_counts(stage: Stage, lengths: np.ndarray, n_layers: int) -> np.ndarray:
+    """Tokens each compressible layer keeps per row, `[n_layers, B]` (int), from the rows' current
+    lengths; checks the budget against sinks + window and the sequence before any compute."""
+    lengths = np.asarray(lengths, np.int64)
+    keep = np.array([stage.keep(int(n)) for n in lengths], np.int64)
+    for row, (n, k) in enumerate(zip(lengths, keep)):
+        protected = min(int(n), stage.n_sinks + stage.n_window(int(k)))
+        if k > n:
+            raise ConfigError(
+                f"policy stage {stage.method!r}: size={k} is above row {row}'s sequence of {n} tokens"
+            )
+        if k < protected or k < 1:
+            raise ConfigError(
+                f"policy stage {stage.method!r}: row {row} ({n} tokens) would keep {k}, below "
+                f"sinks {stage.n_sinks} + window {stage.n_window(int(k))} = {protected}; raise the budget "
+                f"or lower sinks/window"
+            )
+    counts = np.broadcast_to(keep, (n_layers, len(keep))).copy()
+    if stage.allocator == "pyramid" and n_layers > 1:
+        counts = pyramid_counts(keep, lengths, n_layers, stage)
+    return counts
+
+
+def pyramid_counts(keep: np.ndarray, lengths: np.ndarray, n_layers: int, stage: Stage) -> np.ndarray:
+    """PyramidKV (Cai et al. 2024, arXiv 2406.02069, sec. 3.3): budgets fall linearly with depth from
+    2k - k/beta at the first layer to k/beta at the last, so the mean stays k. Each layer's budget is
+    clipped to [sinks + window, the row's length]; clipping can lower the total below uniform's (the
+    reference does the same at high keep fractions)."""
+    top = keep / stage.beta
+    bottom = 2 * keep - top
+    layer = np.arange(n_layers)[:, None]
+    counts = np.floor(bottom - layer * (bottom - top) / (n_layers - 1) + 1e-9).astype(np.int64)
+    return np.clip(counts, max(stage.fixed_protected, 1), lengths[None])

@@ -1,0 +1,81 @@
+"""Scorers: how much each cached slot matters, `[B,Kh,S]` aligned with the cache's slots (Kh = K when
+heads score on their own, 1 when one score serves every head). Higher is kept.
+
+Attention-based scorers work in two parts: `observe` reduces the attention probabilities `[B,K,W,G,S]`
+of some queries (the model computes them, `Decoder.observe`) to a per-slot statistic while the
+model runs; `score` turns that statistic (or the cache alone) into scores when the reducer runs.
+- StreamingLLM (Xiao et al. 2024, arXiv 2309.17453): recency; the reducer keeps the sinks and the
+  most recent tokens, so the score is the position.
+- H2O (Zhang et al. 2023, arXiv 2306.14048, sec. 3.2): the attention each key has received, summed
+  over every query so far (prefill and decode); `normalize` divides by the number of queries that
+  could see the key, as kvpress's observed-attention press does.
+- SnapKV (Li et al. 2024, arXiv 2404.14469, eqs. in sec. 4.2): attention of the last `obs_window`
+  prompt queries, summed, averaged over the query heads of each KV head, then pooled over
+  neighbouring slots with a 1-D kernel (average, kernel 5, zero padded as F.avg_pool1d).
+- TOVA (Oren et al. 2024, arXiv 2401.06104): the last query's attention averaged over all heads.
+- Key norm (Devoto et al. 2024, arXiv 2406.11430): keys with a low L2 norm draw attention; keep the
+  lowest norms (score = -||k||).
+A pooled cache (AdaKV) scores entries `[B,1,P]`; SnapKV's neighbour pooling is skipped there, since
+neighbouring pool entries belong to different heads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import LatentCache, PooledKVCache
+from kvjax.compress.policy import Stage
+
+ATTENTION_SCORERS = ("h2o", "snapkv", "tova")
+
+
+def observed_queries(stage: Stage, length: int) -> int:
+    """How many of the last prompt queries a stage observes (0: none; `length`: all)."""
+    return {"h2o": length, "snapkv": min(stage.obs_window, length), "tova": 1}.get(stage.method, 0)
+
+
+def observe(stage: Stage, probs: jax.Array, obs_pos: jax.Array, pooled: bool) -> jax.Array | None:
+    """Reduce probabilities `[B,K,W,G,S]` of queries at positions obs_pos `[B,W]` (-1: none) to the
+    stage's per-slot statistic `[B,Kh,S]`, or None for scorers that do not read attention."""
+    if stage.method not in ATTENTION_SCORERS:
+        return None
+    last = jnp.max(obs_pos, axis=1)[:, None]
+    window = {"h2o": None, "snapkv": stage.obs_window, "tova": 1}[stage.method]
+    voter = obs_pos >= 0 if window is None else (obs_pos >= 0) & (obs_pos > last - window)  # [B,W]
+    per_query = jnp.where(voter[:, None, :, None, None], probs, 0.0).sum(axis=2).mean(axis=2)  # [B,K,S]
+    if stage.method == "tova" or pooled:  # pooled: only an entry's own head has non-zero probabilities
+        reduce = jnp.mean if stage.method == "tova" and not pooled else jnp.sum
+        return reduce(per_query, axis=1, keepdims=True)
+    return per_query
+
+
+def score(stage: Stage, cache, stat: jax.Array | None, last_pos: jax.Array) -> jax.Array:
+    """Scores `[B,Kh,S]` of a cache's slots (KVCache, PooledKVCache or LatentCache)."""
+    pos = cache.pos if cache.pos.ndim == 3 else cache.pos[:, None, :]
+    if stage.method == "streaming":
+        return pos.astype(jnp.float32)
+    if stage.method == "keynorm":
+        if isinstance(cache, LatentCache):
+            raise ValueError("keynorm scores per-head keys; an MLA cache stores a latent, not keys")
+        k = cache.k[:, None] if isinstance(cache, PooledKVCache) else cache.k
+        return -jnp.linalg.norm(k.astype(jnp.float32), axis=-1)
+    if stat is None:
+        raise ValueError(f"scorer {stage.method!r} needs an attention observation")
+    if stage.method == "h2o" and stage.normalize:
+        seen = jnp.maximum(last_pos[:, None, None] - pos + 1, 1)
+        return stat / seen
+    if stage.method == "snapkv" and not isinstance(cache, PooledKVCache):
+        return pool(stat, stage.kernel, stage.pooling)
+    return stat
+
+
+def pool(x: jax.Array, kernel: int, how: str) -> jax.Array:
+    """Centred 1-D pooling over the last axis with zero padding (avg counts the padding, as torch's
+    avg_pool1d with count_include_pad)."""
+    pad = kernel // 2
+    init, op = (0.0, jax.lax.add) if how == "avg" else (-jnp.inf, jax.lax.max)
+    dims = (1,) * (x.ndim - 1) + (kernel,)
+    padding = ((0, 0),) * (x.ndim - 1) + ((pad, pad),)
+    out = jax.lax.reduce_window(x, init, op, dims, (1,) * x.ndim, padding)
+    return out / kernel if how == "avg" else out

@@ -1,0 +1,425 @@
+"""Token-level compression: degenerate budgets change nothing, sinks and windows survive, bytes are exact,
+positions stay true, scorers compute what their papers define, and bad policies fail before compute."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax import DecodingConfig, Generator
+from kvjax.cache import KVCache, PooledKVCache, caches_nbytes
+from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
+from kvjax.compress.apply import observe_fn
+from kvjax.compress.policy import Stage, pyramid_counts, stage_counts
+from kvjax.compress.reducers import protected, top_slots
+from kvjax.compress.scorers import observe, pool
+from kvjax.config import ConfigError
+from kvjax.generate import _prefill_compressed
+from kvjax.ops import attend, attention, attention_probs
+
+PROMPTS = [list(range(3, 43)), [7, 1, 9, 4] * 7 + [2]]  # 40 and 29 tokens
+NEW = 6
+CAPACITY = 40 + NEW
+GREEDY = DecodingConfig(max_new_tokens=NEW)
+# Small observation windows so that 50% of a 29-token prompt still covers sinks + window.
+POLICIES = [
+    "streaming:0.5",
+    "h2o:0.5",
+    "h2o:0.5:normalize=true",
+    "snapkv:0.5:obs_window=8",
+    "snapkv:0.5:obs_window=8,pooling=max,kernel=3",
+    "tova:0.5",
+    "keynorm:0.5",
+    "snapkv:0.5:obs_window=8,allocator=pyramid",
+    "snapkv:0.5:obs_window=8,allocator=adakv",
+    "h2o:0.5:allocator=adakv",
+    "snapkv:0.5:obs_window=8,reducer=cam",
+    "h2o:0.5:reducer=kvmerger",
+    "streaming:0.5+snapkv:0.5:obs_window=4",
+    "h2o:0.5:every=1",
+    "tova:12:every=3",
+    "snapkv:12:obs_window=4,allocator=adakv,every=2",
+]
+
+
+@pytest.fixture(scope="module")
+def gqa(make_model):
+    cfg, model = make_model("gqa", "model.n_layers=2", "model.init_std=0.2")
+    return cfg, model
+
+
+def _generate(model, policy, prompts=PROMPTS, capacity=CAPACITY, new=NEW):
+    gen = Generator(model, capacity=capacity, policy=None if policy is None else parse_policy(policy))
+    return gen(prompts, DecodingConfig(max_new_tokens=new))
+
+
+def _plain_and_compressed(model, policy):
+    """Both prefills of PROMPTS: (plain generator, compressed one, lengths, plain (logits, caches),
+    compressed (logits, caches, stats))."""
+    plain = Generator(model, capacity=CAPACITY)
+    gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy))
+    tokens, lengths = plain.pad(PROMPTS, NEW)
+    return plain, gen, lengths, plain.prefill(tokens, lengths), gen.prefill_compressed(tokens, lengths, NEW)
+
+
+def _assert_same_decoding(plain, gen, lengths, caches, caches_c, logits, stats):
+    """From the same logits, decoding over the two caches is bitwise the same."""
+    ref = plain.decode(caches, logits, lengths, GREEDY, jax.random.key(0))
+    out = gen.decode(caches_c, logits, lengths, GREEDY, jax.random.key(0), stats)
+    np.testing.assert_array_equal(ref.tokens, out.tokens)
+    np.testing.assert_array_equal(ref.logprobs, out.logprobs)
+
+
+@pytest.mark.parametrize("method", ["streaming:0", "h2o:0", "snapkv:0:obs_window=8", "tova:0", "keynorm:0",
+                                    "snapkv:0:reducer=kvmerger", "h2o:0:reducer=cam", "keynorm:0:allocator=pyramid,beta=1"])
+def test_a_budget_covering_the_sequence_changes_nothing(gqa, method):
+    plain, squeezed, lengths, (logits, caches), (logits_c, caches_c, stats) = _plain_and_compressed(gqa[1], method)
+    for a, b in zip(caches, caches_c):
+        assert a.k.shape == b.k.shape
+        np.testing.assert_array_equal(a.k, b.k)
+        np.testing.assert_array_equal(a.v, b.v)
+        np.testing.assert_array_equal(np.broadcast_to(a.pos[:, None], b.k.shape[:3]) if b.pos.ndim == 3 else a.pos, b.pos)
+        np.testing.assert_array_equal(a.length, b.length)
+    np.testing.assert_allclose(logits, logits_c, atol=1e-5)
+    _assert_same_decoding(plain, squeezed, lengths, caches, caches_c, logits, stats)
+
+
+@pytest.mark.parametrize("policy", ["h2o:0:every=6", "tova:0:every=6", "snapkv:0:obs_window=4,every=6"])
+def test_decode_time_observation_without_eviction_changes_nothing(gqa, policy):
+    """every=6 with 6 new tokens: 5 decode steps, each observing attention, none evicting."""
+    plain, gen, lengths, (logits, caches), (_, caches_c, stats) = _plain_and_compressed(gqa[1], policy)
+    _assert_same_decoding(plain, gen, lengths, caches, caches_c, logits, stats)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_measured_bytes_equal_analytic_and_rows_keep_their_budget(gqa, policy):
+    cfg, model = gqa
+    pol = parse_policy(policy)
+    gen = Generator(model, capacity=CAPACITY, policy=pol)
+    tokens, lengths = gen.pad(PROMPTS, NEW)
+    logits, caches, stats = gen.prefill_compressed(tokens, lengths, NEW)
+    plans = gen.compression_plan(lengths, NEW)
+    assert caches_nbytes(caches) == compressed_cache_bytes(cfg, plans, len(PROMPTS), CAPACITY)
+    last = plans[-1]
+    K = cfg.attention.n_kv_heads
+    for j, cache in enumerate(caches):
+        per_head = last.counts[j] * (K if isinstance(cache, PooledKVCache) else 1)
+        np.testing.assert_array_equal(cache.length, per_head)
+        valid = (cache.pos >= 0).reshape(len(PROMPTS), -1).sum(axis=1)
+        expected = per_head if isinstance(cache, PooledKVCache) or cache.pos.ndim == 2 else per_head * K
+        np.testing.assert_array_equal(valid, expected)
+    out = gen.decode(caches, logits, lengths, GREEDY, jax.random.key(0), stats)
+    assert caches_nbytes(out.caches) == caches_nbytes(caches)
+    assert out.tokens.shape == (2, NEW) and np.isfinite(out.logprobs).all()
+
+
+def _positions_by_head(cache):
+    """{(row, head): sorted kept positions} of a KV or pooled cache."""
+    B = cache.pos.shape[0]
+    if isinstance(cache, PooledKVCache):
+        return {(b, h): sorted(np.asarray(cache.pos[b])[(np.asarray(cache.head[b]) == h) & (np.asarray(cache.pos[b]) >= 0)])
+                for b in range(B) for h in range(int(cache.head.max()) + 1)}
+    pos = np.asarray(cache.pos if cache.pos.ndim == 3 else cache.pos[:, None])
+    K = cache.k.shape[1]
+    return {(b, h): sorted(pos[b, min(h, pos.shape[1] - 1)][pos[b, min(h, pos.shape[1] - 1)] >= 0]) for b in range(B) for h in range(K)}
+
+
+@pytest.mark.parametrize("policy", ["streaming:0.5", "h2o:0.5", "snapkv:0.5:obs_window=8", "keynorm:0.5:sinks=2,window=3",
+                                    "snapkv:0.5:obs_window=8,allocator=adakv", "tova:0.5:sinks=1,window=2"])
+def test_kept_entries_are_the_original_tokens_at_their_true_positions(gqa, policy):
+    cfg = gqa[0]
+    _, _, lengths, (_, full), (_, caches, _) = _plain_and_compressed(gqa[1], policy)
+    stage = parse_policy(policy).stages[0]
+    for c_full, c in zip(full, caches):
+        k_full = np.asarray(c_full.k)  # [B,K,S,H]; slot == position in an uncompressed cache
+        for (b, h), kept in _positions_by_head(c).items():
+            n = int(lengths[b])
+            keep = stage.keep(n)
+            assert len(set(kept)) == len(kept)
+            assert len(kept) == keep or isinstance(c, PooledKVCache)  # AdaKV heads differ; totals below
+            must = set(range(min(stage.n_sinks, n))) | set(range(n - stage.n_window(keep), n))
+            assert must <= set(kept), (b, h, sorted(must - set(kept)))
+            if isinstance(c, PooledKVCache):
+                rows = np.asarray(c.pos[b]) >= 0
+                assert rows.sum() == keep * cfg.attention.n_kv_heads
+                for p, hh, kv in zip(np.asarray(c.pos[b])[rows], np.asarray(c.head[b])[rows], np.asarray(c.k[b])[rows]):
+                    np.testing.assert_array_equal(kv, k_full[b, hh, p])
+            else:
+                pos = np.asarray(c.pos if c.pos.ndim == 3 else c.pos[:, None])
+                slots = np.flatnonzero(pos[b, min(h, pos.shape[1] - 1)] >= 0)
+                np.testing.assert_array_equal(np.asarray(c.k)[b, h, slots], k_full[b, h, pos[b, min(h, pos.shape[1] - 1), slots]])
+                assert list(pos[b, min(h, pos.shape[1] - 1), slots]) == kept  # compacted in position order
+
+
+def test_new_tokens_keep_their_true_positions_after_eviction(gqa):
+    cfg, model = gqa
+    out = _generate(model, "h2o:0.5:every=2")
+    for cache in out.caches:
+        pos = np.asarray(cache.pos)
+        for b, n in enumerate(len(p) for p in PROMPTS):
+            newest = n + NEW - 2  # the last fed token (the last sampled one is never fed)
+            assert pos[b].max() == newest
+            # every generated position still cached is one of n .. newest, each once per head
+            gen_pos = pos[b][pos[b] >= n]
+            assert set(gen_pos.ravel()) <= set(range(n, newest + 1))
+
+
+def test_streaming_keeps_exactly_sinks_and_recent_tokens_during_decoding(gqa):
+    cfg, model = gqa
+    out = _generate(model, "streaming:10:sinks=4,every=1", new=12)
+    for b, n in enumerate(len(p) for p in PROMPTS):
+        last = n + 12 - 2
+        expected = list(range(4)) + list(range(last - 5, last + 1))
+        assert sorted(np.asarray(out.caches[0].pos[b])[np.asarray(out.caches[0].pos[b]) >= 0]) == expected
+
+
+def test_jitted_equals_not_jitted(gqa):
+    cfg, model = gqa
+    from flax import nnx
+
+    gen = Generator(model, capacity=CAPACITY, policy=parse_policy("snapkv:0.5:obs_window=8,reducer=kvmerger"))
+    tokens, lengths = gen.pad(PROMPTS, NEW)
+    logits, caches, _ = gen.prefill_compressed(tokens, lengths, NEW)
+    plans = gen.compression_plan(lengths, NEW)
+    obs = np.maximum(np.asarray(lengths)[:, None] - 8 + np.arange(8)[None], -1).astype(np.int32)
+    graphdef, params = nnx.split(model)
+    with jax.disable_jit():
+        logits_e, caches_e, _ = _prefill_compressed(
+            graphdef, params, tokens, lengths, obs, tuple(p.arrays for p in plans), capacity=CAPACITY,
+            statics=tuple(p.static for p in plans), slots=(0, 1),
+        )
+    np.testing.assert_allclose(logits, logits_e, atol=1e-5)
+    for a, b in zip(caches, caches_e):
+        np.testing.assert_array_equal(a.pos, b.pos)
+        np.testing.assert_allclose(a.k, b.k, atol=2e-5)
+        np.testing.assert_allclose(a.v, b.v, atol=2e-5)
+
+
+@pytest.mark.parametrize("policy", ["snapkv:0.5:obs_window=8", "h2o:0.5:every=2", "snapkv:0.5:obs_window=8,allocator=adakv"])
+def test_a_batch_of_ragged_prompts_equals_each_prompt_alone(gqa, policy):
+    cfg, model = gqa
+    batch = _generate(model, policy)
+    for row, prompt in enumerate(PROMPTS):
+        alone = _generate(model, policy, prompts=[prompt])
+        np.testing.assert_array_equal(batch.tokens[row], alone.tokens[0])
+        np.testing.assert_allclose(batch.logprobs[row], alone.logprobs[0], atol=1e-5)
+
+
+# --- scorers against their definitions -------------------------------------------------------------
+
+def _probs(seed=0, B=2, K=2, G=3, T=9, H=4):
+    r = np.random.default_rng(seed)
+    q = jnp.asarray(r.normal(size=(B, T, K * G, H)), jnp.float32)
+    k = jnp.asarray(r.normal(size=(B, K, T, H)), jnp.float32)
+    pos = jnp.asarray(np.where(np.arange(T)[None] < np.array([[T], [T - 3]]), np.arange(T)[None], -1), jnp.int32)
+    return attention_probs(q, k, k, pos, pos), pos
+
+
+def test_attention_probs_are_what_attention_uses():
+    r = np.random.default_rng(1)
+    q = jnp.asarray(r.normal(size=(2, 5, 6, 4)), jnp.float32)
+    k, v = (jnp.asarray(r.normal(size=(2, 3, 7, 4)), jnp.float32) for _ in range(2))
+    qp, kp = jnp.tile(jnp.arange(2, 7)[None], (2, 1)), jnp.tile(jnp.arange(7)[None], (2, 1))
+    np.testing.assert_allclose(attend(attention_probs(q, k, v, qp, kp), v), attention(q, k, v, qp, kp), atol=1e-6)
+
+
+def test_h2o_snapkv_tova_statistics_follow_their_definitions():
+    probs, pos = _probs()
+    p = np.asarray(probs)  # [B,K,T,G,S]
+    lengths = np.array([9, 6])
+    h2o = np.asarray(observe(Stage("h2o", ratio=0.5), probs, pos, pooled=False))
+    np.testing.assert_allclose(h2o, p.sum(axis=2).mean(axis=2), rtol=1e-6)  # every query's attention, summed
+    snap = np.asarray(observe(Stage("snapkv", ratio=0.5, obs_window=4), probs, pos, pooled=False))
+    for b, n in enumerate(lengths):
+        want = p[b, :, n - 4 : n].sum(axis=1).mean(axis=1)  # the last 4 real queries only
+        np.testing.assert_allclose(snap[b], want, rtol=1e-6)
+        tova = np.asarray(observe(Stage("tova", ratio=0.5), probs, pos, pooled=False))
+        np.testing.assert_allclose(tova[b, 0], p[b, :, n - 1].mean(axis=(0, 1)), rtol=1e-6)
+    x = np.arange(7, dtype=np.float32)[None, None]
+    np.testing.assert_allclose(pool(jnp.asarray(x), 3, "avg"), [[[1 / 3, 1, 2, 3, 4, 5, 11 / 3]]], rtol=1e-6)
+    np.testing.assert_allclose(pool(jnp.asarray(x), 3, "max"), [[[1, 2, 3, 4, 5, 6, 6]]])
+
+
+# --- reducers and allocators as properties ----------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    K=st.integers(1, 4),
+    sinks=st.integers(0, 4),
+    window=st.integers(0, 6),
+    keep_frac=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_top_slots_keeps_budget_sinks_window_then_the_best(lengths, K, sinks, window, keep_frac, seed):
+    S = 40
+    r = np.random.default_rng(seed)
+    L = np.array(lengths)
+    counts = np.array([min(n, max(min(n, sinks + window), int(n * keep_frac))) for n in L])
+    pos = np.where(np.arange(S)[None] < L[:, None], np.arange(S)[None], -1)
+    pos3 = np.broadcast_to(pos[:, None], (len(L), K, S))
+    scores = r.normal(size=(len(L), K, S)).astype(np.float32)
+    idx, valid = top_slots(jnp.asarray(scores), jnp.asarray(pos3), jnp.asarray(counts), int(counts.max()),
+                           sinks=sinks, window=jnp.full(len(L), window), last_pos=jnp.asarray(L - 1))
+    idx, valid = np.asarray(idx), np.asarray(valid)
+    prot = np.asarray(protected(jnp.asarray(pos3), sinks, jnp.full(len(L), window), jnp.asarray(L - 1)))
+    for b, n in enumerate(L):
+        for h in range(K):
+            kept = idx[b, h][valid[b, h]]
+            assert len(kept) == counts[b] and len(set(kept)) == counts[b] and (kept < n).all()
+            assert list(kept) == sorted(kept)
+            assert set(np.flatnonzero(prot[b, h])) <= set(kept)
+            others = [s for s in range(n) if not prot[b, h, s]]
+            chosen = [s for s in kept if not prot[b, h, s]]
+            if chosen and len(chosen) < len(others):
+                dropped = set(others) - set(chosen)
+                assert min(scores[b, h, chosen]) >= max(scores[b, h, list(dropped)])
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(8, 200), min_size=1, max_size=3), ratio=st.floats(0.0, 0.9),
+       layers=st.integers(2, 8))
+def test_allocators_budgets(lengths, ratio, layers):
+    L = np.array(lengths)
+    stage = Stage("streaming", ratio=ratio, sinks=0, window=1)
+    uniform = stage_counts(stage, L, layers)
+    keep = np.array([int(n * (1 - ratio) + 1e-9) for n in L])
+    if (keep < 1).any():
+        return
+    np.testing.assert_array_equal(uniform, np.broadcast_to(keep, (layers, len(L))))
+    pyr = pyramid_counts(keep, L, layers, Stage("streaming", ratio=ratio, sinks=0, window=1, allocator="pyramid"))
+    assert (np.diff(pyr, axis=0) <= 0).all()  # shrinks with depth
+    assert (pyr >= 1).all() and (pyr <= L[None]).all()
+    unclipped = (pyr[0] < L) & (pyr[-1] > 1)
+    # the mean over layers stays the uniform budget (up to flooring), unless clipped at the length
+    assert (np.abs(pyr.mean(axis=0) - keep)[unclipped] <= 1).all()
+
+
+def test_chained_policies_multiply_keep_fractions(gqa):
+    cfg, _ = gqa
+    plans = plan_stages(cfg, parse_policy("streaming:0.5+tova:0.5").stages, [40, 29], headroom=3)
+    np.testing.assert_array_equal(plans[0].counts[0], [20, 14])
+    np.testing.assert_array_equal(plans[1].counts[0], [10, 7])
+    assert plans[1].capacities == (13, 13) and plans[0].capacities == (20, 20)
+
+
+def test_adakv_pool_spends_k_times_the_budget_with_a_floor_per_head(gqa):
+    cfg, model = gqa
+    gen = Generator(model, capacity=CAPACITY, policy=parse_policy("h2o:0.5:allocator=adakv,floor=0.5"))
+    tokens, lengths = gen.pad(PROMPTS, NEW)
+    _, caches, _ = gen.prefill_compressed(tokens, lengths, NEW)
+    K = cfg.attention.n_kv_heads
+    for cache in caches:
+        assert isinstance(cache, PooledKVCache) and cache.capacity == K * (20 + NEW)
+        for b, n in enumerate(lengths):
+            heads = np.asarray(cache.head[b])[np.asarray(cache.pos[b]) >= 0]
+            assert len(heads) == K * (n // 2)
+            per_head = np.bincount(heads, minlength=K)
+            assert (per_head >= (n // 2) // 2).all()  # floor = 0.5 x the uniform share
+
+
+def test_pooled_attention_equals_per_head_attention():
+    r = np.random.default_rng(3)
+    B, K, G, S, H = 2, 3, 2, 6, 4
+    q = jnp.asarray(r.normal(size=(B, 1, K * G, H)), jnp.float32)
+    k, v = (jnp.asarray(r.normal(size=(B, K, S, H)), jnp.float32) for _ in range(2))
+    pos = jnp.tile(jnp.arange(S)[None], (B, 1))
+    ref = attention(q, k, v, jnp.full((B, 1), S), pos)
+    cache = KVCache(k=k, v=v, pos=pos, length=jnp.full((B,), S, jnp.int32))
+    from kvjax.compress.reducers import to_pool
+
+    pooled, _ = to_pool(cache)
+    order = r.permutation(K * S)  # a pool's order does not matter
+    out = attention(q, pooled.k[:, order], pooled.v[:, order], jnp.full((B, 1), S), pooled.pos[:, order],
+                    k_head=pooled.head[:, order], n_kv_heads=K)
+    np.testing.assert_allclose(out, ref, atol=1e-6)
+
+
+def test_kvmerger_merges_an_evicted_key_into_its_most_similar_kept_key():
+    from kvjax.compress.reducers import merge_kvmerger
+
+    k = jnp.asarray([[[[1.0, 0.0], [0.0, 1.0], [0.8, 0.6]]]])  # [1,1,3,2]; token 2 is closer to token 0
+    v = jnp.asarray([[[[1.0], [2.0], [4.0]]]])
+    cache = KVCache(k=k, v=v, pos=jnp.arange(3)[None], length=jnp.array([3]))
+    idx, valid = jnp.asarray([[[0, 1]]]), jnp.ones((1, 1, 2), bool)
+    merged = merge_kvmerger(cache, idx, valid, sigma=1.0)
+    w = np.exp(-(2 - 2 * 0.8) / 2)
+    np.testing.assert_allclose(merged.v[0, 0, :, 0], [(1 + w * 4) / (1 + w), 2.0, 4.0], rtol=1e-6)
+    np.testing.assert_allclose(merged.k[0, 0, 0], (np.array([1, 0]) + w * np.array([0.8, 0.6])) / (1 + w), rtol=1e-6)
+
+
+def test_cam_merges_an_evicted_value_into_the_next_kept_one():
+    from kvjax.compress.reducers import merge_cam
+
+    v = jnp.asarray([[[[1.0], [2.0], [4.0], [8.0]]]])
+    cache = KVCache(k=v, v=v, pos=jnp.arange(4)[None], length=jnp.array([4]))
+    attn = jnp.asarray([[[0.4, 0.1, 0.2, 0.3]]])
+    idx, valid = jnp.asarray([[[0, 2]]]), jnp.ones((1, 1, 2), bool)  # token 1 -> 2, token 3 -> 2 (none after)
+    merged = merge_cam(cache, idx, valid, attn)
+    p1, p3 = 0.1 / 0.2, min(1.0, 0.3 / 0.2)
+    np.testing.assert_allclose(merged.v[0, 0, :, 0], [1.0, 2.0, (4 + p1 * 2 + p3 * 8) / (1 + p1 + p3), 8.0], rtol=1e-6)
+    np.testing.assert_array_equal(merged.k, cache.k)
+
+
+# --- other variants and bad input -------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["cla2", "mla", "yoco-swa"])
+def test_policies_run_on_every_token_cache_with_exact_bytes(make_model, variant):
+    cfg, model = make_model(variant, "model.n_layers=4")
+    for policy in ("snapkv:0.5:obs_window=8", "streaming:0.5:every=2", "h2o:0.5:reducer=kvmerger"):
+        gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy))
+        tokens, lengths = gen.pad(PROMPTS, NEW)
+        logits, caches, stats = gen.prefill_compressed(tokens, lengths, NEW)
+        plans = gen.compression_plan(lengths, NEW)
+        assert caches_nbytes(caches) == compressed_cache_bytes(cfg, plans, 2, CAPACITY)
+        out = gen.decode(caches, logits, lengths, GREEDY, jax.random.key(0), stats)
+        assert np.isfinite(out.logprobs).all()
+
+
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        ("snapkv:0.5", "below sinks 0 + window 32"),
+        ("streaming:64", "above row 0's sequence of 40 tokens"),
+        ("magic:0.5", "method='magic' must be one of"),
+        ("h2o:1.5", "size '1.5' must be a whole number"),
+        ("h2o", "write method:budget"),
+        ("h2o:0.5:colour=red", "unknown option 'colour'"),
+        ("h2o:0.5:every=x", "every='x' is not a valid int"),
+        ("h2o:0.5:allocator=fancy", "allocator='fancy' must be one of"),
+        ("h2o:0.5:every=1+tova:0.5", "every= is allowed on the last stage only"),
+        ("keynorm:0.5:reducer=cam", "reducer='cam' weighs merges by attention"),
+        ("h2o:0.5:allocator=adakv+tova:0.5", "must be the last stage"),
+        ("snapkv:0.5:kernel=4", "kernel=4 must be odd"),
+    ],
+)
+def test_bad_policies_fail_before_compute(gqa, policy, message):
+    cfg, model = gqa
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy))
+        gen.compression_plan(np.array([40, 29]), NEW)
+
+
+def test_models_without_a_token_cache_or_methods_mla_cannot_use_are_refused(make_model):
+    _, mamba = make_model("mamba", "model.n_layers=2")
+    with pytest.raises(ConfigError, match="nothing for a token-level policy to compress"):
+        Generator(mamba, capacity=16, policy=parse_policy("snapkv:0.5"))
+    _, mla = make_model("mla", "model.n_layers=2")
+    for policy in ("keynorm:0.5", "h2o:0.5:allocator=adakv", "h2o:0.5:reducer=cam"):
+        with pytest.raises(ConfigError, match="MLA layers"):
+            Generator(mla, capacity=16, policy=parse_policy(policy))
+
+
+def test_policy_text_round_trips():
+    for text in ("snapkv:0.5", "streaming:512:sinks=2", "h2o:0.25:every=4,normalize=True", "tova:0.5+keynorm:0.5"):
+        pol = parse_policy(text)
+        assert parse_policy(str(pol)) == pol
+
+
+def test_observe_fn_gives_one_statistic_per_stage():
+    probs, pos = _probs()
+    stages = parse_policy("h2o:0.5+streaming:0.5").stages
+    out = observe_fn(stages)(probs, pos, None)
+    assert len(out) == 2 and out[0].shape == (2, 2, 9) and out[1] is None

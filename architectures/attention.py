@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from architectures.layers import apply_rope, dense
-from kvjax.cache import AttentionCache, KVView, heads_first
+from kvjax.cache import AttentionCache, KVView, QuestKVCache, heads_first
 from kvjax.config import AttentionConfig
 from kvjax.ops import attention, attention_probs
 
@@ -62,6 +62,8 @@ class Attention(nnx.Module):
             if not self.produces_kv:
                 raise ValueError("a layer without K/V projections attends to its producer's view: pass shared=")
             cache, shared = self.kv(x if kv_x is None else kv_x, positions, cache)
+            if isinstance(cache, QuestKVCache) and T == 1:  # Quest: a decode query reads its best pages
+                shared = cache.select(q, shared)
         out = attention(q, shared.k, shared.v, positions, shared.pos, **self._view_args(shared))
         return self.o(out.reshape(B, T, cfg.n_heads * cfg.head_dim)), cache, shared
 

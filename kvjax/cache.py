@@ -125,6 +125,68 @@ class KVCache(_SlotCache):
 
 
 @struct.dataclass
+class QuestKVCache(KVCache):
+    """A dense cache that also keeps, per page of `page_size` slots and per KV head, the channel-wise
+    min and max of the keys `[B,K,P,H]` (Quest, Tang et al. 2024, arXiv 2406.10774, sec. 3). Nothing
+    is evicted: a decode query reads only the `read_pages` pages whose upper bound on q.k is highest
+    (`select`), plus the page holding the newest token."""
+
+    page_min: jax.Array
+    page_max: jax.Array
+    page_size: int = struct.field(pytree_node=False, default=16)
+    read_pages: int = struct.field(pytree_node=False, default=1)
+
+    @classmethod
+    def from_cache(cls, cache: KVCache, page_size: int, read_pages: int) -> QuestKVCache:
+        """Page bounds of an existing (uncompressed, shared-position) cache."""
+        B, K, S, H = cache.k.shape
+        P = -(-S // page_size)
+        pad = ((0, 0), (0, 0), (0, P * page_size - S), (0, 0))
+        valid = jnp.pad(cache.pos >= 0, ((0, 0), (0, P * page_size - S)))[:, None, :, None]
+        k = jnp.pad(cache.k, pad).reshape(B, K, P, page_size, H)
+        valid = valid.reshape(B, 1, P, page_size, 1)
+        return cls(
+            k=cache.k, v=cache.v, pos=cache.pos, length=cache.length,
+            page_min=jnp.where(valid, k, jnp.inf).min(axis=3).astype(cache.k.dtype),
+            page_max=jnp.where(valid, k, -jnp.inf).max(axis=3).astype(cache.k.dtype),
+            page_size=page_size, read_pages=read_pages,
+        )
+
+    def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[QuestKVCache, KVView]:
+        _check_chunk(self, k, v, pos)
+        slots = _append_slots(self.length, pos, self.capacity)
+        new = self._write_slots(slots, pos, k=k, v=v)
+        page = jnp.where(slots < self.capacity, slots // self.page_size, self.page_min.shape[2])
+        rows = jnp.arange(k.shape[0])[:, None]
+        index = (rows, slice(None), page)
+        new = new.replace(
+            page_min=self.page_min.at[index].min(k.astype(self.page_min.dtype), mode="drop"),
+            page_max=self.page_max.at[index].max(k.astype(self.page_max.dtype), mode="drop"),
+        )
+        return new, KVView(new.k, new.v, new.pos)
+
+    def select(self, q: jax.Array, view: KVView) -> KVView:
+        """The view a single decode query `[B,1,N,H]` reads: per KV head, the pages with the highest
+        upper bound sum_c max(q_c min_c, q_c max_c) (the max over the head's query group), and the
+        newest page; other slots get position -1."""
+        B, _, N, H = q.shape
+        K, S = self.k.shape[1], self.capacity
+        P = self.page_min.shape[2]
+        q_g = q[:, 0].reshape(B, K, 1, N // K, H).astype(jnp.float32)  # [B,K,1,G,H]
+        filled = jnp.arange(P)[None, :] * self.page_size < self.length[:, None]  # [B,P]
+        lo = jnp.where(filled[:, None, :, None], self.page_min, 0).astype(jnp.float32)[:, :, :, None]
+        hi = jnp.where(filled[:, None, :, None], self.page_max, 0).astype(jnp.float32)[:, :, :, None]
+        bound = jnp.maximum(q_g * lo, q_g * hi).sum(axis=-1).max(axis=-1)  # [B,K,P]
+        newest = (jnp.arange(P)[None, :] == ((self.length - 1) // self.page_size)[:, None])[:, None, :]
+        bound = jnp.where(filled[:, None, :], jnp.where(newest, jnp.inf, bound), -jnp.inf)
+        _, top = jax.lax.top_k(bound, min(self.read_pages, P))
+        chosen = jnp.zeros((B, K, P), bool).at[jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], top].set(True)
+        slot_chosen = jnp.repeat(chosen, self.page_size, axis=2)[:, :, :S]
+        pos = view.pos if view.pos.ndim == 3 else jnp.broadcast_to(view.pos[:, None], (B, K, S))
+        return view._replace(pos=jnp.where(slot_chosen, pos, -1))
+
+
+@struct.dataclass
 class RingKVCache(_SlotCache):
     """Sliding-window cache of W slots: position p lives in slot p % W, so memory stays constant.
 
@@ -189,7 +251,7 @@ class PooledKVCache(_Positioned):
         return new, KVView(new.k, new.v, new.pos, new.head)
 
 
-AttentionCache = KVCache | RingKVCache | PooledKVCache
+AttentionCache = KVCache | QuestKVCache | RingKVCache | PooledKVCache
 
 
 @struct.dataclass

@@ -15,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, LatentCache
+from kvjax.cache import KVCache, LatentCache, QuestKVCache
 from kvjax.compress import reducers, scorers
 from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
@@ -48,10 +48,10 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
         where = f"policy stage {stage.method!r}"
         if stage.pooled and i != len(policy.stages) - 1:
             raise ConfigError(f"{where}: allocator='adakv' must be the last stage of a chain")
-        if mla and (stage.method == "keynorm" or stage.reducer == "cam" or stage.pooled):
+        if mla and (stage.method in ("keynorm", "quest") or stage.reducer == "cam" or stage.pooled):
             raise ConfigError(
                 f"{where}: {cfg.name!r} has MLA layers, whose cache is one latent shared by all heads: key "
-                "norm (no per-head keys), CaM (no separate values) and AdaKV (no heads) do not apply"
+                "norm and Quest (no per-head keys), CaM (no separate values) and AdaKV (no heads) do not apply"
             )
 
 
@@ -98,6 +98,8 @@ def plan_stages(cfg: ModelConfig, stages: tuple[Stage, ...], lengths, headroom: 
         floors = np.floor(stage.floor * counts + 1e-9).astype(np.int64)
         heads = [_kv_heads(cfg, s) if stage.pooled else 1 for s in slots]
         keep_caps = tuple(int(counts[j].max()) * heads[j] for j in range(len(slots)))
+        if stage.method == "quest":  # whole pages are read
+            keep_caps = tuple(-(-cap // stage.page_size) * stage.page_size for cap in keep_caps)
         capacities = tuple(keep_caps[j] + (headroom * heads[j] if last else 0) for j in range(len(slots)))
         plans.append(StagePlan(stage, counts, windows, floors, keep_caps, capacities, tuple(heads)))
         current = counts
@@ -137,6 +139,8 @@ def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, kee
     """One stage on one cache. stats[0] is this stage's statistic, the rest belong to later stages; all
     follow the kept slots. `heads`: the KV heads a pooled (AdaKV) cache spreads its budget over.
     Returns (new cache, the statistics gathered to its slots)."""
+    if stage.method == "quest":
+        return QuestKVCache.from_cache(cache, stage.page_size, keep_cap // stage.page_size), stats
     if stage.pooled and isinstance(cache, KVCache):
         pooled = [reducers.to_pool(cache, s) for s in stats]
         cache, stats = pooled[0][0], [p[1] for p in pooled]
@@ -181,6 +185,10 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             continue
         cap = last.capacities[slots.index(slot)]
         K = _kv_heads(cfg, slot)
+        if last.stage.method == "quest":  # every slot kept, plus a key min and max per page and head
+            pages = -(-capacity // last.stage.page_size)
+            total += mem.bytes(capacity) + pages * mem.kv_bytes_per_slot
+            continue
         if last.stage.pooled:  # entry: one head's K and V, its position and its head id
             slot_bytes = mem.kv_bytes_per_slot // K + 2 * _INT32
         else:

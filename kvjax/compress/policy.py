@@ -21,7 +21,7 @@ import numpy as np
 
 from kvjax.config import ConfigError
 
-SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm")
+SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest")
 ALLOCATORS = ("uniform", "pyramid", "adakv")
 REDUCERS = ("select", "cam", "kvmerger")
 POOLINGS = ("avg", "max")
@@ -51,6 +51,7 @@ class Stage:
     beta: float = 20.0  # PyramidKV: the top layer keeps budget / beta
     floor: float = 0.2  # AdaKV: each head keeps at least floor x its uniform share
     sigma: float = 1.0  # KVMerger: Gaussian kernel width over unit-key distances
+    page_size: int = 16  # Quest: tokens per page
 
     def __post_init__(self):
         where = f"policy stage {self.method!r}"
@@ -69,15 +70,20 @@ class Stage:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{where}: {name}={value} must be >= 0")
-        for name in ("obs_window", "kernel"):
+        for name in ("obs_window", "kernel", "page_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}: {name}={getattr(self, name)} must be >= 1")
         if self.kernel % 2 == 0:
             raise ConfigError(f"{where}: kernel={self.kernel} must be odd (centred pooling)")
         if self.beta < 1 or not 0 <= self.floor <= 1 or self.sigma <= 0:
             raise ConfigError(f"{where}: beta={self.beta} must be >= 1, floor={self.floor} in [0, 1], sigma > 0")
-        if self.reducer == "cam" and self.method in ("streaming", "keynorm"):
+        if self.reducer == "cam" and self.method in ("streaming", "keynorm", "quest"):
             raise ConfigError(f"{where}: reducer='cam' weighs merges by attention; use h2o, snapkv or tova")
+        if self.method == "quest" and (self.every or self.allocator != "uniform" or self.reducer != "select"):
+            raise ConfigError(
+                f"{where}: Quest keeps every token and picks pages per query; every=, allocator= and "
+                "reducer= do not apply"
+            )
 
     @property
     def n_sinks(self) -> int:
@@ -116,6 +122,8 @@ class Policy:
     def __post_init__(self):
         if not self.stages:
             raise ConfigError("a policy needs at least one stage")
+        if len(self.stages) > 1 and any(s.method == "quest" for s in self.stages):
+            raise ConfigError("policy stage 'quest' cannot be chained: it selects pages at attention time")
         for stage in self.stages[:-1]:
             if stage.every:
                 raise ConfigError(f"policy stage {stage.method!r}: every= is allowed on the last stage only")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax import DecodingConfig, Generator
-from kvjax.cache import KVCache, PooledKVCache, caches_nbytes
+from kvjax.cache import KVView, KVCache, PooledKVCache, QuestKVCache, caches_nbytes
 from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
 from kvjax.compress.apply import observe_fn
 from kvjax.compress.policy import Stage, pyramid_counts, stage_counts
@@ -41,6 +41,7 @@ POLICIES = [
     "h2o:0.5:every=1",
     "tova:12:every=3",
     "snapkv:12:obs_window=4,allocator=adakv,every=2",
+    "quest:0.5:page_size=8",
 ]
 
 
@@ -73,7 +74,7 @@ def _assert_same_decoding(plain, gen, lengths, caches, caches_c, logits, stats):
 
 
 @pytest.mark.parametrize("method", ["streaming:0", "h2o:0", "snapkv:0:obs_window=8", "tova:0", "keynorm:0",
-                                    "snapkv:0:reducer=kvmerger", "h2o:0:reducer=cam", "keynorm:0:allocator=pyramid,beta=1"])
+                                    "snapkv:0:reducer=kvmerger", "h2o:0:reducer=cam", "keynorm:0:allocator=pyramid,beta=1", "quest:0"])
 def test_a_budget_covering_the_sequence_changes_nothing(gqa, method):
     plain, squeezed, lengths, (logits, caches), (logits_c, caches_c, stats) = _plain_and_compressed(gqa[1], method)
     for a, b in zip(caches, caches_c):
@@ -105,6 +106,10 @@ def test_measured_bytes_equal_analytic_and_rows_keep_their_budget(gqa, policy):
     last = plans[-1]
     K = cfg.attention.n_kv_heads
     for j, cache in enumerate(caches):
+        if isinstance(cache, QuestKVCache):  # keeps everything; reads pages
+            np.testing.assert_array_equal(cache.length, lengths)
+            assert cache.read_pages == 3 and cache.page_min.shape[2] == -(-CAPACITY // 8)
+            continue
         per_head = last.counts[j] * (K if isinstance(cache, PooledKVCache) else 1)
         np.testing.assert_array_equal(cache.length, per_head)
         valid = (cache.pos >= 0).reshape(len(PROMPTS), -1).sum(axis=1)
@@ -423,3 +428,41 @@ def test_observe_fn_gives_one_statistic_per_stage():
     stages = parse_policy("h2o:0.5+streaming:0.5").stages
     out = observe_fn(stages)(probs, pos, None)
     assert len(out) == 2 and out[0].shape == (2, 2, 9) and out[1] is None
+
+
+def test_quest_reads_the_pages_with_the_highest_upper_bound_and_the_bound_holds():
+    r = np.random.default_rng(5)
+    B, K, G, S, H, ps = 2, 2, 3, 37, 4, 8
+    k = jnp.asarray(r.normal(size=(B, K, S, H)), jnp.float32)
+    lengths = np.array([37, 20])
+    pos = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], np.arange(S)[None], -1), jnp.int32)
+    cache = QuestKVCache.from_cache(KVCache(k=k, v=k, pos=pos, length=jnp.asarray(lengths, jnp.int32)), ps, 2)
+    q = jnp.asarray(r.normal(size=(B, 1, K * G, H)), jnp.float32)
+    view = cache.select(q, KVView(cache.k, cache.v, cache.pos))
+    for b, n in enumerate(lengths):
+        pages = -(-n // ps)
+        for h in range(K):
+            qk = np.einsum("gh,sh->gs", np.asarray(q[b, 0, h * G : (h + 1) * G]), np.asarray(k[b, h, :n]))
+            kb = np.asarray(k[b, h, :n])
+            bound = []
+            for p in range(pages):
+                lo, hi = kb[p * ps : (p + 1) * ps].min(0), kb[p * ps : (p + 1) * ps].max(0)
+                qg = np.asarray(q[b, 0, h * G : (h + 1) * G])
+                bound.append(np.maximum(qg * lo, qg * hi).sum(-1).max())
+                assert bound[-1] >= qk[:, p * ps : (p + 1) * ps].max() - 1e-5  # an upper bound per page
+            newest = (n - 1) // ps
+            best = [p for p in np.argsort(bound)[::-1] if p != newest][:1]
+            read = sorted({int(x) // ps for x in np.asarray(view.pos[b, h]) if x >= 0})
+            assert read == sorted({newest, *best})
+            for p in read:  # a read page is read whole, at its true positions
+                expect = list(range(p * ps, min((p + 1) * ps, n)))
+                assert [int(x) for x in np.asarray(view.pos[b, h]) if x // ps == p and x >= 0] == expect
+
+
+def test_quest_decode_appends_to_page_bounds(gqa):
+    cfg, model = gqa
+    out = _generate(model, "quest:0.5:page_size=8")
+    for cache in out.caches:
+        ref = QuestKVCache.from_cache(KVCache(k=cache.k, v=cache.v, pos=cache.pos, length=cache.length), 8, 3)
+        np.testing.assert_array_equal(cache.page_min, ref.page_min)
+        np.testing.assert_array_equal(cache.page_max, ref.page_max)

@@ -106,6 +106,11 @@ def _load_any(model_ref: str):
 
 
 def _cmd_eval(args) -> None:
+    task = args.task or ("continuation" if args.policy else "ppl")
+    if task != "ppl":
+        return _eval_compressed(args, task)
+    if args.policy:
+        raise ConfigError("--policy applies to --task continuation, passkey or needle (ppl scores windows uncached)")
 
     from training.data import load_corpus, pack, split_documents
     from training.trainer import evaluate_model
@@ -121,6 +126,35 @@ def _cmd_eval(args) -> None:
         f"{scores['eval_bpb']:.4f} bits/byte, perplexity {scores['eval_ppl']:.3f} "
         f"(loss {scores['eval_loss']:.4f} nats/token)"
     )
+
+
+def _eval_compressed(args, task: str) -> None:
+    """`kvjax eval --task continuation|passkey|needle [--policy P ...]`: quality under compressed caches."""
+    from kvjax.compress import parse_policy
+    from kvjax.report import format_table
+    from training import compression_eval as ce
+
+    policies = [str(parse_policy(p)) for p in args.policy or []]  # every policy is checked before compute
+    _, model, tokenizer = _load_any(args.model)
+    bos = not _is_gguf(args.model)
+    if task == "continuation":
+        stream = ce.corpus_tokens(tokenizer, args.corpus or "kjv")
+        prefixes, conts = ce.continuation_windows(stream, args.prefix, args.continuation, args.samples)
+        rows = ce.continuation_eval(model, prefixes, conts, policies, batch=args.batch)
+        print(f"{model.config.name}: {args.samples} x ({args.prefix}-token prefix, next {args.continuation} tokens)")
+        print(format_table(
+            ["policy", "NLL (nats/token)", "perplexity", "KL vs full", "cache B/token"],
+            [[r.policy, f"{r.nll:.4f}", f"{r.ppl:.3f}", f"{r.kl:.4g}", f"{r.cache_bytes_per_token:,.0f}"] for r in rows],
+        ))
+        return
+    filler = ce.corpus_tokens(tokenizer, args.corpus or "kjv")
+    table = []
+    for policy in [None, *policies]:
+        acc = ce.retrieval_accuracy(model, tokenizer, task, args.lengths, args.depths, policy=policy,
+                                    trials=args.trials, bos=bos, filler=filler)
+        table.append([policy or "full", *(f"{acc[(n, d)]:.2f}" for n in args.lengths for d in args.depths)])
+    print(f"{model.config.name}: {task} exact match, {args.trials} trials per cell (length/depth)")
+    print(format_table(["policy", *(f"{n}/{d:g}" for n in args.lengths for d in args.depths)], table))
 
 
 def _cmd_generate(args) -> None:
@@ -144,6 +178,8 @@ def _cmd_generate(args) -> None:
 
 
 def _cmd_compare(args) -> None:
+    if args.policies:
+        return _compare_policies(args)
     from training.compare import load_experiment, run_compare
 
     exp = load_experiment(args.experiment)
@@ -153,6 +189,30 @@ def _cmd_compare(args) -> None:
     # Every experiment shares runs/compare/{full,quick}/<variant>, so a variant trained with the same
     # config by another experiment is reused; tables and plots are named after the experiment.
     run_compare(exp, Path(args.out) / ("quick" if args.quick else "full"), quick=args.quick, name=name)
+
+
+def _compare_policies(args) -> None:
+    """`kvjax compare --policies M ... --model MODEL`: every method at every budget on one model."""
+
+    from kvjax.compress import parse_policy
+    from training import compression_eval as ce
+
+    for method in args.policies:  # checked before any compute
+        for budget in args.budgets:
+            parse_policy(ce.with_budget(method, 1 - budget))
+    model_ref = args.model or str(Path(args.out) / ("quick" if args.quick else "full") / "gqa")
+    _, model, tokenizer = _load_any(model_ref)
+    rows = ce.policy_table(
+        model, tokenizer, args.policies, args.budgets, prefix=args.prefix, continuation=args.continuation,
+        samples=args.samples, context=args.context, passkey_length=args.passkey_length, bos=not _is_gguf(model_ref),
+    )
+    title = (f"{model.config.name}: {args.samples} x ({args.prefix}-token prefix + {args.continuation} scored), "
+             f"decode at {args.context} tokens")
+    print(ce.render_policy_table(rows, title))
+    out = Path(args.out) / f"policies-{model.config.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+    print(f"wrote {out}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,12 +230,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(run=_cmd_train)
 
     model_help = "a run directory, a .gguf file, or a shipped model (smollm2)"
-    ev = sub.add_parser("eval", help="bits per byte and perplexity on a validation split")
+    ev = sub.add_parser(
+        "eval", help="perplexity on a validation split, or quality under compressed caches (--policy, --task)"
+    )
     ev.add_argument("model", help=model_help)
     ev.add_argument("--corpus", help="corpus spec (default: the run's own; kjv for GGUF models)")
     ev.add_argument("--seq-len", type=int, help="window length (default: the run's data.seq_len)")
     ev.add_argument("--windows", type=int, default=64, help="how many validation windows")
     ev.add_argument("--batch", type=int, default=4)
+    ev.add_argument("--policy", action="append", help="a compression policy, e.g. snapkv:0.5 (repeatable)")
+    ev.add_argument("--task", choices=("ppl", "continuation", "passkey", "needle"),
+                    help="default: ppl, or continuation when --policy is given")
+    ev.add_argument("--prefix", type=int, default=1536, help="continuation: prefix tokens compressed")
+    ev.add_argument("--continuation", type=int, default=255, help="continuation: tokens scored after it")
+    ev.add_argument("--samples", type=int, default=1, help="continuation: how many prefix/continuation pairs")
+    ev.add_argument("--lengths", type=int, nargs="+", default=[512, 1024], help="passkey/needle prompt lengths")
+    ev.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="needle depths in [0, 1]")
+    ev.add_argument("--trials", type=int, default=4, help="passkey/needle prompts per cell")
     ev.set_defaults(run=_cmd_eval)
 
     gen = sub.add_parser("generate", help="continue a text prompt")
@@ -196,6 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--quick", action="store_true", help="a short run, for a smoke test")
     cmp.add_argument("--variants", nargs="+", help="model configs to compare (default: the experiment's list)")
     cmp.add_argument("--out", default="runs/compare", help="output directory")
+    pol = cmp.add_argument_group("policy table (token-level compression of one model)")
+    pol.add_argument("--policies", nargs="+", help="methods, e.g. snapkv streaming h2o tova keynorm (options: snapkv:obs_window=16)")
+    pol.add_argument("--model", help=f"{model_help} (default: the gqa run of this comparison)")
+    pol.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75], help="fractions of the prefix kept")
+    pol.add_argument("--prefix", type=int, default=1536, help="tokens compressed before the scored continuation")
+    pol.add_argument("--continuation", type=int, default=255)
+    pol.add_argument("--samples", type=int, default=1)
+    pol.add_argument("--context", type=int, default=2048, help="cache length for the decode speed")
+    pol.add_argument("--passkey-length", type=int, help="also passkey accuracy at this prompt length")
     cmp.set_defaults(run=_cmd_compare)
     return parser
 

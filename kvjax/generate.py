@@ -150,6 +150,24 @@ def _decode(graphdef, params, caches, logits, lengths, rng, stats, evict_arrays,
     return final.tokens, final.logprobs, final.n_generated, final.caches
 
 
+def _score(graphdef, params, caches, logits, lengths, stats, evict_arrays, forced, *, evict, keep_logits):
+    """Teacher forcing: log p(forced[:, i] | prompt, forced[:, :i]) for each i, feeding the forced tokens
+    through the same decode step (and decode-time eviction) as generation."""
+    model = nnx.merge(graphdef, params)
+    evict = None if evict is None else (evict[0], evict_arrays, evict[1])
+
+    def body(carry, tok):
+        caches, stats, logits, step = carry
+        logp = jax.nn.log_softmax(logits)
+        out = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], logp if keep_logits else None
+        pos = (lengths + step)[:, None]
+        new_logits, caches, stats = _decode_step(model, tok[:, None], pos, caches, stats, step + 1, evict)
+        return (caches, stats, new_logits[:, 0], step + 1), out
+
+    _, (logprobs, full) = jax.lax.scan(body, (caches, stats, logits, jnp.int32(0)), forced.T)
+    return logprobs.T, None if full is None else full.transpose(1, 0, 2)
+
+
 class Generator:
     """Compiled generation for one model, cache capacity and (optional) compression policy; reuse it to
     compile once per shape.
@@ -177,6 +195,7 @@ class Generator:
             static_argnames=("n_new", "sampling", "eos_id", "pad_id", "evict"),
             donate_argnames=("caches",),
         )
+        self._score = jax.jit(partial(_score, graphdef), static_argnames=("evict", "keep_logits"))
 
     @property
     def _holds_budget(self) -> bool:
@@ -231,6 +250,41 @@ class Generator:
             slots=compressible(self.config),
         )
 
+    def _evict_args(self, lengths, max_new_tokens):
+        """(static, arrays) of the decode-time eviction, or (None, None)."""
+        if not self._holds_budget:
+            return None, None
+        last = self.compression_plan(lengths, max_new_tokens)[-1]
+        return (last.static, compressible(self.config)), last.arrays
+
+    def start(self, prompts, max_new_tokens: int):
+        """Pad, prefill (compressing with the policy, if any): (lengths, logits, caches, stats)."""
+        tokens, lengths = self.pad(prompts, max_new_tokens)
+        if self.policy is None:
+            logits, caches = self.prefill(tokens, lengths)
+            return lengths, logits, caches, (None,) * len(caches)
+        return lengths, *self.prefill_compressed(tokens, lengths, max_new_tokens)
+
+    def score(
+        self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], *, keep_logits: bool = False
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Log-probabilities `[B,N]` of each continuation (N tokens, the same for every row) after its
+        prompt, with the cache compressed by the policy; with keep_logits also the full next-token
+        log-distributions `[B,N,V]` (for KL divergences)."""
+        n = {len(c) for c in continuations}
+        if len(n) != 1 or len(continuations) != len(prompts) or 0 in n:
+            raise ValueError("continuations must be one non-empty sequence per prompt, all of the same length")
+        n = n.pop()
+        lengths, logits, caches, stats = self.start(prompts, n)
+        evict, arrays = self._evict_args(lengths, n)
+        forced = np.asarray(continuations, np.int32)
+        if forced.min() < 0 or forced.max() >= self.config.vocab_size:
+            raise ValueError(f"continuation token ids must be in [0, {self.config.vocab_size})")
+        logprobs, full = self._score(
+            self.params, caches, logits, jnp.asarray(lengths), stats, arrays, forced, evict=evict, keep_logits=keep_logits
+        )
+        return np.asarray(logprobs), None if full is None else np.asarray(full)
+
     def decode(
         self,
         caches: tuple,
@@ -243,10 +297,7 @@ class Generator:
         """Sample `decoding.max_new_tokens` tokens after a prefill; the caches are donated (consumed).
         With a policy that holds its budget, pass the `stats` that `prefill_compressed` returned."""
         sampling = (("temperature", decoding.temperature), ("top_k", decoding.top_k), ("top_p", decoding.top_p))
-        evict, arrays = None, None
-        if self._holds_budget:
-            last = self.compression_plan(lengths, decoding.max_new_tokens)[-1]
-            evict, arrays = (last.static, compressible(self.config)), last.arrays
+        evict, arrays = self._evict_args(lengths, decoding.max_new_tokens)
         out, logprobs, n_generated, caches = self._decode(
             self.params,
             caches,
@@ -270,12 +321,8 @@ class Generator:
         *,
         rng: jax.Array | None = None,
     ) -> GenerationResult:
-        tokens, lengths = self.pad(prompts, decoding.max_new_tokens)
         rng = jax.random.key(decoding.seed) if rng is None else rng
-        if self.policy is None:
-            logits, caches = self.prefill(tokens, lengths)
-            return self.decode(caches, logits, lengths, decoding, rng)
-        logits, caches, stats = self.prefill_compressed(tokens, lengths, decoding.max_new_tokens)
+        lengths, logits, caches, stats = self.start(prompts, decoding.max_new_tokens)
         return self.decode(caches, logits, lengths, decoding, rng, stats)
 
 

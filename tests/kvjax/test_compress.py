@@ -466,3 +466,19 @@ def test_quest_decode_appends_to_page_bounds(gqa):
         ref = QuestKVCache.from_cache(KVCache(k=cache.k, v=cache.v, pos=cache.pos, length=cache.length), 8, 3)
         np.testing.assert_array_equal(cache.page_min, ref.page_min)
         np.testing.assert_array_equal(cache.page_max, ref.page_max)
+
+
+def test_scoring_a_continuation_equals_the_full_forward_without_compression(gqa):
+    cfg, model = gqa
+    cont = [[5, 6, 7, 8, 9, 10], [11, 3, 3, 2, 1, 0]]
+    logp, full = Generator(model, capacity=CAPACITY).score(PROMPTS, cont, keep_logits=True)
+    for row, prompt in enumerate(PROMPTS):
+        seq = jnp.asarray([prompt + cont[row]])
+        logits, _ = model(seq, jnp.arange(seq.shape[1])[None])
+        ref = jax.nn.log_softmax(logits[0, len(prompt) - 1 : -1])
+        np.testing.assert_allclose(full[row], ref, atol=5e-5)
+        np.testing.assert_allclose(logp[row], ref[np.arange(6), cont[row]], atol=5e-5)
+    squeezed, _ = Generator(model, capacity=CAPACITY, policy=parse_policy("snapkv:0:obs_window=8")).score(PROMPTS, cont)
+    np.testing.assert_allclose(squeezed, logp, atol=1e-5)
+    evicting, _ = Generator(model, capacity=CAPACITY, policy=parse_policy("h2o:0.5:every=1")).score(PROMPTS, cont)
+    assert np.isfinite(evicting).all() and not np.allclose(evicting, logp, atol=1e-3)

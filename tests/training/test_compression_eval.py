@@ -1,0 +1,92 @@
+"""Evaluation of compressed caches: continuation NLL / KL, synthetic retrieval prompts, the CLI."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kvjax.cli import main
+from training import compression_eval as ce
+from training.tokenizer import ByteTokenizer
+from tests.training.conftest import SMALL_CORPUS
+from tests.training.test_cli import TINY
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("run") / "gqa")
+    assert main(["train", "gqa", *TINY, "--run-dir", path]) == 0
+    return path
+
+
+def test_kl_divergence_is_zero_for_equal_distributions_and_matches_a_hand_value():
+    p = np.log(np.array([[0.5, 0.5]]))
+    q = np.log(np.array([[0.9, 0.1]]))
+    assert ce.kl_divergence(p, p) == 0
+    assert ce.kl_divergence(p, q) == pytest.approx(0.5 * np.log(0.5 / 0.9) + 0.5 * np.log(0.5 / 0.1))
+
+
+def test_continuation_windows_are_consecutive_slices():
+    stream = np.arange(100)
+    prefixes, conts = ce.continuation_windows(stream, 10, 5, 3)
+    np.testing.assert_array_equal(prefixes[1], np.arange(15, 25))
+    np.testing.assert_array_equal(conts[2], np.arange(40, 45))
+    with pytest.raises(ce.DataError, match="need 300"):
+        ce.continuation_windows(stream, 90, 10, 3)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_passkey_and_needle_prompts_have_the_length_and_the_needle_at_its_depth(depth):
+    tok = ByteTokenizer()
+    filler = np.asarray(tok.encode("abcdefghij" * 200), np.int32)
+    rng = np.random.default_rng(0)
+    case = ce.passkey_case(tok, filler, 600, depth, rng, bos=True)
+    assert len(case.prompt) == 600 and case.prompt[0] == tok.bos_id and len(case.answer) == 5
+    text = tok.decode(case.prompt)
+    needle = text.index(f"The pass key is {case.answer}.")
+    head, tail = len(ce._INTRO) + 1, len("\nWhat is the pass key? The pass key is")
+    fill = 600 - 1 - len(ce._INTRO) - tail - len(f" The pass key is {case.answer}. Remember it. {case.answer} is the pass key. ")
+    assert abs((needle - 1 - head + 1) - round(depth * fill)) <= 2
+    assert text.endswith("The pass key is")
+    multi = ce.needle_case(tok, filler, 800, depth, rng, bos=False)
+    text = tok.decode(multi.prompt)
+    assert len(multi.prompt) == 800 and text.count("special magic numbers for") == 4
+    word = text.rsplit("special magic number for ", 1)[1].split()[0].rstrip("?")
+    assert f"for {word} is: {multi.answer}." in text
+    assert ce._answered(tok, tok.encode(f" {multi.answer}, yes"), multi.answer)
+    assert not ce._answered(tok, tok.encode(" 12"), multi.answer)
+
+
+def test_with_budget_inserts_the_ratio_before_the_options():
+    assert ce.with_budget("snapkv", 0.5) == "snapkv:0.5"
+    assert ce.with_budget("snapkv:obs_window=16", 0.75) == "snapkv:0.75:obs_window=16"
+
+
+def test_eval_cli_continuation_and_passkey(run, capsys):
+    args = ["eval", run, "--corpus", SMALL_CORPUS, "--prefix", "48", "--continuation", "8", "--samples", "2"]
+    assert main([*args, "--policy", "snapkv:0.5:obs_window=8", "--policy", "streaming:0.25"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in out.splitlines() if line.startswith("| ")}
+    assert float(rows["full"][2]) == 0.0  # KL of the full cache against itself
+    assert float(rows["snapkv:0.5:obs_window=8"][2]) > 0
+    full_bytes = float(rows["full"][3].replace(",", ""))
+    assert float(rows["streaming:0.25"][3].replace(",", "")) < full_bytes
+    assert main(["eval", run, "--corpus", SMALL_CORPUS, "--task", "passkey", "--policy", "tova:0.5",
+                 "--lengths", "300", "--depths", "0.5", "--trials", "2"]) == 0
+    assert "tova:0.5" in capsys.readouterr().out
+    assert main(["eval", run, "--policy", "snapkv:2.5"]) == 2
+    assert "whole number" in capsys.readouterr().err
+    assert main(["eval", run, "--task", "ppl", "--policy", "snapkv:0.5"]) == 2
+
+
+@pytest.mark.slow
+def test_compare_policy_table(run, tmp_path, capsys):
+    assert main(["compare", "--policies", "snapkv:obs_window=8", "streaming", "--budgets", "0.5", "--model", run,
+                 "--prefix", "64", "--continuation", "8", "--context", "64", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "snapkv:0.5:obs_window=8" in out and "streaming:0.5" in out
+    (table,) = tmp_path.glob("policies-*.json")
+    rows = json.loads(table.read_text())
+    assert [r["budget"] for r in rows] == [None, 0.5, 0.5]
+    assert rows[1]["cache_bytes_per_token"] < rows[0]["cache_bytes_per_token"]
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows)

@@ -1,0 +1,244 @@
+"""How much a compressed cache costs in quality, speed and memory.
+
+- Continuation: compress a prefix of real text, then score the next tokens by teacher forcing (NLL in
+  nats per token, perplexity) and compare each next-token distribution with the full cache's (KL
+  divergence, nats). This is kvpress's protocol (a 1.5k-token prefix of a text, the next 255 tokens).
+- Synthetic retrieval built from corpus filler text, scored by exact match of a greedy answer:
+  passkey retrieval (Mohtashami and Jaggi 2023) and multi-key needle in a haystack (RULER's
+  niah_multikey: several "special magic number" needles, one asked for), at several lengths and depths.
+- Decode speed after a compressed prefill, and the cache bytes each policy stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import jax
+import numpy as np
+
+from kvjax.compress import Policy, compressed_cache_bytes, parse_policy, plan_stages
+from kvjax.config import ConfigError, DecodingConfig
+from kvjax.generate import Generator
+from kvjax.memory import cache_bytes
+from training.data import DataError, load_corpus, split_documents
+from training.tokenizer import Tokenizer
+
+TASKS = ("continuation", "passkey", "needle")
+
+
+def _policy(policy: str | Policy | None) -> Policy | None:
+    return parse_policy(policy) if isinstance(policy, str) else policy
+
+
+def corpus_tokens(tokenizer: Tokenizer, corpus: str = "kjv", val_fraction: float = 0.1) -> np.ndarray:
+    """The validation documents of a corpus as one token stream (documents joined by a blank line)."""
+    _, val = split_documents(load_corpus(corpus), val_fraction)
+    return np.asarray(tokenizer.encode("\n\n".join(d.text for d in val)), np.int32)
+
+
+def continuation_windows(stream: np.ndarray, prefix: int, continuation: int, samples: int):
+    """`samples` non-overlapping (prefix `[n,P]`, continuation `[n,N]`) slices of a token stream."""
+    span = prefix + continuation
+    if prefix < 1 or continuation < 1 or samples < 1:
+        raise ValueError(f"prefix={prefix}, continuation={continuation} and samples={samples} must be >= 1")
+    if len(stream) < span * samples:
+        raise DataError(f"the text has {len(stream)} tokens; {samples} samples of {span} need {span * samples}")
+    windows = stream[: span * samples].reshape(samples, span)
+    return windows[:, :prefix], windows[:, prefix:]
+
+
+@dataclasses.dataclass
+class ContinuationScore:
+    policy: str
+    nll: float  # nats per continuation token
+    ppl: float
+    kl: float  # mean KL(full || compressed) of the next-token distributions, nats
+    cache_bytes_per_token: float  # stored cache bytes per prefix token right after compression
+
+
+def kl_divergence(full_logp: np.ndarray, logp: np.ndarray) -> float:
+    """Mean over positions of KL(p_full || p), from log-distributions `[..., V]`."""
+    return float(np.mean(np.sum(np.exp(full_logp) * (full_logp - logp), axis=-1)))
+
+
+def stored_bytes_per_token(model, policy: Policy | None, prefix: int) -> float:
+    """Cache bytes of one sequence right after a `prefix`-token prefill (and compression), per token."""
+    cfg = model.config
+    if policy is None:
+        return cache_bytes(cfg, prefix) / prefix
+    plans = plan_stages(cfg, policy.stages, [prefix], headroom=0)
+    return compressed_cache_bytes(cfg, plans, 1, prefix) / prefix
+
+
+def continuation_eval(model, prefixes, continuations, policies, *, batch: int = 1) -> list[ContinuationScore]:
+    """Score each policy (None = the full cache, always scored first as the reference)."""
+    P, N = prefixes.shape[1], continuations.shape[1]
+
+    def score(policy):
+        gen = Generator(model, capacity=P + N, policy=policy)
+        logps, fulls = [], []
+        for i in range(0, len(prefixes), batch):
+            logp, full = gen.score(prefixes[i : i + batch].tolist(), continuations[i : i + batch].tolist(), keep_logits=True)
+            logps.append(logp)
+            fulls.append(full)
+        return np.concatenate(logps), np.concatenate(fulls)
+
+    ref_logp, ref_full = score(None)
+    rows = [ContinuationScore("full", float(-ref_logp.mean()), float(np.exp(-ref_logp.mean())), 0.0,
+                              stored_bytes_per_token(model, None, P))]
+    for text in policies:
+        policy = _policy(text)
+        logp, full = score(policy)
+        rows.append(ContinuationScore(str(policy), float(-logp.mean()), float(np.exp(-logp.mean())),
+                                      kl_divergence(ref_full, full), stored_bytes_per_token(model, policy, P)))
+    return rows
+
+
+# --- synthetic retrieval ---------------------------------------------------------------------------
+
+_INTRO = "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it.\n"
+_WORDS = ("apple", "river", "candle", "mirror", "falcon", "harbor", "violet", "marble", "thunder", "lantern")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalCase:
+    prompt: list[int]
+    answer: str
+
+
+def _haystack(tokenizer, filler: np.ndarray, length: int, needles: list[tuple[float, str]], question: str, bos: bool):
+    """Intro, filler cut to fit `length` tokens, each needle text inserted at its depth (0..1), question."""
+    head = ([tokenizer.bos_id] if bos else []) + tokenizer.encode(_INTRO)
+    pieces = [(depth, tokenizer.encode(text)) for depth, text in needles]
+    tail = tokenizer.encode(question)
+    n_fill = length - len(head) - len(tail) - sum(len(p) for _, p in pieces)
+    if n_fill < 1 or n_fill > len(filler):
+        raise ConfigError(
+            f"length={length} leaves {n_fill} filler tokens around the needles and question (need 1 to {len(filler)})"
+        )
+    body = list(filler[:n_fill])
+    for depth, ids in sorted(pieces, key=lambda p: -p[0]):  # deepest first, so earlier cuts stay put
+        at = int(round(depth * n_fill))
+        body[at:at] = ids
+    return head + [int(t) for t in body] + tail
+
+
+def passkey_case(tokenizer, filler, length: int, depth: float, rng: np.random.Generator, bos: bool) -> RetrievalCase:
+    key = str(rng.integers(10_000, 100_000))
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    prompt = _haystack(tokenizer, filler, length, [(depth, needle)], "\nWhat is the pass key? The pass key is", bos)
+    return RetrievalCase(prompt, key)
+
+
+def needle_case(tokenizer, filler, length: int, depth: float, rng: np.random.Generator, bos: bool, keys: int = 4):
+    """RULER-style multi-key needles: `keys` needles spread through the text, the asked one at `depth`."""
+    words = list(rng.choice(_WORDS, size=keys, replace=False))
+    numbers = [str(n) for n in rng.integers(1_000_000, 10_000_000, size=keys)]
+    others = [d for d in np.linspace(0, 1, keys + 1)[:-1] + 0.5 / keys if abs(d - depth) > 1e-9][: keys - 1]
+    depths = [depth, *others]
+    needles = [(d, f" One of the special magic numbers for {w} is: {n}. ") for d, w, n in zip(depths, words, numbers)]
+    question = f"\nWhat is the special magic number for {words[0]}? The special magic number for {words[0]} is:"
+    return RetrievalCase(_haystack(tokenizer, filler, length, needles, question, bos), numbers[0])
+
+
+def _answered(tokenizer, tokens, answer: str) -> bool:
+    found = re.search(r"\d+", tokenizer.decode(tokens))
+    return found is not None and found.group() == answer
+
+
+def retrieval_accuracy(
+    model, tokenizer, task: str, lengths, depths, *, policy=None, trials: int = 4, bos: bool = False,
+    filler: np.ndarray | None = None, seed: int = 0,
+) -> dict[tuple[int, float], float]:
+    """Exact-match accuracy of greedy answers {(length, depth): fraction of `trials`}."""
+    if task not in ("passkey", "needle"):
+        raise ValueError(f"task={task!r} must be 'passkey' or 'needle'")
+    filler = corpus_tokens(tokenizer) if filler is None else filler
+    make = passkey_case if task == "passkey" else needle_case
+    rng = np.random.default_rng(seed)
+    decoding = DecodingConfig(max_new_tokens=10)
+    out = {}
+    for length in lengths:
+        gen = Generator(model, capacity=length + decoding.max_new_tokens, policy=_policy(policy))
+        for depth in depths:
+            cases = [make(tokenizer, filler, length, depth, rng, bos) for _ in range(trials)]
+            result = gen([c.prompt for c in cases], decoding)
+            hits = [_answered(tokenizer, result.tokens[i, : result.lengths[i]], c.answer) for i, c in enumerate(cases)]
+            out[(length, depth)] = float(np.mean(hits))
+    return out
+
+
+# --- speed -----------------------------------------------------------------------------------------
+
+def decode_seconds_per_step(model, context: int, batch: int, policy=None, new_tokens: int = 16) -> float:
+    """Greedy decode time per step after a (compressed) prefill of `context - new_tokens` random tokens,
+    the second of two identical rounds (the first compiles)."""
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, model.config.vocab_size, (batch, context - new_tokens)).tolist()
+    gen = Generator(model, capacity=context, policy=_policy(policy))
+    decoding = DecodingConfig(max_new_tokens=new_tokens)
+    for _ in range(2):
+        lengths, logits, caches, stats = gen.start(prompts, new_tokens)
+        jax.block_until_ready(caches)
+        start = time.perf_counter()
+        result = gen.decode(caches, logits, lengths, decoding, jax.random.key(0), stats)
+        jax.block_until_ready(result.caches)
+        seconds = (time.perf_counter() - start) / (new_tokens - 1)
+    return seconds
+
+
+# --- the policy table of `kvjax compare --policies` ------------------------------------------------
+
+@dataclasses.dataclass
+class PolicyRow:
+    policy: str
+    budget: float | None  # fraction of the prefix kept (None: the full cache)
+    cache_bytes_per_token: float
+    nll: float
+    kl: float
+    passkey: float | None
+    decode_tokens_per_s: float
+
+
+def with_budget(method: str, ratio: float) -> str:
+    """'snapkv' or 'snapkv:obs_window=16' (options without a budget) at a ratio: 'snapkv:0.5[:...]'."""
+    name, _, options = method.partition(":")
+    return f"{name}:{ratio:g}" + (f":{options}" if options else "")
+
+
+def policy_table(
+    model, tokenizer, methods, budgets, *, prefix: int, continuation: int, samples: int = 1, context: int,
+    decode_batch: int = 1, passkey_length: int | None = None, trials: int = 4, bos: bool = False, log=print,
+) -> list[PolicyRow]:
+    """Every method at every budget (fraction kept): continuation NLL / KL on the validation text, cache
+    bytes per token, passkey accuracy (if passkey_length) and decode speed at `context` tokens."""
+    stream = corpus_tokens(tokenizer)
+    prefixes, conts = continuation_windows(stream, prefix, continuation, samples)
+    if bos:
+        prefixes = np.concatenate([np.full((samples, 1), tokenizer.bos_id, np.int32), prefixes[:, 1:]], axis=1)
+    runs = [(None, None)] + [(with_budget(m, 1 - b), b) for m in methods for b in budgets]
+    scores = continuation_eval(model, prefixes, conts, [text for text, _ in runs[1:]])
+    rows = []
+    for (text, kept), score in zip(runs, scores):
+        log(f"  {score.policy}: NLL {score.nll:.4f}, KL {score.kl:.4f}")
+        acc = None
+        if passkey_length:
+            accs = retrieval_accuracy(model, tokenizer, "passkey", [passkey_length], [0.1, 0.5, 0.9], policy=text,
+                                      trials=trials, bos=bos, filler=stream)
+            acc = float(np.mean(list(accs.values())))
+        step = decode_seconds_per_step(model, context, decode_batch, text)
+        rows.append(PolicyRow(score.policy, kept, score.cache_bytes_per_token, score.nll, score.kl, acc,
+                              decode_batch / step))
+    return rows
+
+
+def render_policy_table(rows: list[PolicyRow], title: str) -> str:
+    from kvjax.report import format_table
+
+    head = ["policy", "kept", "cache B/token", "NLL (nats)", "KL vs full", "passkey", "decode tok/s"]
+    body = [[r.policy, "1" if r.budget is None else f"{r.budget:g}", f"{r.cache_bytes_per_token:,.0f}", f"{r.nll:.4f}",
+             f"{r.kl:.4g}", "-" if r.passkey is None else f"{r.passkey:.2f}", f"{r.decode_tokens_per_s:,.1f}"]
+            for r in rows]
+    return title + "\n" + format_table(head, body)

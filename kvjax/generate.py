@@ -30,12 +30,14 @@ MIN_BUCKET = 8
 class GenerationResult:
     """tokens `[B,N]` (rows that stopped early are padded with `pad_id`); logprobs `[B,N]`: log p(token)
     under the model's own distribution (temperature 1), 0 after a row stops; lengths `[B]`: tokens
-    generated per row, EOS included; caches: the final caches (for memory measurement)."""
+    generated per row, EOS included; caches: the final caches (for memory measurement); stats: per cache,
+    the decode-time policy's running scorer statistic (H2O's attention sums), else None."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     lengths: np.ndarray
     caches: tuple
+    stats: tuple = ()
 
 
 @struct.dataclass
@@ -147,7 +149,7 @@ def _decode(graphdef, params, caches, logits, lengths, rng, stats, evict_arrays,
         )
 
     final = jax.lax.while_loop(cond, body, state)
-    return final.tokens, final.logprobs, final.n_generated, final.caches
+    return final.tokens, final.logprobs, final.n_generated, final.caches, final.stats
 
 
 def _score(graphdef, params, caches, logits, lengths, stats, evict_arrays, forced, *, evict, keep_logits):
@@ -298,7 +300,7 @@ class Generator:
         With a policy that holds its budget, pass the `stats` that `prefill_compressed` returned."""
         sampling = (("temperature", decoding.temperature), ("top_k", decoding.top_k), ("top_p", decoding.top_p))
         evict, arrays = self._evict_args(lengths, decoding.max_new_tokens)
-        out, logprobs, n_generated, caches = self._decode(
+        out, logprobs, n_generated, caches, stats = self._decode(
             self.params,
             caches,
             logits,
@@ -312,7 +314,7 @@ class Generator:
             pad_id=decoding.eos_id or 0,
             evict=evict,
         )
-        return GenerationResult(np.asarray(out), np.asarray(logprobs), np.asarray(n_generated), caches)
+        return GenerationResult(np.asarray(out), np.asarray(logprobs), np.asarray(n_generated), caches, stats)
 
     def __call__(
         self,

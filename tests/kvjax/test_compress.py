@@ -158,17 +158,42 @@ def test_kept_entries_are_the_original_tokens_at_their_true_positions(gqa, polic
                 assert list(pos[b, min(h, pos.shape[1] - 1), slots]) == kept  # compacted in position order
 
 
-def test_new_tokens_keep_their_true_positions_after_eviction(gqa):
+@pytest.mark.parametrize("policy", ["h2o:0.5:every=2", "tova:0.5:every=3", "h2o:0.5:allocator=adakv,every=2"])
+def test_new_tokens_keep_their_true_positions_after_eviction(gqa, policy):
     cfg, model = gqa
-    out = _generate(model, "h2o:0.5:every=2")
+    out = _generate(model, policy)
+    K = cfg.attention.n_kv_heads
     for cache in out.caches:
-        pos = np.asarray(cache.pos)
-        for b, n in enumerate(len(p) for p in PROMPTS):
+        for (b, h), kept in _positions_by_head(cache).items():
+            n = len(PROMPTS[b])
             newest = n + NEW - 2  # the last fed token (the last sampled one is never fed)
-            assert pos[b].max() == newest
-            # every generated position still cached is one of n .. newest, each once per head
-            gen_pos = pos[b][pos[b] >= n]
-            assert set(gen_pos.ravel()) <= set(range(n, newest + 1))
+            assert kept[-1] == newest and len(set(kept)) == len(kept)
+            assert set(kept) - set(range(n)) <= set(range(n, newest + 1))
+        if isinstance(cache, PooledKVCache):  # the newest token went to every head, tagged with it
+            for b, n in enumerate(len(p) for p in PROMPTS):
+                heads = np.asarray(cache.head[b])[np.asarray(cache.pos[b]) == n + NEW - 2]
+                assert sorted(heads) == list(range(K))
+
+
+def test_h2o_accumulates_attention_of_every_prompt_and_decode_query(gqa):
+    """With no eviction (ratio 0, every > steps) the running statistic after decoding is the attention
+    each key received from every query, prompt and generated, summed (averaged over the query group)."""
+    from flax import nnx
+
+    cfg, model = gqa
+    out = _generate(model, "h2o:0:every=6")
+    stage = parse_policy("h2o:0").stages[0]
+    for b, prompt in enumerate(PROMPTS):
+        seq = np.asarray([prompt + out.tokens[b, : NEW - 1].tolist()])
+        T = seq.shape[1]
+        graphdef, params = nnx.split(model)
+        from kvjax.cache import init_caches
+
+        _, _, observed = nnx.merge(graphdef, params).observe(
+            jnp.asarray(seq), jnp.arange(T)[None], init_caches(cfg, 1, T), jnp.arange(T)[None], observe_fn((stage,))
+        )
+        for slot, stat in enumerate(out.stats):
+            np.testing.assert_allclose(np.asarray(stat)[b, :, :T], np.asarray(observed[slot][0])[0], atol=1e-5)
 
 
 def test_streaming_keeps_exactly_sinks_and_recent_tokens_during_decoding(gqa):

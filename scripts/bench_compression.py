@@ -1,0 +1,77 @@
+"""Decode step time with token-compressed caches against the full cache, at a long context, in one run.
+
+Decode time depends on the cache's size and layout, not on which tokens were kept, so the caches are
+filled with random entries at positions 0..context-1 (an 8k-token prefill of SmolLM2 would dominate the
+run) and compressed by policies that need no attention observation but produce each layout:
+`streaming` (positions shared by the KV heads: also TOVA's layout), `keynorm` (positions per head:
+also SnapKV's and H2O's), `keynorm` with AdaKV (a pooled cache), and `quest` (keeps every token and
+masks unread pages: on this CPU path every slot is still read, so no gain is expected).
+
+    python scripts/bench_compression.py [--model smollm2] [--context 8192] [--budgets 0.25 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import decode_step_time  # noqa: E402
+from bench_mla import filled_cache  # noqa: E402
+
+from kvjax import Generator  # noqa: E402
+from kvjax.cache import caches_nbytes, init_caches  # noqa: E402
+from kvjax.compress import compress_caches, compressible, parse_policy, plan_stages  # noqa: E402
+from kvjax.report import format_bytes, format_table  # noqa: E402
+
+LAYOUTS = ("streaming", "keynorm", "keynorm:allocator=adakv", "quest")
+
+
+def load(model_ref: str):
+    from kvjax.cli import _load_any
+
+    return _load_any(model_ref)[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="a run directory, a .gguf file or smollm2")
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="fractions kept")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    model = load(args.model)
+    cfg = model.config
+    B, n, room = args.batch, args.context, args.steps + 2
+    lengths = np.full((B,), n, np.int32)
+    logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+    gen = Generator(model, capacity=n + room)
+    full = tuple(filled_cache(c, n) for c in init_caches(cfg, B, n + room))
+    base, _ = decode_step_time(gen, full, logits, lengths, args.steps, args.repeats)
+    rows = [["full", "1", format_bytes(caches_nbytes(full)), f"{base * 1e3:.1f}", "1.00x"]]
+    slots = compressible(cfg)
+    for budget in args.budgets:
+        for layout in LAYOUTS:
+            name, _, options = layout.partition(":")
+            policy = parse_policy(f"{name}:{1 - budget:g}" + (f":{options}" if options else ""))
+            plans = plan_stages(cfg, policy.stages, lengths, headroom=room)
+            caches, _ = compress_caches(
+                full, (None,) * len(full), tuple(p.static for p in plans), tuple(p.arrays for p in plans),
+                jnp.asarray(lengths - 1), slots,
+            )
+            step, _ = decode_step_time(gen, caches, logits, lengths, args.steps, args.repeats)
+            rows.append([str(policy), f"{budget:g}", format_bytes(caches_nbytes(caches)), f"{step * 1e3:.1f}",
+                         f"{step / base:.2f}x"])
+    print(f"{cfg.name}, batch {B}, context {n}, fp32: decode step time (ms) per cache layout")
+    print(format_table(["policy", "kept", "cache bytes", "step ms", "vs full"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -507,3 +507,15 @@ def test_scoring_a_continuation_equals_the_full_forward_without_compression(gqa)
     np.testing.assert_allclose(squeezed, logp, atol=1e-5)
     evicting, _ = Generator(model, capacity=CAPACITY, policy=parse_policy("h2o:0.5:every=1")).score(PROMPTS, cont)
     assert np.isfinite(evicting).all() and not np.allclose(evicting, logp, atol=1e-3)
+
+
+def test_h2o_normalize_divides_by_the_queries_that_saw_each_key():
+    from kvjax.compress.scorers import score
+
+    stat = jnp.asarray([[[4.0, 3.0, 2.0, 1.0, 0.0]]])
+    pos = jnp.asarray([[0, 1, 2, 3, -1]])
+    cache = KVCache(k=jnp.zeros((1, 1, 5, 2)), v=jnp.zeros((1, 1, 5, 2)), pos=pos, length=jnp.array([4]))
+    last = jnp.array([3])
+    np.testing.assert_allclose(score(Stage("h2o", ratio=0.5), cache, stat, last), stat)
+    got = score(Stage("h2o", ratio=0.5, normalize=True), cache, stat, last)
+    np.testing.assert_allclose(got[0, 0, :4], [4 / 4, 3 / 3, 2 / 2, 1 / 1])

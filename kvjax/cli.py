@@ -158,9 +158,11 @@ def _eval_compressed(args, task: str) -> None:
 
 
 def _cmd_generate(args) -> None:
+    from kvjax.compress import parse_policy
     from kvjax.config import DecodingConfig
     from kvjax.generate import generate
 
+    policy = parse_policy(args.policy) if args.policy else None
     _, model, tokenizer = _load_any(args.model)
     # Runs trained here saw BOS at every document start; imported models get no special token unless asked.
     bos = args.bos if args.bos is not None else not _is_gguf(args.model)
@@ -173,7 +175,7 @@ def _cmd_generate(args) -> None:
         eos_id=tokenizer.eos_id,
     )
     prompt = [tokenizer.bos_id, *tokenizer.encode(args.prompt)] if bos else tokenizer.encode(args.prompt)
-    out = generate(model, [prompt], decoding)
+    out = generate(model, [prompt], decoding, policy=policy)
     print(args.prompt + tokenizer.decode(out.tokens[0, : out.lengths[0]]))
 
 
@@ -260,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--policy", help="compress the cache, e.g. snapkv:0.5 or streaming:256:every=1")
     gen.set_defaults(run=_cmd_generate)
 
     cmp = sub.add_parser("compare", help="train every variant of an experiment and compare them")

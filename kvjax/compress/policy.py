@@ -93,7 +93,7 @@ class Stage:
         """Recent tokens always kept when `keep` tokens are kept."""
         if self.window is not None:
             return self.window
-        return {"streaming": keep - self.n_sinks, "h2o": keep // 2, "snapkv": self.obs_window}.get(self.method, 0)
+        return {"streaming": max(0, keep - self.n_sinks), "h2o": keep // 2, "snapkv": self.obs_window}.get(self.method, 0)
 
     @property
     def fixed_protected(self) -> int:

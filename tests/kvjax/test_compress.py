@@ -519,3 +519,54 @@ def test_h2o_normalize_divides_by_the_queries_that_saw_each_key():
     np.testing.assert_allclose(score(Stage("h2o", ratio=0.5), cache, stat, last), stat)
     got = score(Stage("h2o", ratio=0.5, normalize=True), cache, stat, last)
     np.testing.assert_allclose(got[0, 0, :4], [4 / 4, 3 / 3, 2 / 2, 1 / 1])
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    K=st.sampled_from([1, 2, 4]),
+    lengths=st.lists(st.integers(6, 30), min_size=1, max_size=3),
+    kept=st.floats(0.3, 1.0),
+    method=st.sampled_from(["streaming", "keynorm", "keynorm:allocator=adakv", "keynorm:allocator=pyramid",
+                            "quest:page_size=4", "streaming:window=2,sinks=1+keynorm:window=2"]),
+    seed=st.integers(0, 100),
+)
+def test_compressed_bytes_and_protected_tokens_over_random_shapes(K, lengths, kept, method, seed):
+    """compress_caches on random caches (no model): measured bytes == analytic, every row keeps its
+    budget, and the sinks and windows of the last stage survive."""
+    from kvjax.cache import init_caches
+    from kvjax.compress import compress_caches, compressible
+    from kvjax.compress.policy import parse_stage
+    from kvjax.config import load_config
+
+    cfg = load_config("gqa", ["model.n_layers=2", f"model.attention.n_kv_heads={K}"]).model
+    L = np.array(lengths)
+    ratio = round(1 - kept, 3)
+    text = "+".join(
+        f"{part.split(':')[0]}:{ratio}" + (f":{part.split(':', 1)[1]}" if ":" in part else "") for part in method.split("+")
+    )
+    try:
+        policy = parse_policy(text)
+        plans = plan_stages(cfg, policy.stages, L, headroom=2)
+    except ConfigError:
+        return  # a budget below sinks + window: refused before compute (tested above)
+    S = int(L.max()) + 2
+    r = np.random.default_rng(seed)
+    caches = tuple(
+        c.replace(k=jnp.asarray(r.normal(size=c.k.shape), jnp.float32), v=jnp.asarray(r.normal(size=c.v.shape), jnp.float32),
+                  pos=jnp.asarray(np.where(np.arange(S)[None] < L[:, None], np.arange(S)[None], -1), jnp.int32),
+                  length=jnp.asarray(L, jnp.int32))
+        for c in init_caches(cfg, len(L), S)
+    )
+    out, _ = compress_caches(caches, (None,) * 2, tuple(p.static for p in plans), tuple(p.arrays for p in plans),
+                             jnp.asarray(L - 1), compressible(cfg))
+    assert caches_nbytes(out) == compressed_cache_bytes(cfg, plans, len(L), S)
+    last = policy.stages[-1]
+    for j, cache in enumerate(out):
+        if isinstance(cache, QuestKVCache):
+            continue
+        for (b, h), kept_pos in _positions_by_head(cache).items():
+            count = plans[-1].counts[j][b]
+            assert isinstance(cache, PooledKVCache) or len(kept_pos) == count
+            window = last.n_window(int(count))
+            must = set(range(min(last.n_sinks, L[b]))) | set(range(L[b] - window, L[b]))
+            assert must <= set(kept_pos)

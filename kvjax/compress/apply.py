@@ -59,7 +59,8 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
 class StagePlan:
     """One stage's budgets over the compressible caches: tokens kept per head and row `counts`
     `[n, B]`, always-kept recent tokens `windows` `[n, B]`, AdaKV per-head floors `floors` `[n, B]`;
-    static slot counts `keep_caps` (largest budget, K x it for a pool) and `capacities` (plus headroom)."""
+    static slot counts `keep_caps` (largest budget, K x it for a pool) and `capacities` (plus headroom),
+    and the KV heads a pool spreads each budget over (`heads`, 1 when not pooled)."""
 
     stage: Stage
     counts: np.ndarray
@@ -67,16 +68,17 @@ class StagePlan:
     floors: np.ndarray
     keep_caps: tuple[int, ...]
     capacities: tuple[int, ...]
-
     heads: tuple[int, ...]
 
     @property
     def static(self):
+        """The hashable part, a static argument of the jitted compression."""
         return (self.stage, self.keep_caps, self.capacities, self.heads)
 
     @property
     def arrays(self):
-        return (jnp.asarray(self.counts, jnp.int32), jnp.asarray(self.windows, jnp.int32), jnp.asarray(self.floors, jnp.int32))
+        """The per-row budgets as device arrays (rows may differ without recompiling)."""
+        return tuple(jnp.asarray(a, jnp.int32) for a in (self.counts, self.windows, self.floors))
 
 
 def _kv_heads(cfg: ModelConfig, slot: int) -> int:

@@ -314,10 +314,12 @@ def test_top_slots_keeps_budget_sinks_window_then_the_best(lengths, K, sinks, wi
 def test_allocators_budgets(lengths, ratio, layers):
     L = np.array(lengths)
     stage = Stage("streaming", ratio=ratio, sinks=0, window=1)
-    uniform = stage_counts(stage, L, layers)
     keep = np.array([int(n * (1 - ratio) + 1e-9) for n in L])
-    if (keep < 1).any():
+    if (keep < 1).any():  # nothing would be kept: refused
+        with pytest.raises(ConfigError, match="would keep 0"):
+            stage_counts(stage, L, layers)
         return
+    uniform = stage_counts(stage, L, layers)
     np.testing.assert_array_equal(uniform, np.broadcast_to(keep, (layers, len(L))))
     pyr = pyramid_counts(keep, L, layers, Stage("streaming", ratio=ratio, sinks=0, window=1, allocator="pyramid"))
     assert (np.diff(pyr, axis=0) <= 0).all()  # shrinks with depth

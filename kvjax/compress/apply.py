@@ -20,6 +20,7 @@ from kvjax.compress import reducers, scorers
 from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.plan import LayerPlan
+from kvjax.quant import QuantKVCache
 
 _INT32 = 4
 
@@ -48,6 +49,10 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
         where = f"policy stage {stage.method!r}"
         if stage.pooled and i != len(policy.stages) - 1:
             raise ConfigError(f"{where}: allocator='adakv' must be the last stage of a chain")
+        if stage.quantizes and any(s.pooled for s in policy.stages):
+            raise ConfigError(f"{where}: quantizing an AdaKV pool is not supported; use a uniform allocator")
+        if mla and stage.quantizes:
+            raise ConfigError(f"{where}: quantizing MLA's latent cache is not implemented")
         if mla and (stage.method in ("keynorm", "quest") or stage.reducer == "cam" or stage.pooled):
             raise ConfigError(
                 f"{where}: {cfg.name!r} has MLA layers, whose cache is one latent shared by all heads: key "
@@ -103,6 +108,8 @@ def plan_stages(cfg: ModelConfig, stages: tuple[Stage, ...], lengths, headroom: 
         if stage.method == "quest":  # whole pages are read
             keep_caps = tuple(-(-cap // stage.page_size) * stage.page_size for cap in keep_caps)
         capacities = tuple(keep_caps[j] + (headroom * heads[j] if last else 0) for j in range(len(slots)))
+        if stage.quantizes:  # key groups tile the quantized cache
+            capacities = tuple(stage.quant_spec.slots(c) for c in capacities)
         plans.append(StagePlan(stage, counts, windows, floors, keep_caps, capacities, tuple(heads)))
         current = counts
     return tuple(plans)
@@ -143,6 +150,8 @@ def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, kee
     Returns (new cache, the statistics gathered to its slots)."""
     if stage.method == "quest":
         return QuestKVCache.from_cache(cache, stage.page_size, keep_cap // stage.page_size), stats
+    if stage.quantizes:
+        return QuantKVCache.from_cache(cache, stage.quant_spec, capacity), stats
     if stage.pooled and isinstance(cache, KVCache):
         pooled = [reducers.to_pool(cache, s) for s in stats]
         cache, stats = pooled[0][0], [p[1] for p in pooled]
@@ -187,6 +196,11 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             continue
         cap = last.capacities[slots.index(slot)]
         K = _kv_heads(cfg, slot)
+        if last.stage.quantizes:
+            head_dim = mem.kv_bytes_per_slot // (2 * K * jnp.dtype(cfg.dtype).itemsize)
+            total += quant_cache_bytes(last.stage.quant_spec, cap, K, head_dim, cfg.dtype,
+                                       positions=K if per_head and K > 1 else 1)
+            continue
         if last.stage.method == "quest":  # every slot kept, plus a key min and max per page and head
             pages = -(-capacity // last.stage.page_size)
             total += mem.bytes(capacity) + pages * mem.kv_bytes_per_slot
@@ -197,3 +211,17 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             slot_bytes = mem.kv_bytes_per_slot + _INT32 * (K if per_head and K > 1 else 1)
         total += cap * slot_bytes + mem.bytes_per_sequence
     return batch * total
+
+
+def quant_cache_bytes(spec, capacity: int, K: int, H: int, dtype, positions: int = 1) -> int:
+    """Exact bytes of one sequence's `QuantKVCache` of `capacity` slots: packed codes, scales and zero
+    points, KIVI's residual, positions (`positions` per slot) and two int32 counters."""
+    item = jnp.dtype(dtype).itemsize
+    codes = 2 * K * H * spec.bits // 8
+    if spec.method == "int":  # one K scale and one V scale per token and head
+        total, fixed = capacity * (codes + 2 * K * item), 0
+    else:  # keys: scale + zero per channel per group of tokens; values: per token per channel group
+        groups = H // spec.value_group(H)
+        total = capacity * (codes + 2 * K * groups * item) + capacity // spec.group * 2 * K * H * item
+        fixed = 2 * K * spec.residual * H * item
+    return total + fixed + capacity * _INT32 * positions + 2 * _INT32

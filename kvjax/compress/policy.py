@@ -2,7 +2,8 @@
 
 A policy is a chain of stages written `method:budget[:key=value,...]` joined by `+`, for example
 `snapkv:0.5`, `streaming:512:sinks=4`, `h2o:0.5:every=1`, `snapkv:0.5:allocator=adakv,reducer=kvmerger`
-or `streaming:0.5+snapkv:0.5`.
+or `streaming:0.5+snapkv:0.5`. Quantizers are `method:bits` and come last: `kivi:2`, `int:8`,
+`snapkv:0.5+kivi:4` (evict, then quantize what is kept).
 
 Budget convention (one for every method): a number below 1 is a **ratio**, the fraction of the cached
 tokens removed (kvpress's `compression_ratio`; a row of L tokens keeps int(L * (1 - ratio))); an
@@ -22,6 +23,7 @@ import numpy as np
 from kvjax.config import ConfigError
 
 SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest")
+QUANTIZERS = ("int", "kivi")  # `method:bits`; they keep every token and encode it (kvjax.quant)
 ALLOCATORS = ("uniform", "pyramid", "adakv")
 REDUCERS = ("select", "cam", "kvmerger")
 POOLINGS = ("avg", "max")
@@ -52,11 +54,22 @@ class Stage:
     floor: float = 0.2  # AdaKV: each head keeps at least floor x its uniform share
     sigma: float = 1.0  # KVMerger: Gaussian kernel width over unit-key distances
     page_size: int = 16  # Quest: tokens per page
+    bits: int = 0  # int / kivi: code width
+    group: int = 32  # KIVI: tokens per key group, channels per value group
+    residual: int = 128  # KIVI: full-precision recent tokens
 
     def __post_init__(self):
         where = f"policy stage {self.method!r}"
-        if self.method not in SCORERS:
-            raise ConfigError(f"{where}: method={self.method!r} must be one of {SCORERS}")
+        if self.method not in SCORERS + QUANTIZERS:
+            raise ConfigError(f"{where}: method={self.method!r} must be one of {SCORERS + QUANTIZERS}")
+        if self.quantizes:
+            try:
+                self.quant_spec
+            except ValueError as e:
+                raise ConfigError(f"{where}: {e}") from None
+            if self.every or self.allocator != "uniform" or self.reducer != "select":
+                raise ConfigError(f"{where}: a quantizer keeps every token; every=, allocator= and reducer= do not apply")
+            return
         if (self.ratio is None) == (self.size is None):
             raise ConfigError(f"{where}: give exactly one budget, a ratio in [0, 1) or a size >= 1")
         if self.ratio is not None and not 0 <= self.ratio < 1:
@@ -96,6 +109,16 @@ class Stage:
         return {"streaming": max(0, keep - self.n_sinks), "h2o": keep // 2, "snapkv": self.obs_window}.get(self.method, 0)
 
     @property
+    def quantizes(self) -> bool:
+        return self.method in QUANTIZERS
+
+    @property
+    def quant_spec(self):
+        from kvjax.quant import QuantSpec
+
+        return QuantSpec(self.method, self.bits, self.group, self.residual)
+
+    @property
     def fixed_protected(self) -> int:
         """Sinks plus a window that does not scale with the budget (the least a layer may keep)."""
         fixed = {"snapkv": self.obs_window}.get(self.method, 0) if self.window is None else self.window
@@ -103,6 +126,8 @@ class Stage:
 
     def keep(self, length: int) -> int:
         """Tokens this stage keeps of `length`."""
+        if self.quantizes:
+            return length
         return int(length * (1 - self.ratio) + 1e-9) if self.ratio is not None else self.size
 
     @property
@@ -125,6 +150,9 @@ class Policy:
         if len(self.stages) > 1 and any(s.method == "quest" for s in self.stages):
             raise ConfigError("policy stage 'quest' cannot be chained: it selects pages at attention time")
         for stage in self.stages[:-1]:
+            if stage.quantizes:
+                raise ConfigError(f"policy stage {stage.method!r}: quantize last (evict first, then quantize what is kept)")
+        for stage in self.stages[:-1]:
             if stage.every:
                 raise ConfigError(f"policy stage {stage.method!r}: every= is allowed on the last stage only")
 
@@ -138,12 +166,12 @@ class Policy:
 
 
 def _stage_text(stage: Stage) -> str:
-    budget = stage.ratio if stage.ratio is not None else stage.size
-    defaults = Stage(stage.method, ratio=0.5)
+    budget = stage.bits if stage.quantizes else stage.ratio if stage.ratio is not None else stage.size
+    defaults = Stage(stage.method, bits=stage.bits) if stage.quantizes else Stage(stage.method, ratio=0.5)
     opts = [
         f"{f.name}={str(getattr(stage, f.name)).lower()}"
         for f in dataclasses.fields(Stage)
-        if f.name not in ("method", "ratio", "size") and getattr(stage, f.name) != getattr(defaults, f.name)
+        if f.name not in ("method", "ratio", "size", "bits") and getattr(stage, f.name) != getattr(defaults, f.name)
     ]
     return f"{stage.method}:{budget}" + (":" + ",".join(opts) if opts else "")
 
@@ -153,8 +181,8 @@ _OPTION_TYPES = {f.name: f.type for f in dataclasses.fields(Stage)}
 
 def _option(name: str, text: str, where: str):
     kind = _OPTION_TYPES.get(name)
-    if kind is None or name in ("method", "ratio", "size"):
-        allowed = sorted(set(_OPTION_TYPES) - {"method", "ratio", "size"})
+    if kind is None or name in ("method", "ratio", "size", "bits"):
+        allowed = sorted(set(_OPTION_TYPES) - {"method", "ratio", "size", "bits"})
         raise ConfigError(f"{where}: unknown option {name!r}; allowed: {allowed}")
     try:
         if "bool" in kind:
@@ -188,6 +216,8 @@ def parse_stage(text: str) -> Stage:
         if not eq:
             raise ConfigError(f"{where}: option {item!r} must be key=value")
         options[name.strip()] = _option(name.strip(), raw.strip(), where)
+    if method in QUANTIZERS:
+        return Stage(method, bits=int(value), **options)
     budget_field = {"ratio": value} if value < 1 else {"size": int(value)}
     return Stage(method, **budget_field, **options)
 

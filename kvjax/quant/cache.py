@@ -1,0 +1,191 @@
+"""`QuantKVCache`: K/V stored as bit-packed integer codes with their scales (and zero points), plus, for
+KIVI, a full-precision residual of the most recent tokens. Attention reads a dequantized view.
+
+- `int` (the common serving baseline): symmetric, one scale per token and KV head over head_dim;
+  every token is quantized when written.
+- `kivi` (Liu et al. 2024, arXiv 2402.02750, sec. 3-4): asymmetric min-max; keys per channel over
+  groups of `group` tokens, values per token over groups of `min(group, head_dim)` channels. New
+  tokens go to a full-precision residual; whenever it holds `residual` tokens (a multiple of `group`)
+  they are quantized as whole groups and the residual empties. Quantized history is never touched
+  again (never re-quantized from dequantized values).
+
+Slots are the usual ones (token t of a row at slot `length` when written, `pos` per slot, -1 empty),
+so positions, masks and eviction work as for `KVCache`. Bytes (`nbytes()`) count codes, scales, zero
+points, the residual, positions and counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.cache import KVView, _append_slots, _Positioned
+from kvjax.quant.packing import pack, unpack
+from kvjax.quant.quantizers import dequantize, quantize
+
+METHODS = ("int", "kivi")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """How a QuantKVCache encodes K and V: `method` int | kivi, `bits` (int: 4 or 8; kivi: 2 or 4),
+    KIVI's `group` (tokens per key group, channels per value group) and `residual` (full-precision
+    recent tokens, a multiple of group)."""
+
+    method: str
+    bits: int
+    group: int = 32
+    residual: int = 128
+
+    def __post_init__(self):
+        allowed = {"int": (4, 8), "kivi": (2, 4)}
+        if self.method not in METHODS:
+            raise ValueError(f"quantization method={self.method!r} must be one of {METHODS}")
+        if self.bits not in allowed[self.method]:
+            raise ValueError(f"{self.method}: bits={self.bits} must be one of {allowed[self.method]}")
+        if self.method == "kivi" and (self.group < 1 or self.residual < self.group or self.residual % self.group):
+            raise ValueError(f"kivi: residual={self.residual} must be a positive multiple of group={self.group}")
+
+    def value_group(self, head_dim: int) -> int:
+        return head_dim if self.method == "int" else min(self.group, head_dim)
+
+    def slots(self, capacity: int) -> int:
+        """Capacity rounded up so key groups tile it."""
+        g = self.group if self.method == "kivi" else 1
+        return -(-capacity // g) * g
+
+
+def _head_major_scatter(buf, slots, values):
+    """values `[B,K,T,...]` to slots `[B,T]` of buf `[B,K,S,...]` (slots outside [0, S) dropped)."""
+    rows = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[rows, :, slots].set(jnp.moveaxis(values, 1, 2).astype(buf.dtype), mode="drop")
+
+
+@struct.dataclass
+class QuantKVCache(_Positioned):
+    k_codes: jax.Array  # [B,K,S,H*bits/8] uint8
+    v_codes: jax.Array
+    k_scale: jax.Array  # int: [B,K,S,1]; kivi: [B,K,S/G,H]
+    v_scale: jax.Array  # int: [B,K,S,1]; kivi: [B,K,S,H/Gv]
+    k_zero: jax.Array | None
+    v_zero: jax.Array | None
+    k_res: jax.Array | None  # kivi: [B,K,R,H] full precision, the tokens after n_quant
+    v_res: jax.Array | None
+    pos: jax.Array  # [B,S] (or [B,K,S] after head-wise eviction)
+    length: jax.Array  # [B] tokens written
+    n_quant: jax.Array  # [B] tokens in codes (kivi: a multiple of residual; int: = length)
+    spec: QuantSpec = struct.field(pytree_node=False)
+
+    @classmethod
+    def init(cls, spec: QuantSpec, batch: int, capacity: int, n_kv_heads: int, head_dim: int, dtype):
+        B, K, H, S = batch, n_kv_heads, head_dim, spec.slots(capacity)
+        width = H * spec.bits // 8
+        zeros = lambda *shape: jnp.zeros(shape, dtype)  # noqa: E731
+        if spec.method == "int":
+            scales = dict(k_scale=zeros(B, K, S, 1), v_scale=zeros(B, K, S, 1), k_zero=None, v_zero=None)
+            res = dict(k_res=None, v_res=None)
+        else:
+            Gv = spec.value_group(H)
+            scales = dict(k_scale=zeros(B, K, S // spec.group, H), k_zero=zeros(B, K, S // spec.group, H),
+                          v_scale=zeros(B, K, S, H // Gv), v_zero=zeros(B, K, S, H // Gv))
+            res = dict(k_res=zeros(B, K, spec.residual, H), v_res=zeros(B, K, spec.residual, H))
+        return cls(
+            k_codes=jnp.zeros((B, K, S, width), jnp.uint8), v_codes=jnp.zeros((B, K, S, width), jnp.uint8),
+            **scales, **res, pos=jnp.full((B, S), -1, jnp.int32), length=jnp.zeros((B,), jnp.int32),
+            n_quant=jnp.zeros((B,), jnp.int32), spec=spec,
+        )
+
+    @classmethod
+    def from_cache(cls, cache, spec: QuantSpec, capacity: int) -> QuantKVCache:
+        """Quantize a dense cache's tokens (slots 0..length-1, compacted) into a cache of `capacity`
+        slots, keeping its positions (shared or per head)."""
+        B, K, S, H = cache.k.shape
+        new = cls.init(spec, B, capacity, K, H, cache.k.dtype)
+        slot = jnp.arange(S, dtype=jnp.int32)[None, :]
+        new, _ = new.update(cache.k.transpose(0, 2, 1, 3), cache.v.transpose(0, 2, 1, 3),
+                            jnp.where(slot < cache.length[:, None], slot, -1))
+        pad = new.pos.shape[-1] - S
+        return new.replace(pos=jnp.pad(cache.pos, [(0, 0)] * (cache.pos.ndim - 1) + [(0, pad)], constant_values=-1))
+
+    @property
+    def capacity(self) -> int:
+        return self.k_codes.shape[2]
+
+    def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[QuantKVCache, KVView]:
+        """Append a chunk k, v `[B,T,K,H]` (pos `[B,T]`, -1 padding after the valid tokens)."""
+        B, T, K, H = k.shape
+        if v.shape != k.shape or pos.shape != (B, T) or self.k_codes.shape[:2] != (B, K):
+            raise ValueError(f"new k {k.shape} / v {v.shape} / pos {pos.shape} do not fit this cache")
+        slots = _append_slots(self.length, pos, self.capacity)
+        new = self._write_slots(slots, pos)
+        k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,K,T,H]
+        if self.spec.method == "int":
+            new = new._store(slots, k_hm, v_hm, self.spec.bits).replace(n_quant=new.length)
+        else:
+            new = new._kivi_append(k_hm, v_hm, (pos >= 0).sum(axis=1, dtype=jnp.int32))
+        k_view, v_view = new.dequantized()
+        return new, KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos)
+
+    def _store(self, slots, k_hm, v_hm, bits):
+        """Per-token symmetric codes of k, v `[B,K,T,H]` written to slots `[B,T]`."""
+        kc, ks, _ = quantize(k_hm, bits, k_hm.shape[-1], symmetric=True)
+        vc, vs, _ = quantize(v_hm, bits, v_hm.shape[-1], symmetric=True)
+        return self.replace(
+            k_codes=_head_major_scatter(self.k_codes, slots, pack(kc, bits)),
+            v_codes=_head_major_scatter(self.v_codes, slots, pack(vc, bits)),
+            k_scale=_head_major_scatter(self.k_scale, slots, ks),
+            v_scale=_head_major_scatter(self.v_scale, slots, vs),
+        )
+
+    def _kivi_append(self, k_hm, v_hm, added):
+        """KIVI: new tokens join the residual; every full block of `residual` tokens is quantized (keys
+        per channel over `group` tokens, values per token over channel groups) and leaves it."""
+        spec, (B, K, T, H) = self.spec, k_hm.shape
+        R, G, Gv = spec.residual, spec.group, spec.value_group(H)
+        n_res = self.length - added - self.n_quant  # residual tokens before this chunk
+        W = -(-(R + T) // G) * G
+        # Work buffer: the residual's tokens, then the chunk's, contiguous; index i is token n_quant + i.
+        at = n_res[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        at = jnp.where(jnp.arange(T)[None, :] < added[:, None], at, W)
+        work_k = _head_major_scatter(jnp.pad(self.k_res, ((0, 0), (0, 0), (0, W - R), (0, 0))), at, k_hm)
+        work_v = _head_major_scatter(jnp.pad(self.v_res, ((0, 0), (0, 0), (0, W - R), (0, 0))), at, v_hm)
+        total = n_res + added
+        flush = total // R * R if R else total
+        # Keys: per channel over groups of G tokens; values: per token over groups of Gv channels.
+        kc, ks, kz = quantize(work_k.swapaxes(2, 3), spec.bits, G, symmetric=False)  # [B,K,H,W], [B,K,H,W/G]
+        vc, vs, vz = quantize(work_v, spec.bits, Gv, symmetric=False)
+        i = jnp.arange(W, dtype=jnp.int32)[None, :]
+        slots = jnp.where(i < flush[:, None], self.n_quant[:, None] + i, self.capacity)
+        groups = jnp.arange(W // G, dtype=jnp.int32)[None, :]
+        gslots = jnp.where((groups + 1) * G <= flush[:, None], self.n_quant[:, None] // G + groups, self.capacity)
+        keep = flush[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # what stays in the residual
+        take = lambda w: jnp.take_along_axis(w, jnp.minimum(keep, W - 1)[:, None, :, None], axis=2)  # noqa: E731
+        live = (jnp.arange(R)[None, :] < (total - flush)[:, None])[:, None, :, None]
+        return self.replace(
+            k_codes=_head_major_scatter(self.k_codes, slots, pack(kc.swapaxes(2, 3), spec.bits)),
+            v_codes=_head_major_scatter(self.v_codes, slots, pack(vc, spec.bits)),
+            k_scale=_head_major_scatter(self.k_scale, gslots, ks.swapaxes(2, 3)),
+            k_zero=_head_major_scatter(self.k_zero, gslots, kz.swapaxes(2, 3)),
+            v_scale=_head_major_scatter(self.v_scale, slots, vs),
+            v_zero=_head_major_scatter(self.v_zero, slots, vz),
+            k_res=jnp.where(live, take(work_k), 0).astype(self.k_res.dtype),
+            v_res=jnp.where(live, take(work_v), 0).astype(self.v_res.dtype),
+            n_quant=self.n_quant + flush,
+        )
+
+    def dequantized(self) -> tuple[jax.Array, jax.Array]:
+        """Full-precision K, V `[B,K,S,H]` (fp32): codes dequantized, the residual at its slots."""
+        spec = self.spec
+        kc, vc = unpack(self.k_codes, spec.bits), unpack(self.v_codes, spec.bits)
+        H = kc.shape[-1]
+        if spec.method == "int":
+            return (dequantize(kc, self.k_scale, None, spec.bits, H), dequantize(vc, self.v_scale, None, spec.bits, H))
+        k = dequantize(kc.swapaxes(2, 3), self.k_scale.swapaxes(2, 3), self.k_zero.swapaxes(2, 3), spec.bits, spec.group)
+        v = dequantize(vc, self.v_scale, self.v_zero, spec.bits, spec.value_group(H))
+        R = spec.residual
+        at = self.n_quant[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
+        at = jnp.where(at < self.length[:, None], at, self.capacity)
+        return (_head_major_scatter(k.swapaxes(2, 3), at, self.k_res), _head_major_scatter(v, at, self.v_res))

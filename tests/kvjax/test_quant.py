@@ -1,0 +1,158 @@
+"""KV quantization: packing round-trips, error bounds, KIVI's block-wise residual, exact bytes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax import DecodingConfig, Generator, parse_policy
+from kvjax.cache import caches_nbytes
+from kvjax.compress import compressed_cache_bytes
+from kvjax.config import ConfigError
+from kvjax.quant import QuantKVCache, QuantSpec
+from kvjax.quant.packing import pack, unpack
+from kvjax.quant.quantizers import dequantize, quantize
+from tests.kvjax.test_compress import CAPACITY, NEW, PROMPTS, _assert_same_decoding, _plain_and_compressed
+
+
+@pytest.fixture(scope="module")
+def gqa(make_model):
+    return make_model("gqa", "model.n_layers=2", "model.init_std=0.2")
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.sampled_from([2, 4, 8]), rows=st.integers(1, 4), width=st.integers(1, 6), seed=st.integers(0, 99))
+def test_packing_round_trips_and_uses_bits_per_code(bits, rows, width, seed):
+    n = width * 8 // bits * 4
+    codes = np.random.default_rng(seed).integers(0, 2**bits, (rows, n)).astype(np.uint8)
+    packed = pack(jnp.asarray(codes), bits)
+    assert packed.dtype == jnp.uint8 and packed.shape == (rows, n * bits // 8)
+    np.testing.assert_array_equal(unpack(packed, bits), codes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([2, 3, 4, 8]), group=st.sampled_from([1, 4, 16]), scale=st.floats(1e-3, 1e3),
+       symmetric=st.booleans(), seed=st.integers(0, 999))
+def test_round_trip_error_is_within_the_bit_width_bound(bits, group, scale, symmetric, seed):
+    x = np.random.default_rng(seed).normal(size=(3, 32)).astype(np.float32) * scale
+    codes, s, z = quantize(jnp.asarray(x), bits, group, symmetric=symmetric)
+    assert int(codes.max()) < 2**bits
+    back = np.asarray(dequantize(codes, s, z, bits, group))
+    g = x.reshape(3, -1, group)
+    if symmetric:
+        bound = np.abs(g).max(-1) / (2 * (2 ** (bits - 1) - 1))
+    else:
+        bound = (g.max(-1) - g.min(-1)) / (2 * (2**bits - 1))
+    err = np.abs(back - x).reshape(3, -1, group).max(-1)
+    assert (err <= bound * (1 + 1e-5) + 1e-6 * scale).all()
+
+
+def _tokens(seed, B=2, T=37, K=2, H=8, lengths=(37, 23)):
+    r = np.random.default_rng(seed)
+    k = jnp.asarray(r.normal(size=(B, T, K, H)), jnp.float32)
+    v = jnp.asarray(r.normal(size=(B, T, K, H)), jnp.float32)
+    pos = np.where(np.arange(T)[None] < np.array(lengths)[:, None], np.arange(T)[None], -1)
+    return k, v, jnp.asarray(pos, jnp.int32)
+
+
+def _feed(cache, k, v, pos, cuts):
+    for a, b in zip([0, *cuts], [*cuts, k.shape[1]]):
+        cache, view = cache.update(k[:, a:b], v[:, a:b], pos[:, a:b])
+    return cache, view
+
+
+@settings(max_examples=15, deadline=None)
+@given(cuts=st.lists(st.integers(1, 36), max_size=4, unique=True).map(sorted), bits=st.sampled_from([2, 4]))
+def test_kivi_does_not_depend_on_how_tokens_arrive(cuts, bits):
+    """Blocks align to absolute token indices, so chunked prefill + decode == one write of everything."""
+    spec = QuantSpec("kivi", bits, group=4, residual=8)
+    k, v, pos = _tokens(0)
+    empty = QuantKVCache.init(spec, 2, 48, 2, 8, jnp.float32)
+    one, view_one = empty.update(k, v, pos)
+    many, view_many = _feed(empty, k, v, pos, cuts)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(view_one.k, view_many.k)
+
+
+def test_kivi_keeps_a_full_precision_residual_and_never_requantizes_history():
+    spec = QuantSpec("kivi", 2, group=4, residual=8)
+    k, v, pos = _tokens(1)
+    cache, view = QuantKVCache.init(spec, 2, 48, 2, 8, jnp.float32).update(k, v, pos)
+    np.testing.assert_array_equal(cache.n_quant, [32, 16])  # whole blocks of 8 leave the residual
+    for b, n in enumerate([37, 23]):
+        q = int(cache.n_quant[b])
+        np.testing.assert_array_equal(np.asarray(view.k)[b, :, q:n], np.asarray(k)[b, q:n].transpose(1, 0, 2))
+        np.testing.assert_array_equal(np.asarray(view.v)[b, :, q:n], np.asarray(v)[b, q:n].transpose(1, 0, 2))
+        # quantized keys: per channel, per group of 4 tokens, within the 2-bit min-max bound
+        kb = np.asarray(k)[b, :q].transpose(1, 0, 2).reshape(2, q // 4, 4, 8)
+        bound = (kb.max(2) - kb.min(2)) / (2 * 3)
+        err = np.abs(np.asarray(view.k)[b, :, :q].reshape(2, q // 4, 4, 8) - kb).max(2)
+        assert (err <= bound + 1e-5).all()
+    before = np.asarray(cache.k_codes).copy(), np.asarray(cache.k_scale).copy()
+    r = np.random.default_rng(2)
+    for step in range(12):  # decode: row 0 crosses another block boundary at 40
+        new = jnp.asarray(r.normal(size=(2, 1, 2, 8)), jnp.float32)
+        cache, _ = cache.update(new, new, jnp.asarray([[37 + step], [23 + step]], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(cache.k_codes)[0, :, :32], before[0][0, :, :32])
+    np.testing.assert_array_equal(np.asarray(cache.k_scale)[0, :, :8], before[1][0, :, :8])
+    np.testing.assert_array_equal(cache.n_quant, [48, 32])
+
+
+def test_int_quantization_is_per_token_symmetric():
+    k, v, pos = _tokens(3)
+    cache, view = QuantKVCache.init(QuantSpec("int", 8), 2, 40, 2, 8, jnp.float32).update(k, v, pos)
+    x = np.asarray(k)[0].transpose(1, 0, 2)  # [K,T,H]
+    bound = np.abs(x).max(-1, keepdims=True) / (2 * 127)
+    assert (np.abs(np.asarray(view.k)[0, :, :37] - x) <= bound + 1e-6).all()
+    assert cache.k_codes.shape == (2, 2, 40, 8) and cache.k_scale.shape == (2, 2, 40, 1)
+    four, _ = QuantKVCache.init(QuantSpec("int", 4), 2, 40, 2, 8, jnp.float32).update(k, v, pos)
+    assert four.k_codes.shape == (2, 2, 40, 4)  # two 4-bit codes per byte
+
+
+def test_kivi_with_a_residual_covering_the_sequence_is_no_quantization(gqa):
+    """Quantization switched off (every token in the residual): decoding is bitwise the plain cache's."""
+    plain, gen, lengths, (logits, caches), (_, caches_c, stats) = _plain_and_compressed(
+        gqa[1], "kivi:4:group=2,residual=64"
+    )
+    for a, b in zip(caches, caches_c):
+        k, v = b.dequantized()
+        np.testing.assert_array_equal(k[:, :, :40], a.k[:, :, :40])
+        np.testing.assert_array_equal(v[:, :, :40], a.v[:, :, :40])
+    _assert_same_decoding(plain, gen, lengths, caches, caches_c, logits, stats)
+
+
+@pytest.mark.parametrize("policy", ["int:8", "int:4", "kivi:2:group=4,residual=8", "kivi:4:group=8,residual=16",
+                                    "snapkv:0.5:obs_window=8+kivi:4:group=4,residual=8", "streaming:0.5+int:4"])
+def test_measured_bytes_equal_analytic_and_decoding_runs(gqa, policy):
+    cfg, model = gqa
+    gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy))
+    tokens, lengths = gen.pad(PROMPTS, NEW)
+    logits, caches, stats = gen.prefill_compressed(tokens, lengths, NEW)
+    plans = gen.compression_plan(lengths, NEW)
+    assert all(isinstance(c, QuantKVCache) for c in caches)
+    assert caches_nbytes(caches) == compressed_cache_bytes(cfg, plans, 2, CAPACITY)
+    out = gen.decode(caches, logits, lengths, DecodingConfig(max_new_tokens=NEW), jax.random.key(0))
+    assert caches_nbytes(out.caches) == caches_nbytes(caches) and np.isfinite(out.logprobs).all()
+    if policy.startswith("snapkv"):  # evicted first: positions per head survive quantization
+        assert out.caches[0].pos.shape == (2, cfg.attention.n_kv_heads, out.caches[0].capacity)
+
+
+@pytest.mark.parametrize("policy, message", [
+    ("int:3", "bits=3 must be one of"),
+    ("kivi:8", "bits=8 must be one of"),
+    ("kivi:2:residual=40", "multiple of group=32"),
+    ("kivi:2+snapkv:0.5", "quantize last"),
+    ("int:8:every=2", "a quantizer keeps every token"),
+])
+def test_bad_quantization_policies(policy, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_policy(policy)
+
+
+def test_mla_latents_are_not_quantized_yet(make_model):
+    _, mla = make_model("mla", "model.n_layers=2")
+    with pytest.raises(ConfigError, match="quantizing MLA's latent cache is not implemented"):
+        Generator(mla, capacity=16, policy=parse_policy("kivi:2"))

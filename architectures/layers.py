@@ -1,10 +1,14 @@
-"""Building blocks shared by every decoder: RMSNorm, rotary embeddings and the SwiGLU MLP."""
+"""Building blocks shared by every decoder: RMSNorm, rotary embeddings (`kvjax.rope`) and the SwiGLU MLP."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from kvjax.rope import apply_rope
+
+__all__ = ["Dense", "RMSNorm", "SwiGLU", "apply_rope", "dense", "last_valid"]
 
 
 class Dense(nnx.Module):
@@ -41,21 +45,6 @@ class RMSNorm(nnx.Module):
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
         return (normed * scale).astype(x.dtype)
-
-
-def apply_rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021, eq. 34) for x `[B,T,N,H]` at positions `[B,T]`.
-
-    Uses the half-split pairing (channel i with i + H/2) of the Hugging Face Llama code, so that
-    converted checkpoints load without permuting weights.
-    """
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / x.shape[-1])
-    angle = pos.astype(jnp.float32)[:, :, None, None] * inv_freq[None, None, None, :]  # [B,T,1,H/2]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 class SwiGLU(nnx.Module):

@@ -20,7 +20,8 @@ from kvjax.compress import reducers, scorers
 from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.plan import LayerPlan
-from kvjax.quant import QuantKVCache
+from kvjax.quant import QuantKVCache, QuantSpec
+from kvjax.quant.packing import packed_width
 
 _INT32 = 4
 
@@ -74,11 +75,12 @@ class StagePlan:
     keep_caps: tuple[int, ...]
     capacities: tuple[int, ...]
     heads: tuple[int, ...]
+    quant: QuantSpec | None = None  # a quantizing stage's spec, completed from the model config
 
     @property
     def static(self):
         """The hashable part, a static argument of the jitted compression."""
-        return (self.stage, self.keep_caps, self.capacities, self.heads)
+        return (self.stage, self.keep_caps, self.capacities, self.heads, self.quant)
 
     @property
     def arrays(self):
@@ -108,9 +110,11 @@ def plan_stages(cfg: ModelConfig, stages: tuple[Stage, ...], lengths, headroom: 
         if stage.method == "quest":  # whole pages are read
             keep_caps = tuple(-(-cap // stage.page_size) * stage.page_size for cap in keep_caps)
         capacities = tuple(keep_caps[j] + (headroom * heads[j] if last else 0) for j in range(len(slots)))
+        quant = None
         if stage.quantizes:  # key groups tile the quantized cache
-            capacities = tuple(stage.quant_spec.slots(c) for c in capacities)
-        plans.append(StagePlan(stage, counts, windows, floors, keep_caps, capacities, tuple(heads)))
+            quant = dataclasses.replace(stage.quant_spec, rope_theta=cfg.attention.rope_theta)
+            capacities = tuple(quant.slots(c) for c in capacities)
+        plans.append(StagePlan(stage, counts, windows, floors, keep_caps, capacities, tuple(heads), quant))
         current = counts
     return tuple(plans)
 
@@ -135,23 +139,26 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
         cache = caches[slot]
         stats = list(observed[slot]) if observed[slot] is not None else [None] * len(statics)
         for static, (counts, windows, floors) in zip(statics, arrays):
-            stage, keep_caps, capacities, heads = static
+            stage, keep_caps, capacities, heads, quant = static
             cache, stats = reduce_cache(
-                stage, cache, stats, counts[j], windows[j], floors[j], last_pos, keep_caps[j], capacities[j], heads[j]
+                stage, cache, stats, counts[j], windows[j], floors[j], last_pos, keep_caps[j], capacities[j], heads[j],
+                quant,
             )
             stats = stats[1:] or stats  # the next stage's statistic comes first; the last one is kept
         caches[slot], last_stats[slot] = cache, stats[0]
     return tuple(caches), tuple(last_stats)
 
 
-def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, keep_cap: int, capacity: int, heads: int):
+def reduce_cache(
+    stage: Stage, cache, stats, count, window, floor, last_pos, keep_cap: int, capacity: int, heads: int, quant=None
+):
     """One stage on one cache. stats[0] is this stage's statistic, the rest belong to later stages; all
     follow the kept slots. `heads`: the KV heads a pooled (AdaKV) cache spreads its budget over.
     Returns (new cache, the statistics gathered to its slots)."""
     if stage.method == "quest":
         return QuestKVCache.from_cache(cache, stage.page_size, keep_cap // stage.page_size), stats
     if stage.quantizes:
-        return QuantKVCache.from_cache(cache, stage.quant_spec, capacity), stats
+        return QuantKVCache.from_cache(cache, quant, capacity), stats
     if stage.pooled and isinstance(cache, KVCache):
         pooled = [reducers.to_pool(cache, s) for s in stats]
         cache, stats = pooled[0][0], [p[1] for p in pooled]
@@ -198,7 +205,7 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
         K = _kv_heads(cfg, slot)
         if last.stage.quantizes:
             head_dim = mem.kv_bytes_per_slot // (2 * K * jnp.dtype(cfg.dtype).itemsize)
-            total += quant_cache_bytes(last.stage.quant_spec, cap, K, head_dim, cfg.dtype,
+            total += quant_cache_bytes(last.quant, cap, K, head_dim, cfg.dtype,
                                        positions=K if per_head and K > 1 else 1)
             continue
         if last.stage.method == "quest":  # every slot kept, plus a key min and max per page and head
@@ -215,13 +222,17 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
 
 def quant_cache_bytes(spec, capacity: int, K: int, H: int, dtype, positions: int = 1) -> int:
     """Exact bytes of one sequence's `QuantKVCache` of `capacity` slots: packed codes, scales and zero
-    points, KIVI's residual, positions (`positions` per slot) and two int32 counters."""
+    points, the KIVI / KVQuant residual, KVQuant's outliers (value + uint8 channel) and sinks, positions
+    (`positions` per slot) and two int32 counters."""
     item = jnp.dtype(dtype).itemsize
-    codes = 2 * K * H * spec.bits // 8
+    codes = 2 * K * packed_width(H, spec.bits)
     if spec.method == "int":  # one K scale and one V scale per token and head
         total, fixed = capacity * (codes + 2 * K * item), 0
     else:  # keys: scale + zero per channel per group of tokens; values: per token per channel group
         groups = H // spec.value_group(H)
         total = capacity * (codes + 2 * K * groups * item) + capacity // spec.group * 2 * K * H * item
         fixed = 2 * K * spec.residual * H * item
+    if spec.method == "kvquant":
+        total += capacity * 2 * K * spec.n_outliers(H) * (item + 1)
+        fixed += 2 * K * spec.sinks * H * item
     return total + fixed + capacity * _INT32 * positions + 2 * _INT32

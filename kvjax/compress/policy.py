@@ -23,7 +23,7 @@ import numpy as np
 from kvjax.config import ConfigError
 
 SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest")
-QUANTIZERS = ("int", "kivi")  # `method:bits`; they keep every token and encode it (kvjax.quant)
+QUANTIZERS = ("int", "kivi", "kvquant")  # `method:bits`; they keep every token and encode it (kvjax.quant)
 ALLOCATORS = ("uniform", "pyramid", "adakv")
 REDUCERS = ("select", "cam", "kvmerger")
 POOLINGS = ("avg", "max")
@@ -56,7 +56,8 @@ class Stage:
     page_size: int = 16  # Quest: tokens per page
     bits: int = 0  # int / kivi: code width
     group: int = 32  # KIVI: tokens per key group, channels per value group
-    residual: int = 128  # KIVI: full-precision recent tokens
+    residual: int = 128  # KIVI / KVQuant: full-precision recent tokens
+    outliers: float = 0.01  # KVQuant: fraction of each vector kept exactly
 
     def __post_init__(self):
         where = f"policy stage {self.method!r}"
@@ -116,7 +117,8 @@ class Stage:
     def quant_spec(self):
         from kvjax.quant import QuantSpec
 
-        return QuantSpec(self.method, self.bits, self.group, self.residual)
+        sinks = 1 if self.sinks is None else self.sinks
+        return QuantSpec(self.method, self.bits, self.group, self.residual, outliers=self.outliers, sinks=sinks)
 
     @property
     def fixed_protected(self) -> int:

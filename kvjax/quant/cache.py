@@ -8,6 +8,14 @@ KIVI, a full-precision residual of the most recent tokens. Attention reads a deq
   tokens go to a full-precision residual; whenever it holds `residual` tokens (a multiple of `group`)
   they are quantized as whole groups and the residual empties. Quantized history is never touched
   again (never re-quantized from dequantized values).
+- `kvquant`, KVQuant-style (Hooper et al. 2024, arXiv 2401.18079, sec. 3): keys quantized per channel
+  *before* RoPE (the cache un-rotates incoming keys and rotates dequantized ones at each slot's true
+  position), values per token; the first `sinks` tokens kept in full precision (sec. 3.5); dense and
+  sparse (sec. 3.4): the ceil(outliers x head_dim) largest magnitudes of each token vector are kept
+  exactly (value + channel index) and left out of the quantization range. Deviations: min-max uniform
+  codes with scales computed online per block of `group` tokens (through the same residual as KIVI)
+  instead of calibrated non-uniform datatypes and per-channel scales; outliers chosen per token vector,
+  for keys too, as the issue asks (KVQuant thresholds keys per channel).
 
 Slots are the usual ones (token t of a row at slot `length` when written, `pos` per slot, -1 empty),
 so positions, masks and eviction work as for `KVCache`. Bytes (`nbytes()`) count codes, scales, zero
@@ -17,16 +25,18 @@ points, the residual, positions and counters.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import KVView, _append_slots, _Positioned
-from kvjax.quant.packing import pack, unpack
+from kvjax.quant.packing import pack, packed_width, unpack
+from kvjax.rope import rotate
 from kvjax.quant.quantizers import dequantize, quantize
 
-METHODS = ("int", "kivi")
+METHODS = ("int", "kivi", "kvquant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,22 +49,35 @@ class QuantSpec:
     bits: int
     group: int = 32
     residual: int = 128
+    outliers: float = 0.01  # kvquant: fraction of each vector kept exactly
+    sinks: int = 1  # kvquant: first tokens kept in full precision
+    rope_theta: float | None = None  # kvquant: the layer's RoPE base (set from the model config)
 
     def __post_init__(self):
-        allowed = {"int": (4, 8), "kivi": (2, 4)}
+        allowed = {"int": (4, 8), "kivi": (2, 4), "kvquant": (2, 3, 4)}
         if self.method not in METHODS:
             raise ValueError(f"quantization method={self.method!r} must be one of {METHODS}")
         if self.bits not in allowed[self.method]:
             raise ValueError(f"{self.method}: bits={self.bits} must be one of {allowed[self.method]}")
-        if self.method == "kivi" and (self.group < 1 or self.residual < self.group or self.residual % self.group):
-            raise ValueError(f"kivi: residual={self.residual} must be a positive multiple of group={self.group}")
+        if self.blocked and (self.group < 1 or self.residual < self.group or self.residual % self.group):
+            raise ValueError(f"{self.method}: residual={self.residual} must be a positive multiple of group={self.group}")
+        if not 0 <= self.outliers < 0.5 or self.sinks < 0:
+            raise ValueError(f"{self.method}: outliers={self.outliers} must be in [0, 0.5) and sinks={self.sinks} >= 0")
+
+    @property
+    def blocked(self) -> bool:
+        """Keys quantized per channel over token groups, through a full-precision residual."""
+        return self.method != "int"
 
     def value_group(self, head_dim: int) -> int:
-        return head_dim if self.method == "int" else min(self.group, head_dim)
+        return min(self.group, head_dim) if self.method == "kivi" else head_dim
+
+    def n_outliers(self, head_dim: int) -> int:
+        return math.ceil(self.outliers * head_dim) if self.method == "kvquant" and self.outliers else 0
 
     def slots(self, capacity: int) -> int:
         """Capacity rounded up so key groups tile it."""
-        g = self.group if self.method == "kivi" else 1
+        g = self.group if self.blocked else 1
         return -(-capacity // g) * g
 
 
@@ -62,6 +85,13 @@ def _head_major_scatter(buf, slots, values):
     """values `[B,K,T,...]` to slots `[B,T]` of buf `[B,K,S,...]` (slots outside [0, S) dropped)."""
     rows = jnp.arange(buf.shape[0])[:, None]
     return buf.at[rows, :, slots].set(jnp.moveaxis(values, 1, 2).astype(buf.dtype), mode="drop")
+
+
+def _split_outliers(x, n: int):
+    """x `[..., H]` -> (x with each vector's n largest magnitudes zeroed, their values, their channels)."""
+    _, idx = jax.lax.top_k(jnp.abs(x.astype(jnp.float32)), n)
+    values = jnp.take_along_axis(x, idx, axis=-1)
+    return jnp.put_along_axis(x, idx, jnp.zeros_like(values), axis=-1, inplace=False), values, idx.astype(jnp.uint8)
 
 
 @struct.dataclass
@@ -77,12 +107,18 @@ class QuantKVCache(_Positioned):
     pos: jax.Array  # [B,S] (or [B,K,S] after head-wise eviction)
     length: jax.Array  # [B] tokens written
     n_quant: jax.Array  # [B] tokens in codes (kivi: a multiple of residual; int: = length)
-    spec: QuantSpec = struct.field(pytree_node=False)
+    k_out: jax.Array | None = None  # kvquant: exact outliers [B,K,S,n] (pre-RoPE keys) and channels
+    k_out_idx: jax.Array | None = None
+    v_out: jax.Array | None = None
+    v_out_idx: jax.Array | None = None
+    k_sink: jax.Array | None = None  # kvquant: the first tokens in full precision [B,K,sinks,H] (pre-RoPE)
+    v_sink: jax.Array | None = None
+    spec: QuantSpec = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def init(cls, spec: QuantSpec, batch: int, capacity: int, n_kv_heads: int, head_dim: int, dtype):
         B, K, H, S = batch, n_kv_heads, head_dim, spec.slots(capacity)
-        width = H * spec.bits // 8
+        width = packed_width(H, spec.bits)
         zeros = lambda *shape: jnp.zeros(shape, dtype)  # noqa: E731
         if spec.method == "int":
             scales = dict(k_scale=zeros(B, K, S, 1), v_scale=zeros(B, K, S, 1), k_zero=None, v_zero=None)
@@ -92,6 +128,13 @@ class QuantKVCache(_Positioned):
             scales = dict(k_scale=zeros(B, K, S // spec.group, H), k_zero=zeros(B, K, S // spec.group, H),
                           v_scale=zeros(B, K, S, H // Gv), v_zero=zeros(B, K, S, H // Gv))
             res = dict(k_res=zeros(B, K, spec.residual, H), v_res=zeros(B, K, spec.residual, H))
+        if spec.method == "kvquant":
+            n = spec.n_outliers(H)
+            res |= dict(
+                k_out=zeros(B, K, S, n), v_out=zeros(B, K, S, n),
+                k_out_idx=jnp.zeros((B, K, S, n), jnp.uint8), v_out_idx=jnp.zeros((B, K, S, n), jnp.uint8),
+                k_sink=zeros(B, K, spec.sinks, H), v_sink=zeros(B, K, spec.sinks, H),
+            )
         return cls(
             k_codes=jnp.zeros((B, K, S, width), jnp.uint8), v_codes=jnp.zeros((B, K, S, width), jnp.uint8),
             **scales, **res, pos=jnp.full((B, S), -1, jnp.int32), length=jnp.zeros((B,), jnp.int32),
@@ -105,8 +148,10 @@ class QuantKVCache(_Positioned):
         B, K, S, H = cache.k.shape
         new = cls.init(spec, B, capacity, K, H, cache.k.dtype)
         slot = jnp.arange(S, dtype=jnp.int32)[None, :]
-        new, _ = new.update(cache.k.transpose(0, 2, 1, 3), cache.v.transpose(0, 2, 1, 3),
-                            jnp.where(slot < cache.length[:, None], slot, -1))
+        k = cache.k
+        if spec.method == "kvquant":  # un-rotate at the true positions (shared or per head)
+            k = rotate(k, -(cache.pos[:, None] if cache.pos.ndim == 2 else cache.pos), spec.rope_theta)
+        new = new._append(k, cache.v, jnp.where(slot < cache.length[:, None], slot, -1))
         pad = new.pos.shape[-1] - S
         return new.replace(pos=jnp.pad(cache.pos, [(0, 0)] * (cache.pos.ndim - 1) + [(0, pad)], constant_values=-1))
 
@@ -119,15 +164,23 @@ class QuantKVCache(_Positioned):
         B, T, K, H = k.shape
         if v.shape != k.shape or pos.shape != (B, T) or self.k_codes.shape[:2] != (B, K):
             raise ValueError(f"new k {k.shape} / v {v.shape} / pos {pos.shape} do not fit this cache")
-        slots = _append_slots(self.length, pos, self.capacity)
-        new = self._write_slots(slots, pos)
         k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,K,T,H]
-        if self.spec.method == "int":
-            new = new._store(slots, k_hm, v_hm, self.spec.bits).replace(n_quant=new.length)
-        else:
-            new = new._kivi_append(k_hm, v_hm, (pos >= 0).sum(axis=1, dtype=jnp.int32))
+        if self.spec.method == "kvquant":
+            k_hm = rotate(k_hm, -pos[:, None], self.spec.rope_theta)
+        new = self._append(k_hm, v_hm, pos)
         k_view, v_view = new.dequantized()
         return new, KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos)
+
+    def _append(self, k_hm, v_hm, pos):
+        """Write head-major k, v `[B,K,T,H]` (pre-RoPE keys for kvquant) at positions `[B,T]`."""
+        slots = _append_slots(self.length, pos, self.capacity)
+        new = self._write_slots(slots, pos)
+        if self.spec.method == "int":
+            return new._store(slots, k_hm, v_hm, self.spec.bits).replace(n_quant=new.length)
+        if self.spec.method == "kvquant":  # the first slots, kept exactly
+            new = new.replace(k_sink=_head_major_scatter(new.k_sink, slots, k_hm),
+                              v_sink=_head_major_scatter(new.v_sink, slots, v_hm))
+        return new._kivi_append(k_hm, v_hm, (pos >= 0).sum(axis=1, dtype=jnp.int32))
 
     def _store(self, slots, k_hm, v_hm, bits):
         """Per-token symmetric codes of k, v `[B,K,T,H]` written to slots `[B,T]`."""
@@ -143,7 +196,7 @@ class QuantKVCache(_Positioned):
     def _kivi_append(self, k_hm, v_hm, added):
         """KIVI: new tokens join the residual; every full block of `residual` tokens is quantized (keys
         per channel over `group` tokens, values per token over channel groups) and leaves it."""
-        spec, (B, K, T, H) = self.spec, k_hm.shape
+        spec, T, H = self.spec, k_hm.shape[2], k_hm.shape[3]
         R, G, Gv = spec.residual, spec.group, spec.value_group(H)
         n_res = self.length - added - self.n_quant  # residual tokens before this chunk
         W = -(-(R + T) // G) * G
@@ -153,12 +206,20 @@ class QuantKVCache(_Positioned):
         work_k = _head_major_scatter(jnp.pad(self.k_res, ((0, 0), (0, 0), (0, W - R), (0, 0))), at, k_hm)
         work_v = _head_major_scatter(jnp.pad(self.v_res, ((0, 0), (0, 0), (0, W - R), (0, 0))), at, v_hm)
         total = n_res + added
-        flush = total // R * R if R else total
-        # Keys: per channel over groups of G tokens; values: per token over groups of Gv channels.
-        kc, ks, kz = quantize(work_k.swapaxes(2, 3), spec.bits, G, symmetric=False)  # [B,K,H,W], [B,K,H,W/G]
-        vc, vs, vz = quantize(work_v, spec.bits, Gv, symmetric=False)
+        flush = total // R * R
         i = jnp.arange(W, dtype=jnp.int32)[None, :]
         slots = jnp.where(i < flush[:, None], self.n_quant[:, None] + i, self.capacity)
+        dense_k, dense_v, extra = work_k, work_v, {}
+        n_out = spec.n_outliers(H)
+        if n_out:  # dense and sparse: each vector's largest magnitudes stay exact, out of the range
+            (dense_k, k_out, k_idx), (dense_v, v_out, v_idx) = _split_outliers(work_k, n_out), _split_outliers(work_v, n_out)
+            extra = dict(
+                k_out=_head_major_scatter(self.k_out, slots, k_out), k_out_idx=_head_major_scatter(self.k_out_idx, slots, k_idx),
+                v_out=_head_major_scatter(self.v_out, slots, v_out), v_out_idx=_head_major_scatter(self.v_out_idx, slots, v_idx),
+            )
+        # Keys: per channel over groups of G tokens; values: per token over groups of Gv channels.
+        kc, ks, kz = quantize(dense_k.swapaxes(2, 3), spec.bits, G, symmetric=False)  # [B,K,H,W], [B,K,H,W/G]
+        vc, vs, vz = quantize(dense_v, spec.bits, Gv, symmetric=False)
         groups = jnp.arange(W // G, dtype=jnp.int32)[None, :]
         gslots = jnp.where((groups + 1) * G <= flush[:, None], self.n_quant[:, None] // G + groups, self.capacity)
         keep = flush[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # what stays in the residual
@@ -174,6 +235,7 @@ class QuantKVCache(_Positioned):
             k_res=jnp.where(live, take(work_k), 0).astype(self.k_res.dtype),
             v_res=jnp.where(live, take(work_v), 0).astype(self.v_res.dtype),
             n_quant=self.n_quant + flush,
+            **extra,
         )
 
     def dequantized(self) -> tuple[jax.Array, jax.Array]:
@@ -184,8 +246,19 @@ class QuantKVCache(_Positioned):
         if spec.method == "int":
             return (dequantize(kc, self.k_scale, None, spec.bits, H), dequantize(vc, self.v_scale, None, spec.bits, H))
         k = dequantize(kc.swapaxes(2, 3), self.k_scale.swapaxes(2, 3), self.k_zero.swapaxes(2, 3), spec.bits, spec.group)
+        k = k.swapaxes(2, 3)
         v = dequantize(vc, self.v_scale, self.v_zero, spec.bits, spec.value_group(H))
+        if spec.method == "kvquant":
+            if spec.n_outliers(H):
+                k = jnp.put_along_axis(k, self.k_out_idx.astype(jnp.int32), self.k_out.astype(k.dtype), axis=-1, inplace=False)
+                v = jnp.put_along_axis(v, self.v_out_idx.astype(jnp.int32), self.v_out.astype(v.dtype), axis=-1, inplace=False)
+            n = min(spec.sinks, self.capacity)
+            k = k.at[:, :, :n].set(self.k_sink[:, :, :n].astype(k.dtype))
+            v = v.at[:, :, :n].set(self.v_sink[:, :, :n].astype(v.dtype))
         R = spec.residual
         at = self.n_quant[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
         at = jnp.where(at < self.length[:, None], at, self.capacity)
-        return (_head_major_scatter(k.swapaxes(2, 3), at, self.k_res), _head_major_scatter(v, at, self.v_res))
+        k, v = _head_major_scatter(k, at, self.k_res), _head_major_scatter(v, at, self.v_res)
+        if spec.method == "kvquant":  # RoPE at each slot's true position
+            k = rotate(k, self.pos[:, None] if self.pos.ndim == 2 else self.pos, spec.rope_theta)
+        return k, v

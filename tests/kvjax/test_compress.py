@@ -523,7 +523,7 @@ def test_h2o_normalize_divides_by_the_queries_that_saw_each_key():
     np.testing.assert_allclose(got[0, 0, :4], [4 / 4, 3 / 3, 2 / 2, 1 / 1])
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)  # every example compiles new shapes
 @given(
     K=st.sampled_from([1, 2, 4]),
     lengths=st.lists(st.integers(6, 30), min_size=1, max_size=3),
@@ -537,7 +537,6 @@ def test_compressed_bytes_and_protected_tokens_over_random_shapes(K, lengths, ke
     budget, and the sinks and windows of the last stage survive."""
     from kvjax.cache import init_caches
     from kvjax.compress import compress_caches, compressible
-    from kvjax.compress.policy import parse_stage
     from kvjax.config import load_config
 
     cfg = load_config("gqa", ["model.n_layers=2", f"model.attention.n_kv_heads={K}"]).model

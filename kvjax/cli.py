@@ -139,7 +139,9 @@ def _eval_compressed(args, task: str) -> None:
     bos = not _is_gguf(args.model)
     if task == "continuation":
         stream = ce.corpus_tokens(tokenizer, args.corpus or "kjv")
-        prefixes, conts = ce.continuation_windows(stream, args.prefix, args.continuation, args.samples)
+        prefixes, conts = ce.continuation_windows(
+            stream, args.prefix, args.continuation, args.samples, tokenizer.bos_id if bos else None
+        )
         rows = ce.continuation_eval(model, prefixes, conts, policies, batch=args.batch)
         print(f"{model.config.name}: {args.samples} x ({args.prefix}-token prefix, next {args.continuation} tokens)")
         print(format_table(

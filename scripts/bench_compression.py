@@ -5,7 +5,10 @@ filled with random entries at positions 0..context-1 (an 8k-token prefill of Smo
 run) and compressed by policies that need no attention observation but produce each layout:
 `streaming` (positions shared by the KV heads: also TOVA's layout), `keynorm` (positions per head:
 also SnapKV's and H2O's), `keynorm` with AdaKV (a pooled cache), and `quest` (keeps every token and
-masks unread pages: on this CPU path every slot is still read, so no gain is expected).
+masks unread pages: on this CPU path every slot is still read, so no gain is expected). Quantized
+caches (`int:8`, `kivi:2`, `kvquant:3`) keep every token; attention reads a dequantized fp32 copy
+built each step (no fused dequantizing kernel yet), so they are expected to be slower than the full
+cache here even though they store 4-10x fewer bytes.
 
     python scripts/bench_compression.py [--model smollm2] [--context 8192] [--budgets 0.25 0.5]
 """
@@ -29,6 +32,7 @@ from kvjax.compress import compress_caches, compressible, parse_policy, plan_sta
 from kvjax.report import format_bytes, format_table  # noqa: E402
 
 LAYOUTS = ("streaming", "keynorm", "keynorm:allocator=adakv", "quest")
+QUANTIZED = ("int:8", "kivi:2", "kvquant:3")  # keep every token; attention reads a dequantized copy
 
 
 def load(model_ref: str):
@@ -57,18 +61,17 @@ def main() -> None:
     base, _ = decode_step_time(gen, full, logits, lengths, args.steps, args.repeats)
     rows = [["full", "1", format_bytes(caches_nbytes(full)), f"{base * 1e3:.1f}", "1.00x"]]
     slots = compressible(cfg)
-    for budget in args.budgets:
-        for layout in LAYOUTS:
-            name, _, options = layout.partition(":")
-            policy = parse_policy(f"{name}:{1 - budget:g}" + (f":{options}" if options else ""))
-            plans = plan_stages(cfg, policy.stages, lengths, headroom=room)
-            caches, _ = compress_caches(
-                full, (None,) * len(full), tuple(p.static for p in plans), tuple(p.arrays for p in plans),
-                jnp.asarray(lengths - 1), slots,
-            )
-            step, _ = decode_step_time(gen, caches, logits, lengths, args.steps, args.repeats)
-            rows.append([str(policy), f"{budget:g}", format_bytes(caches_nbytes(caches)), f"{step * 1e3:.1f}",
-                         f"{step / base:.2f}x"])
+    runs = [(f"{name}:{1 - budget:g}" + (f":{options}" if options else ""), f"{budget:g}")
+            for budget in args.budgets for name, _, options in (layout.partition(":") for layout in LAYOUTS)]
+    for text, kept in runs + [(q, "1") for q in QUANTIZED]:
+        policy = parse_policy(text)
+        plans = plan_stages(cfg, policy.stages, lengths, headroom=room)
+        caches, _ = compress_caches(
+            full, (None,) * len(full), tuple(p.static for p in plans), tuple(p.arrays for p in plans),
+            jnp.asarray(lengths - 1), slots,
+        )
+        step, _ = decode_step_time(gen, caches, logits, lengths, args.steps, args.repeats)
+        rows.append([str(policy), kept, format_bytes(caches_nbytes(caches)), f"{step * 1e3:.1f}", f"{step / base:.2f}x"])
     print(f"{cfg.name}, batch {B}, context {n}, fp32: decode step time (ms) per cache layout")
     print(format_table(["policy", "kept", "cache bytes", "step ms", "vs full"], rows))
 

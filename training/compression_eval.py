@@ -38,14 +38,17 @@ def corpus_tokens(tokenizer: Tokenizer, corpus: str = "kjv", val_fraction: float
     return np.asarray(tokenizer.encode("\n\n".join(d.text for d in val)), np.int32)
 
 
-def continuation_windows(stream: np.ndarray, prefix: int, continuation: int, samples: int):
-    """`samples` non-overlapping (prefix `[n,P]`, continuation `[n,N]`) slices of a token stream."""
+def continuation_windows(stream: np.ndarray, prefix: int, continuation: int, samples: int, bos_id: int | None = None):
+    """`samples` non-overlapping (prefix `[n,P]`, continuation `[n,N]`) slices of a token stream; with
+    `bos_id` each prefix starts with BOS instead of its first token (as models trained here saw text)."""
     span = prefix + continuation
     if prefix < 1 or continuation < 1 or samples < 1:
         raise ValueError(f"prefix={prefix}, continuation={continuation} and samples={samples} must be >= 1")
     if len(stream) < span * samples:
         raise DataError(f"the text has {len(stream)} tokens; {samples} samples of {span} need {span * samples}")
-    windows = stream[: span * samples].reshape(samples, span)
+    windows = stream[: span * samples].reshape(samples, span).copy()
+    if bos_id is not None:
+        windows[:, 0] = bos_id
     return windows[:, :prefix], windows[:, prefix:]
 
 
@@ -215,9 +218,7 @@ def policy_table(
     """Every method at every budget (fraction kept): continuation NLL / KL on the validation text, cache
     bytes per token, passkey accuracy (if passkey_length) and decode speed at `context` tokens."""
     stream = corpus_tokens(tokenizer)
-    prefixes, conts = continuation_windows(stream, prefix, continuation, samples)
-    if bos:
-        prefixes = np.concatenate([np.full((samples, 1), tokenizer.bos_id, np.int32), prefixes[:, 1:]], axis=1)
+    prefixes, conts = continuation_windows(stream, prefix, continuation, samples, tokenizer.bos_id if bos else None)
     runs = [(None, None)] + [(with_budget(m, 1 - b), b) for m in methods for b in budgets]
     scores = continuation_eval(model, prefixes, conts, [text for text, _ in runs[1:]])
     rows = []

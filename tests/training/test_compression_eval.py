@@ -31,6 +31,9 @@ def test_continuation_windows_are_consecutive_slices():
     prefixes, conts = ce.continuation_windows(stream, 10, 5, 3)
     np.testing.assert_array_equal(prefixes[1], np.arange(15, 25))
     np.testing.assert_array_equal(conts[2], np.arange(40, 45))
+    with_bos, _ = ce.continuation_windows(stream, 10, 5, 3, bos_id=-1)
+    np.testing.assert_array_equal(with_bos[:, 0], -1)
+    np.testing.assert_array_equal(with_bos[1, 1:], np.arange(16, 25))
     with pytest.raises(ce.DataError, match="need 300"):
         ce.continuation_windows(stream, 90, 10, 3)
 

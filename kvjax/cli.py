@@ -134,15 +134,18 @@ def _eval_compressed(args, task: str) -> None:
     from kvjax.report import format_table
     from training import compression_eval as ce
 
-    policies = [str(parse_policy(p)) for p in args.policy or []]  # every policy is checked before compute
+    parsed = [parse_policy(p) for p in args.policy or []]  # every policy is checked before compute
+    policies = [str(p) for p in parsed]
     _, model, tokenizer = _load_any(args.model)
     bos = not _is_gguf(args.model)
+    palu = any(s.method == "palu" for p in parsed for s in p.stages)
+    calibration = ce.calibration_tokens(tokenizer, args.corpus or "kjv") if palu else None
     if task == "continuation":
         stream = ce.corpus_tokens(tokenizer, args.corpus or "kjv")
         prefixes, conts = ce.continuation_windows(
             stream, args.prefix, args.continuation, args.samples, tokenizer.bos_id if bos else None
         )
-        rows = ce.continuation_eval(model, prefixes, conts, policies, batch=args.batch)
+        rows = ce.continuation_eval(model, prefixes, conts, policies, batch=args.batch, calibration=calibration)
         print(f"{model.config.name}: {args.samples} x ({args.prefix}-token prefix, next {args.continuation} tokens)")
         print(format_table(
             ["policy", "NLL (nats/token)", "perplexity", "KL vs full", "cache B/token"],
@@ -153,7 +156,7 @@ def _eval_compressed(args, task: str) -> None:
     table = []
     for policy in [None, *policies]:
         acc = ce.retrieval_accuracy(model, tokenizer, task, args.lengths, args.depths, policy=policy,
-                                    trials=args.trials, bos=bos, filler=filler)
+                                    trials=args.trials, bos=bos, filler=filler, calibration=calibration)
         table.append([policy or "full", *(f"{acc[(n, d)]:.2f}" for n in args.lengths for d in args.depths)])
     print(f"{model.config.name}: {task} exact match, {args.trials} trials per cell (length/depth)")
     print(format_table(["policy", *(f"{n}/{d:g}" for n in args.lengths for d in args.depths)], table))
@@ -206,8 +209,10 @@ def _compare_policies(args) -> None:
             parse_policy(ce.with_budget(method, 1 - budget))
     model_ref = args.model or str(Path(args.out) / ("quick" if args.quick else "full") / "gqa")
     _, model, tokenizer = _load_any(model_ref)
+    palu = any(m.partition(":")[0] == "palu" for m in args.policies)
     rows = ce.policy_table(
         model, tokenizer, args.policies, args.budgets, prefix=args.prefix, continuation=args.continuation,
+        calibration=ce.calibration_tokens(tokenizer) if palu else None,
         samples=args.samples, context=args.context, passkey_length=args.passkey_length, bos=not _is_gguf(model_ref),
     )
     title = (f"{model.config.name}: {args.samples} x ({args.prefix}-token prefix + {args.continuation} scored), "

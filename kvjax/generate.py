@@ -20,7 +20,8 @@ from kvjax.cache import init_caches
 from kvjax.compress import Policy, check_policy, compress_caches, compressible, plan_stages
 from kvjax.compress.apply import observe_fn
 from kvjax.compress.scorers import observed_queries
-from kvjax.config import DecodingConfig
+from kvjax.config import ConfigError, DecodingConfig
+from kvjax.quant.lowrank import calibrate
 from kvjax.sampling import sample
 
 MIN_BUCKET = 8
@@ -179,14 +180,22 @@ class Generator:
     when the Generator is made (`nnx.split`); make a new one after changing them.
     """
 
-    def __init__(self, model: nnx.Module, *, capacity: int, policy: Policy | None = None):
+    def __init__(
+        self, model: nnx.Module, *, capacity: int, policy: Policy | None = None, calibration: np.ndarray | None = None
+    ):
         if capacity <= 0:
             raise ValueError(f"capacity={capacity} must be > 0")
         self.config = model.config
         self.capacity = capacity
         self.policy = policy
+        self._bases = None
         if policy is not None:
             check_policy(policy, self.config)
+            palu = [s for s in policy.stages if s.method == "palu"]
+            if palu and calibration is None:
+                raise ConfigError("policy stage 'palu' needs calibration data: Generator(..., calibration=tokens)")
+            if palu:  # Palu's bases, from a plain prefill of the calibration tokens
+                self._bases = calibrate(model, calibration, compressible(self.config), palu[0].ratio, palu[0].heads)
         graphdef, self.params = nnx.split(model)
         self._prefill = jax.jit(partial(_prefill, graphdef), static_argnames=("capacity",))
         self._prefill_compressed = jax.jit(
@@ -233,7 +242,7 @@ class Generator:
         """The policy's budgets for prompts of `lengths` (checked here, before any compute)."""
         decode = self.policy.decode_stage
         headroom = decode.every if decode is not None else max_new_tokens
-        return plan_stages(self.config, self.policy.stages, lengths, headroom)
+        return plan_stages(self.config, self.policy.stages, lengths, headroom, self._bases)
 
     def prefill_compressed(self, tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int):
         """Prefill, then compress with the policy: (logits `[B,V]`, compressed caches, scorer statistics

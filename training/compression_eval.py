@@ -32,10 +32,21 @@ def _policy(policy: str | Policy | None) -> Policy | None:
     return parse_policy(policy) if isinstance(policy, str) else policy
 
 
-def corpus_tokens(tokenizer: Tokenizer, corpus: str = "kjv", val_fraction: float = 0.1) -> np.ndarray:
-    """The validation documents of a corpus as one token stream (documents joined by a blank line)."""
-    _, val = split_documents(load_corpus(corpus), val_fraction)
-    return np.asarray(tokenizer.encode("\n\n".join(d.text for d in val)), np.int32)
+def corpus_tokens(
+    tokenizer: Tokenizer, corpus: str = "kjv", val_fraction: float = 0.1, split: str = "val", max_docs: int | None = None
+) -> np.ndarray:
+    """The validation (or training) documents of a corpus as one token stream (joined by blank lines)."""
+    train, val = split_documents(load_corpus(corpus), val_fraction)
+    docs = val if split == "val" else train
+    return np.asarray(tokenizer.encode("\n\n".join(d.text for d in docs[:max_docs])), np.int32)
+
+
+def calibration_tokens(tokenizer: Tokenizer, corpus: str = "kjv", rows: int = 8, length: int = 256) -> np.ndarray:
+    """`[rows, length]` tokens of the corpus's training split, for calibrating low-rank (Palu) bases."""
+    stream = corpus_tokens(tokenizer, corpus, split="train", max_docs=4)
+    if len(stream) < rows * length:
+        raise DataError(f"calibration needs {rows * length} training tokens; the corpus has {len(stream)}")
+    return stream[: rows * length].reshape(rows, length)
 
 
 def continuation_windows(stream: np.ndarray, prefix: int, continuation: int, samples: int, bos_id: int | None = None):
@@ -71,16 +82,18 @@ def stored_bytes_per_token(model, policy: Policy | None, prefix: int) -> float:
     cfg = model.config
     if policy is None:
         return cache_bytes(cfg, prefix) / prefix
-    plans = plan_stages(cfg, policy.stages, [prefix], headroom=0)
+    bases = () if any(s.method == "palu" for s in policy.stages) else None  # bytes do not depend on them
+    plans = plan_stages(cfg, policy.stages, [prefix], headroom=0, bases=bases)
     return compressed_cache_bytes(cfg, plans, 1, prefix) / prefix
 
 
-def continuation_eval(model, prefixes, continuations, policies, *, batch: int = 1) -> list[ContinuationScore]:
-    """Score each policy (None = the full cache, always scored first as the reference)."""
+def continuation_eval(model, prefixes, continuations, policies, *, batch: int = 1, calibration=None) -> list[ContinuationScore]:
+    """Score each policy (None = the full cache, always scored first as the reference); `calibration`
+    tokens calibrate Palu policies."""
     P, N = prefixes.shape[1], continuations.shape[1]
 
     def score(policy):
-        gen = Generator(model, capacity=P + N, policy=policy)
+        gen = Generator(model, capacity=P + N, policy=policy, calibration=calibration)
         logps, fulls = [], []
         for i in range(0, len(prefixes), batch):
             logp, full = gen.score(prefixes[i : i + batch].tolist(), continuations[i : i + batch].tolist(), keep_logits=True)
@@ -153,7 +166,7 @@ def _answered(tokenizer, tokens, answer: str) -> bool:
 
 def retrieval_accuracy(
     model, tokenizer, task: str, lengths, depths, *, policy=None, trials: int = 4, bos: bool = False,
-    filler: np.ndarray | None = None, seed: int = 0,
+    filler: np.ndarray | None = None, seed: int = 0, calibration=None,
 ) -> dict[tuple[int, float], float]:
     """Exact-match accuracy of greedy answers {(length, depth): fraction of `trials`}."""
     if task not in ("passkey", "needle"):
@@ -164,7 +177,7 @@ def retrieval_accuracy(
     decoding = DecodingConfig(max_new_tokens=10)
     out = {}
     for length in lengths:
-        gen = Generator(model, capacity=length + decoding.max_new_tokens, policy=_policy(policy))
+        gen = Generator(model, capacity=length + decoding.max_new_tokens, policy=_policy(policy), calibration=calibration)
         for depth in depths:
             cases = [make(tokenizer, filler, length, depth, rng, bos) for _ in range(trials)]
             result = gen([c.prompt for c in cases], decoding)
@@ -175,12 +188,12 @@ def retrieval_accuracy(
 
 # --- speed -----------------------------------------------------------------------------------------
 
-def decode_seconds_per_step(model, context: int, batch: int, policy=None, new_tokens: int = 16) -> float:
+def decode_seconds_per_step(model, context: int, batch: int, policy=None, new_tokens: int = 16, calibration=None) -> float:
     """Greedy decode time per step after a (compressed) prefill of `context - new_tokens` random tokens,
     the second of two identical rounds (the first compiles)."""
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, model.config.vocab_size, (batch, context - new_tokens)).tolist()
-    gen = Generator(model, capacity=context, policy=_policy(policy))
+    gen = Generator(model, capacity=context, policy=_policy(policy), calibration=calibration)
     decoding = DecodingConfig(max_new_tokens=new_tokens)
     for _ in range(2):
         lengths, logits, caches, stats = gen.start(prompts, new_tokens)
@@ -214,22 +227,23 @@ def with_budget(method: str, ratio: float) -> str:
 def policy_table(
     model, tokenizer, methods, budgets, *, prefix: int, continuation: int, samples: int = 1, context: int,
     decode_batch: int = 1, passkey_length: int | None = None, trials: int = 4, bos: bool = False, log=print,
+    calibration=None,
 ) -> list[PolicyRow]:
     """Every method at every budget (fraction kept): continuation NLL / KL on the validation text, cache
     bytes per token, passkey accuracy (if passkey_length) and decode speed at `context` tokens."""
     stream = corpus_tokens(tokenizer)
     prefixes, conts = continuation_windows(stream, prefix, continuation, samples, tokenizer.bos_id if bos else None)
     runs = [(None, None)] + [(with_budget(m, 1 - b), b) for m in methods for b in budgets]
-    scores = continuation_eval(model, prefixes, conts, [text for text, _ in runs[1:]])
+    scores = continuation_eval(model, prefixes, conts, [text for text, _ in runs[1:]], calibration=calibration)
     rows = []
     for (text, kept), score in zip(runs, scores):
         log(f"  {score.policy}: NLL {score.nll:.4f}, KL {score.kl:.4f}")
         acc = None
         if passkey_length:
             accs = retrieval_accuracy(model, tokenizer, "passkey", [passkey_length], [0.1, 0.5, 0.9], policy=text,
-                                      trials=trials, bos=bos, filler=stream)
+                                      trials=trials, bos=bos, filler=stream, calibration=calibration)
             acc = float(np.mean(list(accs.values())))
-        step = decode_seconds_per_step(model, context, decode_batch, text)
+        step = decode_seconds_per_step(model, context, decode_batch, text, calibration=calibration)
         rows.append(PolicyRow(score.policy, kept, score.cache_bytes_per_token, score.nll, score.kl, acc,
                               decode_batch / step))
     return rows

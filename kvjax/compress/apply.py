@@ -21,6 +21,7 @@ from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.plan import LayerPlan
 from kvjax.quant import QuantKVCache, QuantSpec
+from kvjax.quant.lowrank import LowRankKVCache, group_heads, rank_for
 from kvjax.quant.packing import packed_width
 
 _INT32 = 4
@@ -52,8 +53,10 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
             raise ConfigError(f"{where}: allocator='adakv' must be the last stage of a chain")
         if stage.quantizes and any(s.pooled for s in policy.stages):
             raise ConfigError(f"{where}: quantizing an AdaKV pool is not supported; use a uniform allocator")
-        if mla and stage.quantizes:
-            raise ConfigError(f"{where}: quantizing MLA's latent cache is not implemented")
+        if mla and stage.encodes:
+            raise ConfigError(f"{where}: quantizing or factoring MLA's latent cache is not implemented")
+        if stage.method == "palu" and any(s.pooled for s in policy.stages):
+            raise ConfigError(f"{where}: a low-rank AdaKV pool is not supported; use a uniform allocator")
         if mla and (stage.method in ("keynorm", "quest") or stage.reducer == "cam" or stage.pooled):
             raise ConfigError(
                 f"{where}: {cfg.name!r} has MLA layers, whose cache is one latent shared by all heads: key "
@@ -76,16 +79,19 @@ class StagePlan:
     capacities: tuple[int, ...]
     heads: tuple[int, ...]
     quant: QuantSpec | None = None  # a quantizing stage's spec, completed from the model config
+    rope_theta: float = 10_000.0
+    bases: tuple | None = None  # Palu: (k_basis, v_basis) per compressible cache, from calibration
 
     @property
     def static(self):
         """The hashable part, a static argument of the jitted compression."""
-        return (self.stage, self.keep_caps, self.capacities, self.heads, self.quant)
+        return (self.stage, self.keep_caps, self.capacities, self.heads, self.quant, self.rope_theta)
 
     @property
     def arrays(self):
-        """The per-row budgets as device arrays (rows may differ without recompiling)."""
-        return tuple(jnp.asarray(a, jnp.int32) for a in (self.counts, self.windows, self.floors))
+        """The per-row budgets as device arrays (rows may differ without recompiling), and Palu's bases."""
+        budgets = tuple(jnp.asarray(a, jnp.int32) for a in (self.counts, self.windows, self.floors))
+        return (*budgets, self.bases)
 
 
 def _kv_heads(cfg: ModelConfig, slot: int) -> int:
@@ -94,9 +100,12 @@ def _kv_heads(cfg: ModelConfig, slot: int) -> int:
     return 1 if kind == "mla" else cfg.attention_for(kind).n_kv_heads
 
 
-def plan_stages(cfg: ModelConfig, stages: tuple[Stage, ...], lengths, headroom: int) -> tuple[StagePlan, ...]:
+def plan_stages(
+    cfg: ModelConfig, stages: tuple[Stage, ...], lengths, headroom: int, bases: tuple | None = None
+) -> tuple[StagePlan, ...]:
     """Budgets of each stage for rows of `lengths` tokens; the last stage's caches get `headroom` free
-    slots per head for the tokens that follow. Raises ConfigError for impossible budgets."""
+    slots per head for the tokens that follow. `bases`: Palu's calibrated bases (`calibrate`). Raises
+    ConfigError for impossible budgets."""
     slots = compressible(cfg)
     current = np.broadcast_to(np.asarray(lengths, np.int64), (len(slots), len(lengths)))
     plans = []
@@ -114,7 +123,11 @@ def plan_stages(cfg: ModelConfig, stages: tuple[Stage, ...], lengths, headroom: 
         if stage.quantizes:  # key groups tile the quantized cache
             quant = dataclasses.replace(stage.quant_spec, rope_theta=cfg.attention.rope_theta)
             capacities = tuple(quant.slots(c) for c in capacities)
-        plans.append(StagePlan(stage, counts, windows, floors, keep_caps, capacities, tuple(heads), quant))
+        if stage.method == "palu" and bases is None:
+            raise ConfigError("policy stage 'palu' needs calibration data: Generator(..., calibration=tokens)")
+        theta = cfg.attention.rope_theta
+        plans.append(StagePlan(stage, counts, windows, floors, keep_caps, capacities, tuple(heads), quant, theta,
+                               bases if stage.method == "palu" else None))
         current = counts
     return tuple(plans)
 
@@ -138,8 +151,12 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
     for j, slot in enumerate(slots):
         cache = caches[slot]
         stats = list(observed[slot]) if observed[slot] is not None else [None] * len(statics)
-        for static, (counts, windows, floors) in zip(statics, arrays):
-            stage, keep_caps, capacities, heads, quant = static
+        for static, (counts, windows, floors, bases) in zip(statics, arrays):
+            stage, keep_caps, capacities, heads, quant, theta = static
+            if stage.method == "palu":
+                cache = LowRankKVCache.from_cache(cache, *bases[j], capacities[j], theta)
+                stats = stats[:1]
+                continue
             cache, stats = reduce_cache(
                 stage, cache, stats, counts[j], windows[j], floors[j], last_pos, keep_caps[j], capacities[j], heads[j],
                 quant,
@@ -207,6 +224,12 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             head_dim = mem.kv_bytes_per_slot // (2 * K * jnp.dtype(cfg.dtype).itemsize)
             total += quant_cache_bytes(last.quant, cap, K, head_dim, cfg.dtype,
                                        positions=K if per_head and K > 1 else 1)
+            continue
+        if last.stage.method == "palu":  # a rank-r K and V latent per head group and slot
+            head_dim = mem.kv_bytes_per_slot // (2 * K * jnp.dtype(cfg.dtype).itemsize)
+            g = group_heads(K, last.stage.heads)
+            latent = 2 * (K // g) * rank_for(last.stage.ratio, g * head_dim) * jnp.dtype(cfg.dtype).itemsize
+            total += cap * (latent + _INT32 * (K if per_head and K > 1 else 1)) + mem.bytes_per_sequence
             continue
         if last.stage.method == "quest":  # every slot kept, plus a key min and max per page and head
             pages = -(-capacity // last.stage.page_size)

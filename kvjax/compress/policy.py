@@ -24,6 +24,7 @@ from kvjax.config import ConfigError
 
 SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest")
 QUANTIZERS = ("int", "kivi", "kvquant")  # `method:bits`; they keep every token and encode it (kvjax.quant)
+LOW_RANK = ("palu",)  # `palu:ratio`: every token kept as a rank-r latent (kvjax.quant.lowrank)
 ALLOCATORS = ("uniform", "pyramid", "adakv")
 REDUCERS = ("select", "cam", "kvmerger")
 POOLINGS = ("avg", "max")
@@ -58,11 +59,13 @@ class Stage:
     group: int = 32  # KIVI: tokens per key group, channels per value group
     residual: int = 128  # KIVI / KVQuant: full-precision recent tokens
     outliers: float = 0.01  # KVQuant: fraction of each vector kept exactly
+    heads: int = 4  # Palu: KV heads per low-rank group
 
     def __post_init__(self):
         where = f"policy stage {self.method!r}"
-        if self.method not in SCORERS + QUANTIZERS:
-            raise ConfigError(f"{where}: method={self.method!r} must be one of {SCORERS + QUANTIZERS}")
+        methods = SCORERS + QUANTIZERS + LOW_RANK
+        if self.method not in methods:
+            raise ConfigError(f"{where}: method={self.method!r} must be one of {methods}")
         if self.quantizes:
             try:
                 self.quant_spec
@@ -93,10 +96,13 @@ class Stage:
             raise ConfigError(f"{where}: beta={self.beta} must be >= 1, floor={self.floor} in [0, 1], sigma > 0")
         if self.reducer == "cam" and self.method in ("streaming", "keynorm", "quest"):
             raise ConfigError(f"{where}: reducer='cam' weighs merges by attention; use h2o, snapkv or tova")
-        if self.method == "quest" and (self.every or self.allocator != "uniform" or self.reducer != "select"):
+        if self.method in LOW_RANK and self.ratio is None:
+            raise ConfigError(f"{where}: give the fraction of K/V dimensions removed, a ratio in [0, 1)")
+        if self.heads < 1:
+            raise ConfigError(f"{where}: heads={self.heads} must be >= 1")
+        if self.method in ("quest", "palu") and (self.every or self.allocator != "uniform" or self.reducer != "select"):
             raise ConfigError(
-                f"{where}: Quest keeps every token and picks pages per query; every=, allocator= and "
-                "reducer= do not apply"
+                f"{where}: {self.method} keeps every token; every=, allocator= and reducer= do not apply"
             )
 
     @property
@@ -114,6 +120,11 @@ class Stage:
         return self.method in QUANTIZERS
 
     @property
+    def encodes(self) -> bool:
+        """Keeps every token in another form (quantized codes or a low-rank latent)."""
+        return self.quantizes or self.method in LOW_RANK
+
+    @property
     def quant_spec(self):
         from kvjax.quant import QuantSpec
 
@@ -128,7 +139,7 @@ class Stage:
 
     def keep(self, length: int) -> int:
         """Tokens this stage keeps of `length`."""
-        if self.quantizes:
+        if self.encodes:
             return length
         return int(length * (1 - self.ratio) + 1e-9) if self.ratio is not None else self.size
 
@@ -152,8 +163,8 @@ class Policy:
         if len(self.stages) > 1 and any(s.method == "quest" for s in self.stages):
             raise ConfigError("policy stage 'quest' cannot be chained: it selects pages at attention time")
         for stage in self.stages[:-1]:
-            if stage.quantizes:
-                raise ConfigError(f"policy stage {stage.method!r}: quantize last (evict first, then quantize what is kept)")
+            if stage.encodes:
+                raise ConfigError(f"policy stage {stage.method!r}: encode last (evict first, then encode what is kept)")
         for stage in self.stages[:-1]:
             if stage.every:
                 raise ConfigError(f"policy stage {stage.method!r}: every= is allowed on the last stage only")

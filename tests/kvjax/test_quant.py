@@ -145,7 +145,7 @@ def test_measured_bytes_equal_analytic_and_decoding_runs(gqa, policy):
     ("int:3", "bits=3 must be one of"),
     ("kivi:8", "bits=8 must be one of"),
     ("kivi:2:residual=40", "multiple of group=32"),
-    ("kivi:2+snapkv:0.5", "quantize last"),
+    ("kivi:2+snapkv:0.5", "encode last"),
     ("int:8:every=2", "a quantizer keeps every token"),
     ("kvquant:8", "bits=8 must be one of"),
     ("kvquant:3:outliers=0.7", "outliers=0.7 must be in"),
@@ -157,7 +157,7 @@ def test_bad_quantization_policies(policy, message):
 
 def test_mla_latents_are_not_quantized_yet(make_model):
     _, mla = make_model("mla", "model.n_layers=2")
-    with pytest.raises(ConfigError, match="quantizing MLA's latent cache is not implemented"):
+    with pytest.raises(ConfigError, match="quantizing or factoring MLA.s latent cache is not implemented"):
         Generator(mla, capacity=16, policy=parse_policy("kivi:2"))
 
 
@@ -207,3 +207,63 @@ def test_kvquant_after_head_wise_eviction_rotates_each_head_at_its_own_positions
         k, v = q.dequantized()
         np.testing.assert_allclose(k[:, :, :20], e.k[:, :, :20], atol=1e-5)
         np.testing.assert_array_equal(v[:, :, :20], e.v[:, :, :20])
+
+
+# --- low rank (Palu) --------------------------------------------------------------------------------
+
+def test_bases_are_the_data_optimal_rank_r_projection():
+    from kvjax.quant.lowrank import bases_from_samples, rank_for
+
+    x = np.random.default_rng(6).normal(size=(200, 2, 4)) * np.array([5, 3, 1, 0.5])  # [N, K, H]
+    U = bases_from_samples(x, group=2, rank=rank_for(0.5, 8))  # one group of 2 heads, 8 dims -> 4
+    assert U.shape == (1, 8, 4)
+    np.testing.assert_allclose(U[0].T @ U[0], np.eye(4), atol=1e-5)  # orthonormal
+    X = x.reshape(200, 8)
+    residual = np.linalg.norm(X - X @ U[0] @ U[0].T) ** 2
+    eig = np.linalg.eigvalsh(X.T @ X)  # ascending
+    np.testing.assert_allclose(residual, eig[:4].sum(), rtol=1e-4)  # PCA: the discarded eigenvalues
+
+
+@pytest.fixture(scope="module")
+def calibration(gqa):
+    return np.random.default_rng(7).integers(0, gqa[0].vocab_size, (4, 48))
+
+
+def test_palu_at_full_rank_reconstructs_keys_at_their_positions(gqa, calibration):
+    """palu:0 keeps every dimension: after head-wise eviction too, the rebuilt K/V equal the cache's."""
+    cfg, model = gqa
+    for policy, base in (("palu:0:heads=1", None), ("snapkv:0.5:obs_window=8+palu:0:heads=2", "snapkv:0.5:obs_window=8")):
+        gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy), calibration=calibration)
+        tokens, lengths = gen.pad(PROMPTS, NEW)
+        _, caches, _ = gen.prefill_compressed(tokens, lengths, NEW)
+        if base is None:
+            _, ref = Generator(model, capacity=CAPACITY).prefill(tokens, lengths)
+        else:
+            _, ref, _ = Generator(model, capacity=CAPACITY, policy=parse_policy(base)).prefill_compressed(tokens, lengths, NEW)
+        for c, e in zip(caches, ref):
+            k, v = c.reconstructed()
+            n = e.k.shape[2]
+            np.testing.assert_allclose(k[:, :, :n], e.k, atol=1e-5)
+            np.testing.assert_allclose(v[:, :, :n], e.v, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["palu:0.5", "palu:0.75:heads=1", "streaming:0.5+palu:0.5"])
+def test_palu_bytes_equal_analytic(gqa, calibration, policy):
+    cfg, model = gqa
+    gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy), calibration=calibration)
+    tokens, lengths = gen.pad(PROMPTS, NEW)
+    logits, caches, stats = gen.prefill_compressed(tokens, lengths, NEW)
+    assert caches_nbytes(caches) == compressed_cache_bytes(cfg, gen.compression_plan(lengths, NEW), 2, CAPACITY)
+    K, H = cfg.attention.n_kv_heads, cfg.attention.head_dim
+    g = 1 if "heads=1" in policy else K
+    rank = round((1 - float(policy.split("palu:")[1].split(":")[0])) * g * H)
+    assert caches[0].zk.shape[1:] == (K // g, caches[0].capacity, rank)
+    out = gen.decode(caches, logits, lengths, DecodingConfig(max_new_tokens=NEW), jax.random.key(0), stats)
+    assert np.isfinite(out.logprobs).all()
+
+
+def test_palu_needs_calibration_and_a_ratio(gqa):
+    with pytest.raises(ConfigError, match="needs calibration data"):
+        Generator(gqa[1], capacity=CAPACITY, policy=parse_policy("palu:0.5"))
+    with pytest.raises(ConfigError, match="fraction of K/V dimensions removed"):
+        parse_policy("palu:64")

@@ -1,0 +1,141 @@
+"""Low-rank K/V caches, Palu-style (Chang et al. 2024, arXiv 2407.21118): cache a rank-r latent per group
+of KV heads and reconstruct K and V at attention time.
+
+Palu factors each layer's K (and V) projection W ~ A B per group of heads (G-LRD, sec. 3.2) and
+caches h A. We factor the same map from calibration data: with X the layer's input on calibration
+tokens, the best rank-r approximation of the group's pre-RoPE keys X W in the data's norm is
+X W U_r U_r^T, U_r the top-r eigenvectors of (X W)^T (X W) (data-aware SVD, the role Palu's
+whitening plays). So A = W U_r and B = U_r^T, and the cache can compute the latent from the keys it
+receives: z = K_pre U_r, with K_pre the keys un-rotated at their positions (RoPE makes the post-RoPE
+map position dependent, which is why Palu reconstructs keys before RoPE, sec. 3.4). Attention reads
+K = RoPE(z U_r^T, pos) and V = z_v U_v^T. One rank for every layer, from the byte ratio (Palu also
+searches per-layer ranks by Fisher information; not done here).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.cache import KVView, _append_slots, _Positioned
+from kvjax.rope import rotate
+
+
+def group_heads(n_kv_heads: int, heads: int) -> int:
+    """Heads per group: `heads`, or all of them when fewer (must divide n_kv_heads)."""
+    g = min(heads, n_kv_heads)
+    if n_kv_heads % g:
+        raise ValueError(f"palu: heads={heads} per group must divide n_kv_heads={n_kv_heads}")
+    return g
+
+
+def rank_for(ratio: float, group_dim: int) -> int:
+    """Latent dims per group that remove `ratio` of the group's K (or V) bytes (at least 1)."""
+    return max(1, round((1 - ratio) * group_dim))
+
+
+def bases_from_samples(x: np.ndarray, group: int, rank: int) -> np.ndarray:
+    """Top-`rank` eigenvectors of the group covariance of samples x `[N,K,H]` -> `[K/group, group*H, rank]`."""
+    N, K, H = x.shape
+    grouped = np.asarray(x, np.float64).reshape(N, K // group, group * H).transpose(1, 0, 2)
+    cov = np.einsum("gni,gnj->gij", grouped, grouped)
+    _, vecs = np.linalg.eigh(cov)  # ascending eigenvalues
+    return np.ascontiguousarray(vecs[:, :, ::-1][:, :, :rank]).astype(np.float32)
+
+
+def _grouped(x, groups: int):
+    """`[B,K,S,H]` -> `[B,Kg,S,g*H]`."""
+    B, K, S, H = x.shape
+    return x.reshape(B, groups, K // groups, S, H).transpose(0, 1, 3, 2, 4).reshape(B, groups, S, -1)
+
+
+def _ungrouped(x, K: int):
+    """`[B,Kg,S,g*H]` -> `[B,K,S,H]`."""
+    B, Kg, S, gH = x.shape
+    g = K // Kg
+    return x.reshape(B, Kg, S, g, gH // g).transpose(0, 1, 3, 2, 4).reshape(B, K, S, gH // g)
+
+
+@struct.dataclass
+class LowRankKVCache(_Positioned):
+    """zk, zv `[B,Kg,S,r]` latents per head group, pos, length; the calibrated bases `[Kg,g*H,r]` ride
+    along (weights, not cache: `nbytes()` leaves them out)."""
+
+    zk: jax.Array
+    zv: jax.Array
+    pos: jax.Array
+    length: jax.Array
+    k_basis: jax.Array
+    v_basis: jax.Array
+    n_kv_heads: int = struct.field(pytree_node=False, default=1)
+    rope_theta: float = struct.field(pytree_node=False, default=10_000.0)
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.zk, self.zv, self.pos, self.length))
+
+    @property
+    def capacity(self) -> int:
+        return self.zk.shape[2]
+
+    @classmethod
+    def from_cache(cls, cache, k_basis, v_basis, capacity: int, rope_theta: float) -> LowRankKVCache:
+        """Project a dense cache's keys (un-rotated at their positions) and values onto the bases."""
+        B, K, S, _ = cache.k.shape
+        Kg = k_basis.shape[0]
+        pos4 = cache.pos[:, None] if cache.pos.ndim == 2 else cache.pos
+        k_pre = rotate(cache.k, -pos4, rope_theta)
+        pad = ((0, 0), (0, 0), (0, capacity - S), (0, 0))
+        zk = jnp.einsum("BGSi,Gir->BGSr", _grouped(k_pre, Kg).astype(jnp.float32), k_basis)
+        zv = jnp.einsum("BGSi,Gir->BGSr", _grouped(cache.v, Kg).astype(jnp.float32), v_basis)
+        return cls(
+            zk=jnp.pad(zk.astype(cache.k.dtype), pad), zv=jnp.pad(zv.astype(cache.v.dtype), pad),
+            pos=jnp.pad(cache.pos, [(0, 0)] * (cache.pos.ndim - 1) + [(0, capacity - S)], constant_values=-1),
+            length=cache.length, k_basis=k_basis, v_basis=v_basis, n_kv_heads=K, rope_theta=rope_theta,
+        )
+
+    def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[LowRankKVCache, KVView]:
+        """Append a chunk k, v `[B,T,K,H]` (post-RoPE keys) at positions `[B,T]`."""
+        Kg = self.k_basis.shape[0]
+        slots = _append_slots(self.length, pos, self.capacity)
+        k_pre = rotate(k.transpose(0, 2, 1, 3), -pos[:, None], self.rope_theta)
+        zk = jnp.einsum("BGTi,Gir->BGTr", _grouped(k_pre, Kg).astype(jnp.float32), self.k_basis)
+        zv = jnp.einsum("BGTi,Gir->BGTr", _grouped(v.transpose(0, 2, 1, 3), Kg).astype(jnp.float32), self.v_basis)
+        rows = jnp.arange(k.shape[0])[:, None]
+        new = self._write_slots(slots, pos).replace(
+            zk=self.zk.at[rows, :, slots].set(jnp.moveaxis(zk, 1, 2).astype(self.zk.dtype), mode="drop"),
+            zv=self.zv.at[rows, :, slots].set(jnp.moveaxis(zv, 1, 2).astype(self.zv.dtype), mode="drop"),
+        )
+        k_view, v_view = new.reconstructed()
+        return new, KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos)
+
+    def reconstructed(self) -> tuple[jax.Array, jax.Array]:
+        """K (RoPE'd at each slot's position) and V `[B,K,S,H]` from the latents."""
+        k_pre = _ungrouped(jnp.einsum("BGSr,Gir->BGSi", self.zk.astype(jnp.float32), self.k_basis), self.n_kv_heads)
+        v = _ungrouped(jnp.einsum("BGSr,Gir->BGSi", self.zv.astype(jnp.float32), self.v_basis), self.n_kv_heads)
+        return rotate(k_pre, self.pos[:, None] if self.pos.ndim == 2 else self.pos, self.rope_theta), v
+
+
+def calibrate(model, tokens: np.ndarray, compressible: tuple[int, ...], ratio: float, heads: int):
+    """Bases `(k_basis, v_basis)` per compressible cache from a plain prefill of calibration tokens
+    `[N,T]`: eigenvectors of the pre-RoPE key and the value covariances per head group."""
+    from kvjax.cache import init_caches
+
+    tokens = np.asarray(tokens, np.int32)
+    if tokens.ndim != 2 or tokens.size == 0:
+        raise ValueError(f"palu calibration tokens must be a non-empty [N, T] array, got shape {tokens.shape}")
+    N, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (N, T))
+    _, caches = jax.jit(lambda t, p, c: model(t, p, c))(jnp.asarray(tokens), positions, init_caches(model.config, N, T))
+    out = []
+    for slot in compressible:
+        cache = caches[slot]
+        K, H = cache.k.shape[1], cache.k.shape[3]
+        g = group_heads(K, heads)
+        k_pre = rotate(cache.k, -cache.pos[:, None], model.config.attention.rope_theta)
+        samples = lambda x: np.asarray(x).transpose(0, 2, 1, 3).reshape(N * T, K, H)  # noqa: E731
+        rank = rank_for(ratio, g * H)
+        out.append((jnp.asarray(bases_from_samples(samples(k_pre), g, rank)),
+                    jnp.asarray(bases_from_samples(samples(cache.v), g, rank))))
+    return tuple(out)

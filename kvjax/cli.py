@@ -204,9 +204,8 @@ def _compare_policies(args) -> None:
     from kvjax.compress import parse_policy
     from training import compression_eval as ce
 
-    for method in args.policies:  # checked before any compute
-        for budget in args.budgets:
-            parse_policy(ce.with_budget(method, 1 - budget))
+    for text, _ in ce.table_runs(args.policies, args.budgets)[1:]:  # checked before any compute
+        parse_policy(text)
     model_ref = args.model or str(Path(args.out) / ("quick" if args.quick else "full") / "gqa")
     _, model, tokenizer = _load_any(model_ref)
     palu = any(m.partition(":")[0] == "palu" for m in args.policies)
@@ -278,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--variants", nargs="+", help="model configs to compare (default: the experiment's list)")
     cmp.add_argument("--out", default="runs/compare", help="output directory")
     pol = cmp.add_argument_group("policy table (token-level compression of one model)")
-    pol.add_argument("--policies", nargs="+", help="methods, e.g. snapkv streaming h2o tova keynorm (options: snapkv:obs_window=16)")
+    pol.add_argument("--policies", nargs="+", help="methods run at every budget (snapkv streaming h2o tova keynorm, "
+                     "snapkv:obs_window=16) and whole policies run as given (kivi:2 int:8 snapkv:0.5+kivi:4)")
     pol.add_argument("--model", help=f"{model_help} (default: the gqa run of this comparison)")
     pol.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75], help="fractions of the prefix kept")
     pol.add_argument("--prefix", type=int, default=1536, help="tokens compressed before the scored continuation")

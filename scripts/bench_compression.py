@@ -8,7 +8,8 @@ also SnapKV's and H2O's), `keynorm` with AdaKV (a pooled cache), and `quest` (ke
 masks unread pages: on this CPU path every slot is still read, so no gain is expected). Quantized
 caches (`int:8`, `kivi:2`, `kvquant:3`) keep every token; attention reads a dequantized fp32 copy
 built each step (no fused dequantizing kernel yet), so they are expected to be slower than the full
-cache here even though they store 4-10x fewer bytes.
+cache here even though they store 4-10x fewer bytes. `palu:0.5` rebuilds K/V from rank-r latents
+each step (its bases, which do not change the time, are calibrated on random tokens here).
 
     python scripts/bench_compression.py [--model smollm2] [--context 8192] [--budgets 0.25 0.5]
 """
@@ -29,10 +30,11 @@ from bench_mla import filled_cache  # noqa: E402
 from kvjax import Generator  # noqa: E402
 from kvjax.cache import caches_nbytes, init_caches  # noqa: E402
 from kvjax.compress import compress_caches, compressible, parse_policy, plan_stages  # noqa: E402
+from kvjax.quant.lowrank import calibrate  # noqa: E402
 from kvjax.report import format_bytes, format_table  # noqa: E402
 
 LAYOUTS = ("streaming", "keynorm", "keynorm:allocator=adakv", "quest")
-QUANTIZED = ("int:8", "kivi:2", "kvquant:3")  # keep every token; attention reads a dequantized copy
+QUANTIZED = ("int:8", "kivi:2", "kvquant:3", "palu:0.5")  # keep every token; attention rebuilds K/V
 
 
 def load(model_ref: str):
@@ -61,11 +63,13 @@ def main() -> None:
     base, _ = decode_step_time(gen, full, logits, lengths, args.steps, args.repeats)
     rows = [["full", "1", format_bytes(caches_nbytes(full)), f"{base * 1e3:.1f}", "1.00x"]]
     slots = compressible(cfg)
+    rng_tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64))
     runs = [(f"{name}:{1 - budget:g}" + (f":{options}" if options else ""), f"{budget:g}")
             for budget in args.budgets for name, _, options in (layout.partition(":") for layout in LAYOUTS)]
     for text, kept in runs + [(q, "1") for q in QUANTIZED]:
         policy = parse_policy(text)
-        plans = plan_stages(cfg, policy.stages, lengths, headroom=room)
+        bases = calibrate(model, rng_tokens, slots, policy.stages[-1].ratio, policy.stages[-1].heads) if "palu" in text else None
+        plans = plan_stages(cfg, policy.stages, lengths, headroom=room, bases=bases)
         caches, _ = compress_caches(
             full, (None,) * len(full), tuple(p.static for p in plans), tuple(p.arrays for p in plans),
             jnp.asarray(lengths - 1), slots,

@@ -224,16 +224,38 @@ def with_budget(method: str, ratio: float) -> str:
     return f"{name}:{ratio:g}" + (f":{options}" if options else "")
 
 
+def has_budget(entry: str) -> bool:
+    """Whether a `--policies` entry is a whole policy ('kivi:2', 'snapkv:0.5+kivi:4'), run as given,
+    rather than a method to run at every budget ('snapkv', 'snapkv:obs_window=16')."""
+    parts = entry.split(":")
+    if "+" in entry or len(parts) < 2:
+        return "+" in entry
+    try:
+        float(parts[1])
+    except ValueError:
+        return False
+    return True
+
+
+def table_runs(entries, budgets) -> list[tuple[str | None, float | None]]:
+    """(policy, fraction kept or None) for each row of the policy table, the full cache first."""
+    runs = [(None, None)]
+    for entry in entries:
+        runs += [(entry, None)] if has_budget(entry) else [(with_budget(entry, 1 - b), b) for b in budgets]
+    return runs
+
+
 def policy_table(
     model, tokenizer, methods, budgets, *, prefix: int, continuation: int, samples: int = 1, context: int,
     decode_batch: int = 1, passkey_length: int | None = None, trials: int = 4, bos: bool = False, log=print,
     calibration=None,
 ) -> list[PolicyRow]:
-    """Every method at every budget (fraction kept): continuation NLL / KL on the validation text, cache
-    bytes per token, passkey accuracy (if passkey_length) and decode speed at `context` tokens."""
+    """Every method at every budget (fraction kept), and every whole policy as given (`kivi:2`):
+    continuation NLL / KL on the validation text, cache bytes per token, passkey accuracy (if
+    passkey_length) and decode speed at `context` tokens."""
     stream = corpus_tokens(tokenizer)
     prefixes, conts = continuation_windows(stream, prefix, continuation, samples, tokenizer.bos_id if bos else None)
-    runs = [(None, None)] + [(with_budget(m, 1 - b), b) for m in methods for b in budgets]
+    runs = table_runs(methods, budgets)
     scores = continuation_eval(model, prefixes, conts, [text for text, _ in runs[1:]], calibration=calibration)
     rows = []
     for (text, kept), score in zip(runs, scores):
@@ -253,7 +275,7 @@ def render_policy_table(rows: list[PolicyRow], title: str) -> str:
     from kvjax.report import format_table
 
     head = ["policy", "kept", "cache B/token", "NLL (nats)", "KL vs full", "passkey", "decode tok/s"]
-    body = [[r.policy, "1" if r.budget is None else f"{r.budget:g}", f"{r.cache_bytes_per_token:,.0f}", f"{r.nll:.4f}",
+    body = [[r.policy, "-" if r.budget is None else f"{r.budget:g}", f"{r.cache_bytes_per_token:,.0f}", f"{r.nll:.4f}",
              f"{r.kl:.4g}", "-" if r.passkey is None else f"{r.passkey:.2f}", f"{r.decode_tokens_per_s:,.1f}"]
             for r in rows]
     return title + "\n" + format_table(head, body)

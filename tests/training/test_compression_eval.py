@@ -63,6 +63,9 @@ def test_passkey_and_needle_prompts_have_the_length_and_the_needle_at_its_depth(
 def test_with_budget_inserts_the_ratio_before_the_options():
     assert ce.with_budget("snapkv", 0.5) == "snapkv:0.5"
     assert ce.with_budget("snapkv:obs_window=16", 0.75) == "snapkv:0.75:obs_window=16"
+    runs = ce.table_runs(["snapkv", "kivi:2", "snapkv:0.5+int:8", "h2o:normalize=true"], [0.25, 0.5])
+    assert runs == [(None, None), ("snapkv:0.75", 0.25), ("snapkv:0.5", 0.5), ("kivi:2", None),
+                    ("snapkv:0.5+int:8", None), ("h2o:0.75:normalize=true", 0.25), ("h2o:0.5:normalize=true", 0.5)]
 
 
 def test_eval_cli_continuation_and_passkey(run, capsys):
@@ -84,12 +87,14 @@ def test_eval_cli_continuation_and_passkey(run, capsys):
 
 @pytest.mark.slow
 def test_compare_policy_table(run, tmp_path, capsys):
-    assert main(["compare", "--policies", "snapkv:obs_window=8", "streaming", "--budgets", "0.5", "--model", run,
+    assert main(["compare", "--policies", "snapkv:obs_window=8", "streaming", "kivi:2:group=8,residual=16",
+                 "--budgets", "0.5", "--model", run,
                  "--prefix", "64", "--continuation", "8", "--context", "64", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "snapkv:0.5:obs_window=8" in out and "streaming:0.5" in out
     (table,) = tmp_path.glob("policies-*.json")
     rows = json.loads(table.read_text())
-    assert [r["budget"] for r in rows] == [None, 0.5, 0.5]
+    assert [r["budget"] for r in rows] == [None, 0.5, 0.5, None]
+    assert rows[3]["policy"] == "kivi:2:group=8,residual=16"
     assert rows[1]["cache_bytes_per_token"] < rows[0]["cache_bytes_per_token"]
     assert all(r["decode_tokens_per_s"] > 0 for r in rows)

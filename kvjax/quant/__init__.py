@@ -1,5 +1,7 @@
-"""KV quantization: bit packing, group quantizers and the quantized cache (int8/int4, KIVI)."""
+"""KV encodings that keep every token in fewer bytes: bit packing, group quantizers, the quantized cache
+(int8/int4, KIVI, KVQuant-style) and Palu-style low-rank caches."""
 
 from kvjax.quant.cache import QuantKVCache, QuantSpec
+from kvjax.quant.lowrank import LowRankKVCache, calibrate
 
-__all__ = ["QuantKVCache", "QuantSpec"]
+__all__ = ["LowRankKVCache", "QuantKVCache", "QuantSpec", "calibrate"]

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import KVView, _append_slots, _Positioned
+from kvjax.cache import KVView, _append_slots, _Positioned, _scatter
 from kvjax.quant.packing import pack, packed_width, unpack
 from kvjax.rope import rotate
 from kvjax.quant.quantizers import dequantize, quantize
@@ -83,8 +83,7 @@ class QuantSpec:
 
 def _head_major_scatter(buf, slots, values):
     """values `[B,K,T,...]` to slots `[B,T]` of buf `[B,K,S,...]` (slots outside [0, S) dropped)."""
-    rows = jnp.arange(buf.shape[0])[:, None]
-    return buf.at[rows, :, slots].set(jnp.moveaxis(values, 1, 2).astype(buf.dtype), mode="drop")
+    return _scatter(buf, slots, jnp.moveaxis(values, 1, 2), head_major=True)
 
 
 def _split_outliers(x, n: int):

@@ -72,6 +72,8 @@ class LowRankKVCache(_Positioned):
     n_kv_heads: int = struct.field(pytree_node=False, default=1)
     rope_theta: float = struct.field(pytree_node=False, default=10_000.0)
 
+    _HEAD_MAJOR = ("zk", "zv")
+
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.zk, self.zv, self.pos, self.length))
 
@@ -102,11 +104,7 @@ class LowRankKVCache(_Positioned):
         k_pre = rotate(k.transpose(0, 2, 1, 3), -pos[:, None], self.rope_theta)
         zk = jnp.einsum("BGTi,Gir->BGTr", _grouped(k_pre, Kg).astype(jnp.float32), self.k_basis)
         zv = jnp.einsum("BGTi,Gir->BGTr", _grouped(v.transpose(0, 2, 1, 3), Kg).astype(jnp.float32), self.v_basis)
-        rows = jnp.arange(k.shape[0])[:, None]
-        new = self._write_slots(slots, pos).replace(
-            zk=self.zk.at[rows, :, slots].set(jnp.moveaxis(zk, 1, 2).astype(self.zk.dtype), mode="drop"),
-            zv=self.zv.at[rows, :, slots].set(jnp.moveaxis(zv, 1, 2).astype(self.zv.dtype), mode="drop"),
-        )
+        new = self._write_slots(slots, pos, zk=jnp.moveaxis(zk, 1, 2), zv=jnp.moveaxis(zv, 1, 2))
         k_view, v_view = new.reconstructed()
         return new, KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos)
 

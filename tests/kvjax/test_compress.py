@@ -16,7 +16,6 @@ from kvjax.compress.policy import Stage, pyramid_counts, stage_counts
 from kvjax.compress.reducers import protected, top_slots
 from kvjax.compress.scorers import observe, pool
 from kvjax.config import ConfigError
-from kvjax.generate import _prefill_compressed
 from kvjax.ops import attend, attention, attention_probs
 
 PROMPTS = [list(range(3, 43)), [7, 1, 9, 4] * 7 + [2]]  # 40 and 29 tokens
@@ -24,22 +23,19 @@ NEW = 6
 CAPACITY = 40 + NEW
 GREEDY = DecodingConfig(max_new_tokens=NEW)
 # Small observation windows so that 50% of a 29-token prompt still covers sinks + window.
+# One policy per scorer, allocator, reducer, chain and decode-time layout (each compiles its own prefill).
 POLICIES = [
     "streaming:0.5",
-    "h2o:0.5",
     "h2o:0.5:normalize=true",
-    "snapkv:0.5:obs_window=8",
     "snapkv:0.5:obs_window=8,pooling=max,kernel=3",
     "tova:0.5",
     "keynorm:0.5",
     "snapkv:0.5:obs_window=8,allocator=pyramid",
-    "snapkv:0.5:obs_window=8,allocator=adakv",
     "h2o:0.5:allocator=adakv",
     "snapkv:0.5:obs_window=8,reducer=cam",
     "h2o:0.5:reducer=kvmerger",
     "streaming:0.5+snapkv:0.5:obs_window=4",
     "h2o:0.5:every=1",
-    "tova:12:every=3",
     "snapkv:12:obs_window=4,allocator=adakv,every=2",
     "quest:0.5:page_size=8",
 ]
@@ -73,8 +69,8 @@ def _assert_same_decoding(plain, gen, lengths, caches, caches_c, logits, stats):
     np.testing.assert_array_equal(ref.logprobs, out.logprobs)
 
 
-@pytest.mark.parametrize("method", ["streaming:0", "h2o:0", "snapkv:0:obs_window=8", "tova:0", "keynorm:0",
-                                    "snapkv:0:reducer=kvmerger", "h2o:0:reducer=cam", "keynorm:0:allocator=pyramid,beta=1", "quest:0"])
+@pytest.mark.parametrize("method", ["streaming:0", "h2o:0", "snapkv:0:obs_window=8", "snapkv:0:reducer=kvmerger",
+                                    "h2o:0:reducer=cam", "keynorm:0:allocator=pyramid,beta=1", "quest:0"])
 def test_a_budget_covering_the_sequence_changes_nothing(gqa, method):
     plain, squeezed, lengths, (logits, caches), (logits_c, caches_c, stats) = _plain_and_compressed(gqa[1], method)
     for a, b in zip(caches, caches_c):
@@ -87,7 +83,7 @@ def test_a_budget_covering_the_sequence_changes_nothing(gqa, method):
     _assert_same_decoding(plain, squeezed, lengths, caches, caches_c, logits, stats)
 
 
-@pytest.mark.parametrize("policy", ["h2o:0:every=6", "tova:0:every=6", "snapkv:0:obs_window=4,every=6"])
+@pytest.mark.parametrize("policy", ["h2o:0:every=6", "snapkv:0:obs_window=4,every=6"])
 def test_decode_time_observation_without_eviction_changes_nothing(gqa, policy):
     """every=6 with 6 new tokens: 5 decode steps, each observing attention, none evicting."""
     plain, gen, lengths, (logits, caches), (_, caches_c, stats) = _plain_and_compressed(gqa[1], policy)
@@ -131,8 +127,8 @@ def _positions_by_head(cache):
     return {(b, h): sorted(pos[b, min(h, pos.shape[1] - 1)][pos[b, min(h, pos.shape[1] - 1)] >= 0]) for b in range(B) for h in range(K)}
 
 
-@pytest.mark.parametrize("policy", ["streaming:0.5", "h2o:0.5", "snapkv:0.5:obs_window=8", "keynorm:0.5:sinks=2,window=3",
-                                    "snapkv:0.5:obs_window=8,allocator=adakv", "tova:0.5:sinks=1,window=2"])
+@pytest.mark.parametrize("policy", ["streaming:0.5", "snapkv:0.5:obs_window=8", "keynorm:0.5:sinks=2,window=3",
+                                    "snapkv:0.5:obs_window=8,allocator=adakv"])
 def test_kept_entries_are_the_original_tokens_at_their_true_positions(gqa, policy):
     cfg = gqa[0]
     _, _, lengths, (_, full), (_, caches, _) = _plain_and_compressed(gqa[1], policy)
@@ -158,7 +154,7 @@ def test_kept_entries_are_the_original_tokens_at_their_true_positions(gqa, polic
                 assert list(pos[b, min(h, pos.shape[1] - 1), slots]) == kept  # compacted in position order
 
 
-@pytest.mark.parametrize("policy", ["h2o:0.5:every=2", "tova:0.5:every=3", "h2o:0.5:allocator=adakv,every=2"])
+@pytest.mark.parametrize("policy", ["h2o:0.5:every=2", "h2o:0.5:allocator=adakv,every=2"])
 def test_new_tokens_keep_their_true_positions_after_eviction(gqa, policy):
     cfg, model = gqa
     out = _generate(model, policy)
@@ -206,28 +202,25 @@ def test_streaming_keeps_exactly_sinks_and_recent_tokens_during_decoding(gqa):
 
 
 def test_jitted_equals_not_jitted(gqa):
+    """The compression itself (top-k, merge, gather, layouts) run eagerly equals its jitted run."""
+    from kvjax.compress import compress_caches, compressible
+
     cfg, model = gqa
-    from flax import nnx
-
-    gen = Generator(model, capacity=CAPACITY, policy=parse_policy("snapkv:0.5:obs_window=8,reducer=kvmerger"))
-    tokens, lengths = gen.pad(PROMPTS, NEW)
-    logits, caches, _ = gen.prefill_compressed(tokens, lengths, NEW)
-    plans = gen.compression_plan(lengths, NEW)
-    obs = np.maximum(np.asarray(lengths)[:, None] - 8 + np.arange(8)[None], -1).astype(np.int32)
-    graphdef, params = nnx.split(model)
-    with jax.disable_jit():
-        logits_e, caches_e, _ = _prefill_compressed(
-            graphdef, params, tokens, lengths, obs, tuple(p.arrays for p in plans), capacity=CAPACITY,
-            statics=tuple(p.static for p in plans), slots=(0, 1),
-        )
-    np.testing.assert_allclose(logits, logits_e, atol=1e-5)
-    for a, b in zip(caches, caches_e):
-        np.testing.assert_array_equal(a.pos, b.pos)
-        np.testing.assert_allclose(a.k, b.k, atol=2e-5)
-        np.testing.assert_allclose(a.v, b.v, atol=2e-5)
+    plain = Generator(model, capacity=CAPACITY)
+    tokens, lengths = plain.pad(PROMPTS, NEW)
+    _, caches = plain.prefill(tokens, lengths)
+    for policy in ("keynorm:0.5:reducer=kvmerger", "streaming:0.5+keynorm:0.5:allocator=adakv"):
+        plans = plan_stages(cfg, parse_policy(policy).stages, lengths, headroom=NEW)
+        args = (caches, (None, None), tuple(p.static for p in plans), tuple(p.arrays for p in plans),
+                jnp.asarray(lengths - 1), compressible(cfg))
+        jitted, _ = jax.jit(compress_caches, static_argnums=(2, 5))(*args)
+        with jax.disable_jit():
+            eager, _ = compress_caches(*args)
+        for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
+            np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-@pytest.mark.parametrize("policy", ["snapkv:0.5:obs_window=8", "h2o:0.5:every=2", "snapkv:0.5:obs_window=8,allocator=adakv"])
+@pytest.mark.parametrize("policy", ["snapkv:0.5:obs_window=8", "h2o:0.5:every=2"])
 def test_a_batch_of_ragged_prompts_equals_each_prompt_alone(gqa, policy):
     cfg, model = gqa
     batch = _generate(model, policy)
@@ -274,7 +267,7 @@ def test_h2o_snapkv_tova_statistics_follow_their_definitions():
 
 # --- reducers and allocators as properties ----------------------------------------------------------
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3),
     K=st.integers(1, 4),
@@ -291,8 +284,9 @@ def test_top_slots_keeps_budget_sinks_window_then_the_best(lengths, K, sinks, wi
     pos = np.where(np.arange(S)[None] < L[:, None], np.arange(S)[None], -1)
     pos3 = np.broadcast_to(pos[:, None], (len(L), K, S))
     scores = r.normal(size=(len(L), K, S)).astype(np.float32)
-    idx, valid = top_slots(jnp.asarray(scores), jnp.asarray(pos3), jnp.asarray(counts), int(counts.max()),
-                           sinks=sinks, window=jnp.full(len(L), window), last_pos=jnp.asarray(L - 1))
+    select = jax.jit(top_slots, static_argnums=3, static_argnames="sinks")
+    idx, valid = select(jnp.asarray(scores), jnp.asarray(pos3), jnp.asarray(counts), int(counts.max()),
+                        sinks=sinks, window=jnp.full(len(L), window), last_pos=jnp.asarray(L - 1))
     idx, valid = np.asarray(idx), np.asarray(valid)
     prot = np.asarray(protected(jnp.asarray(pos3), sinks, jnp.full(len(L), window), jnp.asarray(L - 1)))
     for b, n in enumerate(L):
@@ -400,7 +394,7 @@ def test_cam_merges_an_evicted_value_into_the_next_kept_one():
 @pytest.mark.parametrize("variant", ["cla2", "mla", "yoco-swa"])
 def test_policies_run_on_every_token_cache_with_exact_bytes(make_model, variant):
     cfg, model = make_model(variant, "model.n_layers=4")
-    for policy in ("snapkv:0.5:obs_window=8", "streaming:0.5:every=2", "h2o:0.5:reducer=kvmerger"):
+    for policy in ("snapkv:0.5:obs_window=8", "streaming:0.5:every=2"):
         gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy))
         tokens, lengths = gen.pad(PROMPTS, NEW)
         logits, caches, stats = gen.prefill_compressed(tokens, lengths, NEW)
@@ -523,7 +517,7 @@ def test_h2o_normalize_divides_by_the_queries_that_saw_each_key():
     np.testing.assert_allclose(got[0, 0, :4], [4 / 4, 3 / 3, 2 / 2, 1 / 1])
 
 
-@settings(max_examples=10, deadline=None)  # every example compiles new shapes
+@settings(max_examples=6, deadline=None)  # every example compiles new shapes
 @given(
     K=st.sampled_from([1, 2, 4]),
     lengths=st.lists(st.integers(6, 30), min_size=1, max_size=3),
@@ -558,8 +552,9 @@ def test_compressed_bytes_and_protected_tokens_over_random_shapes(K, lengths, ke
                   length=jnp.asarray(L, jnp.int32))
         for c in init_caches(cfg, len(L), S)
     )
-    out, _ = compress_caches(caches, (None,) * 2, tuple(p.static for p in plans), tuple(p.arrays for p in plans),
-                             jnp.asarray(L - 1), compressible(cfg))
+    compress = jax.jit(compress_caches, static_argnums=(2, 5))
+    out, _ = compress(caches, (None,) * 2, tuple(p.static for p in plans), tuple(p.arrays for p in plans),
+                      jnp.asarray(L - 1), compressible(cfg))
     assert caches_nbytes(out) == compressed_cache_bytes(cfg, plans, len(L), S)
     last = policy.stages[-1]
     for j, cache in enumerate(out):

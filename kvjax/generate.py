@@ -159,16 +159,23 @@ def _score(graphdef, params, caches, logits, lengths, stats, evict_arrays, force
     model = nnx.merge(graphdef, params)
     evict = None if evict is None else (evict[0], evict_arrays, evict[1])
 
+    def scored(logits, tok):
+        logp = jax.nn.log_softmax(logits)
+        return jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], logp if keep_logits else None
+
     def body(carry, tok):
         caches, stats, logits, step = carry
-        logp = jax.nn.log_softmax(logits)
-        out = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], logp if keep_logits else None
         pos = (lengths + step)[:, None]
         new_logits, caches, stats = _decode_step(model, tok[:, None], pos, caches, stats, step + 1, evict)
-        return (caches, stats, new_logits[:, 0], step + 1), out
+        return (caches, stats, new_logits[:, 0], step + 1), scored(logits, tok)
 
-    _, (logprobs, full) = jax.lax.scan(body, (caches, stats, logits, jnp.int32(0)), forced.T)
-    return logprobs.T, None if full is None else full.transpose(1, 0, 2)
+    # The last forced token is only scored, never fed: N - 1 decode steps for N tokens.
+    (_, _, last, _), (logprobs, full) = jax.lax.scan(body, (caches, stats, logits, jnp.int32(0)), forced[:, :-1].T)
+    last_logp, last_full = scored(last, forced[:, -1])
+    logprobs = jnp.concatenate([logprobs.T, last_logp[:, None]], axis=1)
+    if full is None:
+        return logprobs, None
+    return logprobs, jnp.concatenate([full.transpose(1, 0, 2), last_full[:, None]], axis=1)
 
 
 class Generator:

@@ -153,13 +153,9 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
         stats = list(observed[slot]) if observed[slot] is not None else [None] * len(statics)
         for static, (counts, windows, floors, bases) in zip(statics, arrays):
             stage, keep_caps, capacities, heads, quant, theta = static
-            if stage.method == "palu":
-                cache = LowRankKVCache.from_cache(cache, *bases[j], capacities[j], theta)
-                stats = stats[:1]
-                continue
             cache, stats = reduce_cache(
                 stage, cache, stats, counts[j], windows[j], floors[j], last_pos, keep_caps[j], capacities[j], heads[j],
-                quant,
+                quant, theta, None if bases is None else bases[j],
             )
             stats = stats[1:] or stats  # the next stage's statistic comes first; the last one is kept
         caches[slot], last_stats[slot] = cache, stats[0]
@@ -167,15 +163,19 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
 
 
 def reduce_cache(
-    stage: Stage, cache, stats, count, window, floor, last_pos, keep_cap: int, capacity: int, heads: int, quant=None
+    stage: Stage, cache, stats, count, window, floor, last_pos, keep_cap: int, capacity: int, heads: int, quant=None,
+    rope_theta: float = 10_000.0, bases=None,
 ):
     """One stage on one cache. stats[0] is this stage's statistic, the rest belong to later stages; all
-    follow the kept slots. `heads`: the KV heads a pooled (AdaKV) cache spreads its budget over.
+    follow the kept slots. `heads`: the KV heads a pooled (AdaKV) cache spreads its budget over; `quant`,
+    `rope_theta`, `bases`: what the encoders (quantizers, Palu) need.
     Returns (new cache, the statistics gathered to its slots)."""
     if stage.method == "quest":
         return QuestKVCache.from_cache(cache, stage.page_size, keep_cap // stage.page_size), stats
     if stage.quantizes:
         return QuantKVCache.from_cache(cache, quant, capacity), stats
+    if stage.method == "palu":
+        return LowRankKVCache.from_cache(cache, *bases, capacity, rope_theta), stats
     if stage.pooled and isinstance(cache, KVCache):
         pooled = [reducers.to_pool(cache, s) for s in stats]
         cache, stats = pooled[0][0], [p[1] for p in pooled]

@@ -5,6 +5,9 @@ A decode step must read every parameter and the whole cache once, so its floor i
 jitted reductions over a buffer larger than the last-level cache, so the ratio is robust to a noisy
 machine.
 
+Two more rows say where the time goes: the same model's step with a 128-slot cache (weights-bound), and
+the attention op alone, chained over the layers' real caches (cache-bound), each against its own floor.
+
     python scripts/bench_decode.py [--batch 8] [--context 2048] [--steps 64]
 """
 
@@ -22,6 +25,7 @@ from architectures import Decoder
 from kvjax import DecodingConfig, Generator
 from kvjax.cache import caches_nbytes
 from kvjax.config import AttentionConfig, ModelConfig
+from kvjax.ops import attention
 from kvjax.report import format_bytes, format_table
 
 BENCH_MODEL = ModelConfig(
@@ -78,6 +82,33 @@ def decode_step_time(gen: Generator, caches, logits, lengths, steps: int, repeat
     return (loop - base) / steps, run(1 + steps)[1]
 
 
+def measure_step(model, batch: int, context: int, steps: int, repeats: int) -> tuple[float, tuple]:
+    """Decode step time with a `context`-slot cache filled to the brim, and the final caches."""
+    gen = Generator(model, capacity=context)
+    prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, context - steps - 1))
+    tokens, lengths = gen.pad(prompts.tolist(), steps + 1)
+    logits, caches = gen.prefill(tokens, lengths)
+    return decode_step_time(gen, caches, logits, lengths, steps, repeats)
+
+
+def attention_time(caches, n_heads: int, repeats: int) -> float:
+    """Seconds for one decode query per row to attend over every layer's cache in turn (each layer's
+    output is the next one's query; a barrier stops XLA fusing one layer's value product with the next
+    layer's logits, which a real layer's projections also prevent), the attention op alone."""
+    B, K, S, H = caches[0].k.shape
+    q_pos = jnp.full((B, 1), S, jnp.int32)
+
+    @jax.jit
+    def chain(q, caches):
+        for c in caches:
+            q = jax.lax.optimization_barrier(attention(q, c.k, c.v, q_pos, c.pos))
+        return q
+
+    q = jnp.ones((B, 1, n_heads, H), caches[0].k.dtype)
+    jax.block_until_ready(chain(q, caches))
+    return best_of(lambda: jax.block_until_ready(chain(q, caches)), repeats * 4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
@@ -90,15 +121,13 @@ def main() -> None:
     params = nnx.state(model, nnx.Param)
     param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
     n_params = sum(p.size for p in jax.tree.leaves(params))
-    gen = Generator(model, capacity=args.context)
-    prompt_len = args.context - args.steps - 1
-    prompts = np.random.default_rng(0).integers(0, BENCH_MODEL.vocab_size, (args.batch, prompt_len))
-    tokens, lengths = gen.pad(prompts.tolist(), args.steps + 1)
-    logits, caches = gen.prefill(tokens, lengths)
-    step, caches = decode_step_time(gen, caches, logits, lengths, args.steps, args.repeats)
+    step, caches = measure_step(model, args.batch, args.context, args.steps, args.repeats)
     cache_bytes = caches_nbytes(caches)
+    small_step, small_caches = measure_step(model, args.batch, 128, 32, args.repeats)
+    attn = attention_time(caches, BENCH_MODEL.attention.n_heads, args.repeats)
     bandwidth = read_bandwidth()
     roofline = (param_bytes + cache_bytes) / bandwidth
+    small_roofline = (param_bytes + caches_nbytes(small_caches)) / bandwidth
     print(
         f"model {BENCH_MODEL.name}: {n_params / 1e6:.2f}M params, batch {args.batch}, cache capacity "
         f"{args.context}, fp32, {jax.device_count()} {jax.devices()[0].platform} device(s)"
@@ -114,6 +143,8 @@ def main() -> None:
                 ["decode step time", f"{step * 1e3:.2f} ms"],
                 ["step / roofline", f"{step / roofline:.2f}x"],
                 ["decode tokens/s (batch)", f"{args.batch / step:,.0f}"],
+                ["weights-bound step (128-slot cache)", f"{small_step * 1e3:.2f} ms ({small_step / small_roofline:.2f}x)"],
+                ["attention op alone, all layers", f"{attn * 1e3:.2f} ms ({attn / (cache_bytes / bandwidth):.2f}x)"],
             ],
         )
     )

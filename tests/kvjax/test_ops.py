@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.ops import attention
+from kvjax.ops import attend, attention, attention_probs, decode_block
 
 
 def loop_reference(q, k, v, q_pos, k_pos, window):
@@ -45,6 +45,26 @@ def test_attention_matches_loop_reference(N, K, window):
     q, k, v, q_pos, k_pos = random_inputs(N=N, K=K)
     got = attention(*map(jnp.asarray, (q, k, v, q_pos, k_pos)), window=window)
     np.testing.assert_allclose(got, loop_reference(q, k, v, q_pos, k_pos, window), atol=1e-5)
+
+
+@pytest.mark.parametrize("N, K", [(4, 2), (4, 1)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_blocked_decode_matches_loop_reference(N, K, window):
+    """One query per row takes the blocked path (64 slots -> 2 blocks of 32); a padding query row
+    still outputs zeros."""
+    assert decode_block(64) == 32 and decode_block(48) is None
+    q, k, v, q_pos, k_pos = random_inputs(T=1, S=64, N=N, K=K)
+    q_pos[1, 0] = -1
+    got = attention(*map(jnp.asarray, (q, k, v, q_pos, k_pos)), window=window)
+    np.testing.assert_allclose(got, loop_reference(q, k, v, q_pos, k_pos, window), atol=1e-5)
+    assert np.all(np.asarray(got)[1] == 0)
+
+
+def test_blocked_decode_with_per_head_positions_matches_dense_path():
+    q, k, v, q_pos, k_pos = map(jnp.asarray, random_inputs(T=1, S=64, N=4, K=2))
+    per_head = jnp.stack([k_pos, jnp.where(k_pos % 3 == 0, -1, k_pos)], axis=1)  # head 1 lost a third
+    dense = attend(attention_probs(q, k, v, q_pos, per_head), v)
+    np.testing.assert_allclose(attention(q, k, v, q_pos, per_head), dense, atol=1e-6)
 
 
 def test_padding_query_is_finite_and_masked_keys_get_no_gradient():

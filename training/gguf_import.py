@@ -8,6 +8,7 @@ channel i with i + head_dim/2, so the permutation is undone here. SmolLM2-135M s
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -45,6 +46,14 @@ def resolve_gguf(name_or_path: str | Path) -> Path:
 
 
 def _reader(path: Path):
+    """The file's (memory-mapped) reader, parsed once per file version: parsing SmolLM2's 49k-entry
+    vocabulary takes ~5 s, and the model and its tokenizer are usually loaded together."""
+    stat = path.stat()
+    return _parsed(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: Path, mtime_ns: int, size: int):
     try:
         import gguf
     except ImportError:
@@ -159,12 +168,12 @@ def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
     }
     if missing := sorted(expected - set(w)):
         raise GGUFError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # shapes only: every weight is set below
 
     def put(variable, value: np.ndarray):
         if variable.shape != value.shape:
             raise GGUFError(f"{path}: tensor of shape {value.shape} does not fit a parameter of shape {variable.shape}")
-        variable[...] = jnp.asarray(value)
+        variable.set_value(jnp.asarray(value, variable.dtype))
 
     put(model.embed.embedding, w["token_embd.weight"])
     put(model.final_norm.scale, w["output_norm.weight"])

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = ("xla",)
-DECODE_BLOCKS = (128, 64, 32)  # key-block sizes the decode path may use, largest first
+DECODE_BLOCK_RANGE = (32, 128, 256)  # smallest, preferred largest, largest key block of the decode path
 # Finite, so a fully masked row (a padding query) cannot produce NaN; its probabilities are then zeroed,
 # so it outputs 0 and every masked key gets exactly zero probability and zero gradient.
 _MASKED = -1e30
@@ -116,9 +116,15 @@ def attention(
 
 
 def decode_block(n_slots: int) -> int | None:
-    """Key-block size of the blocked decode path for a cache of n_slots, or None (too small or no
-    size in DECODE_BLOCKS divides it: the dense path is used)."""
-    return next((b for b in DECODE_BLOCKS if n_slots % b == 0 and n_slots >= 2 * b), None)
+    """Key-block size of the blocked decode path for a cache of n_slots: its largest divisor in
+    [32, 128], else in (128, 256], leaving at least two blocks; None (the dense path) when there is
+    none, e.g. for a prime n_slots. Any multiple of 32 from 64 slots up qualifies."""
+    low, preferred, high = DECODE_BLOCK_RANGE
+    for top, bottom in ((preferred, low), (high, preferred + 1)):
+        for b in range(min(top, n_slots // 2), bottom - 1, -1):
+            if n_slots % b == 0:
+                return b
+    return None
 
 
 def _blocked_decode(q, k, v, q_pos, k_pos, window, scale, block) -> jax.Array:

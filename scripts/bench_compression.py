@@ -55,7 +55,9 @@ def main() -> None:
 
     model = load(args.model)
     cfg = model.config
-    B, n, room = args.batch, args.context, args.steps + 2
+    # Free slots after the context (and after each compressed budget): a multiple of 64, like
+    # kvjax.generate's default capacity, so that caches take the blocked decode path (kvjax.ops).
+    B, n, room = args.batch, args.context, -(-(args.steps + 2) // 64) * 64
     lengths = np.full((B,), n, np.int32)
     logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
     gen = Generator(model, capacity=n + room)

@@ -52,7 +52,8 @@ def test_attention_matches_loop_reference(N, K, window):
 def test_blocked_decode_matches_loop_reference(N, K, window):
     """One query per row takes the blocked path (64 slots -> 2 blocks of 32); a padding query row
     still outputs zeros."""
-    assert decode_block(64) == 32 and decode_block(48) is None
+    assert (decode_block(64), decode_block(2048), decode_block(2058), decode_block(8202)) == (32, 128, 98, None)
+    assert decode_block(48) is None and decode_block(2 * 131) == 131
     q, k, v, q_pos, k_pos = random_inputs(T=1, S=64, N=N, K=K)
     q_pos[1, 0] = -1
     got = attention(*map(jnp.asarray, (q, k, v, q_pos, k_pos)), window=window)

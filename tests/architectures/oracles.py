@@ -11,9 +11,9 @@ from kvjax.cache import init_caches
 B, T = 2, 24
 
 
-def tokens_and_positions(vocab, seed=0):
-    tokens = jax.random.randint(jax.random.key(seed), (B, T), 0, vocab)
-    return tokens, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+def tokens_and_positions(vocab, seed=0, length=T):
+    tokens = jax.random.randint(jax.random.key(seed), (B, length), 0, vocab)
+    return tokens, jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (B, length))
 
 
 def stepper(model, jit):
@@ -24,15 +24,17 @@ def stepper(model, jit):
     return jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a)).__get__(state)
 
 
-def assert_cached_decode_equals_full_forward(cfg, model, *, prefill: int = 10, jit: bool = True):
-    """Prefill `prefill` tokens, then decode one at a time: logits match the full forward everywhere.
-    Returns the final caches."""
-    tokens, pos = tokens_and_positions(cfg.vocab_size)
+def assert_cached_decode_equals_full_forward(
+    cfg, model, *, prefill: int = 10, jit: bool = True, length: int = T, capacity: int | None = None
+):
+    """Prefill `prefill` of `length` tokens, then decode one at a time into caches of `capacity` slots
+    (default: length): logits match the full forward everywhere. Returns the final caches."""
+    tokens, pos = tokens_and_positions(cfg.vocab_size, length=length)
     full, _ = model(tokens, pos)
     step = stepper(model, jit)
-    logits, caches = step(tokens[:, :prefill], pos[:, :prefill], init_caches(cfg, B, T))
+    logits, caches = step(tokens[:, :prefill], pos[:, :prefill], init_caches(cfg, B, capacity or length))
     np.testing.assert_allclose(logits, full[:, :prefill], atol=2e-5, rtol=1e-5)
-    for t in range(prefill, T):
+    for t in range(prefill, length):
         logits, caches = step(tokens[:, t : t + 1], pos[:, t : t + 1], caches)
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5, rtol=1e-5, err_msg=f"position {t}")
     return caches

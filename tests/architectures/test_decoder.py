@@ -8,6 +8,7 @@ from flax import nnx
 
 from architectures import Decoder
 from kvjax.cache import init_caches
+from kvjax.ops import decode_block
 from tests.architectures.oracles import (
     B,
     T,
@@ -28,6 +29,14 @@ def test_cached_decode_equals_full_forward(make_model, variant, jit):
     cfg, model = make_model(variant, TWO_LAYERS, *VARIANTS[variant])
     # a prefill of 10, longer than the SWA window of 8, exercises the ring's chunk path
     assert_cached_decode_equals_full_forward(cfg, model, prefill=10, jit=jit)
+
+
+def test_cached_decode_over_key_blocks_equals_full_forward(make_model):
+    """40 tokens decoded into 64 slots: every step takes kvjax.ops' blocked path (two blocks of 32) with
+    keys in both blocks and empty slots after them."""
+    cfg, model = make_model("gqa", TWO_LAYERS)
+    assert decode_block(64) == 32
+    assert_cached_decode_equals_full_forward(cfg, model, prefill=30, length=40, capacity=64)
 
 
 @pytest.mark.parametrize("variant", ["gqa", "swa"])

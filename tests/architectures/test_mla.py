@@ -44,6 +44,13 @@ def test_cached_decode_equals_full_forward(make_model, overrides):
     assert all(isinstance(c, LatentCache) for c in caches) and len(caches) == 2
 
 
+def test_naive_decode_over_key_blocks_equals_full_forward(make_model):
+    """Naive MLA decode (expanded keys of 20 dims, values of 16) through kvjax.ops' blocked path (64
+    slots, blocks of 32). Absorbed decode attends over the latents with its own dense product."""
+    model = make_model("mla", TWO_LAYERS, NAIVE)
+    assert_cached_decode_equals_full_forward(*model, prefill=30, length=40, capacity=64)
+
+
 @pytest.mark.parametrize("q_lora", [[], [Q_LORA]], ids=["direct-q", "q-lora"])
 def test_absorbed_equals_naive_for_prefill_and_decode(make_model, q_lora):
     cfg, absorbed = make_model("mla", TWO_LAYERS, *q_lora)

@@ -23,7 +23,7 @@ from flax import nnx
 from architectures.layers import RMSNorm, apply_rope, dense
 from kvjax.cache import LatentCache, LatentView, heads_first
 from kvjax.config import AttentionConfig, MLAConfig
-from kvjax.ops import attend, attention, masked_softmax
+from kvjax.ops import attend, attention, blocked_decode, decode_block, masked_softmax
 
 
 class MLA(nnx.Module):
@@ -81,11 +81,14 @@ class MLA(nnx.Module):
         "KV head", as in the absorbed form; the naive form has the same probabilities)."""
         return self._latent_probs(*self.queries(x, positions), view, positions)
 
-    def _latent_probs(self, q_nope, q_rope, view: LatentView, positions) -> jax.Array:
+    def _latent_query(self, q_nope) -> jax.Array:
+        """q_nope `[B,T,N,d]` with W_UK absorbed: `[B,T,N,Dc]`, to dot with the latents."""
         cfg = self.cfg
-        N = q_nope.shape[2]
-        w_uk = self.k_up.kernel[...].reshape(cfg.kv_lora_rank, N, cfg.qk_nope_head_dim)
-        q_latent = jnp.einsum("BTNd,CNd->BTNC", q_nope, w_uk)
+        w_uk = self.k_up.kernel[...].reshape(cfg.kv_lora_rank, q_nope.shape[2], cfg.qk_nope_head_dim)
+        return jnp.einsum("BTNd,CNd->BTNC", q_nope, w_uk)
+
+    def _latent_probs(self, q_nope, q_rope, view: LatentView, positions) -> jax.Array:
+        q_latent = self._latent_query(q_nope)
         f32 = jnp.float32
         logits = jnp.einsum("BTNC,BSC->BTNS", q_latent, view.c, preferred_element_type=f32) + jnp.einsum(
             "BTNR,BSR->BTNS", q_rope, view.k_rope, preferred_element_type=f32
@@ -112,6 +115,12 @@ class MLA(nnx.Module):
         cfg = self.cfg
         N = q_nope.shape[2]
         w_uv = self.v_up.kernel[...].reshape(cfg.kv_lora_rank, N, cfg.v_head_dim)
-        probs = self._latent_probs(q_nope, q_rope, view, positions)
-        out_latent = attend(probs, view.c[:, None])  # [B,T,N,Dc]
+        block = decode_block(view.c.shape[1]) if q_nope.shape[1] == 1 else None
+        if block is not None:  # a decode step: kvjax.ops' blocked path, latent and RoPE logits summed
+            # With one query per row, [B,T=1,N,.] is also the [B,K=1,G=N,.] of one shared latent "head".
+            latents = view.c[:, None]
+            parts = ((self._latent_query(q_nope), latents), (q_rope, view.k_rope[:, None]))
+            out_latent = blocked_decode(parts, latents, positions, view.pos, None, self.scale, block).astype(latents.dtype)
+        else:
+            out_latent = attend(self._latent_probs(q_nope, q_rope, view, positions), view.c[:, None])  # [B,T,N,Dc]
         return jnp.einsum("BTNC,CNd->BTNd", out_latent, w_uv).astype(q_nope.dtype)

@@ -128,14 +128,23 @@ def decode_block(n_slots: int) -> int | None:
 
 
 def _blocked_decode(q, k, v, q_pos, k_pos, window, scale, block) -> jax.Array:
-    """`attention` for one query per row `[B,1,N,H]`, with keys and values split into blocks of
-    `block` slots (see the module docstring)."""
+    """`attention` for one query per row `[B,1,N,H]` (see the module docstring)."""
     B, _, N, H = q.shape
-    K, S, Hv = k.shape[1], k.shape[2], v.shape[-1]
-    C, G = S // block, N // K
+    K = k.shape[1]
     scale = H**-0.5 if scale is None else scale
-    logits = jnp.einsum(
-        "BKGH,BKCSH->BKCGS", q.reshape(B, K, G, H), k.reshape(B, K, C, block, H), preferred_element_type=jnp.float32
+    return blocked_decode(((q.reshape(B, K, N // K, H), k),), v, q_pos, k_pos, window, scale, block).astype(q.dtype)
+
+
+def blocked_decode(parts, v, q_pos, k_pos, window, scale: float, block: int) -> jax.Array:
+    """Attention of one query per row over keys and values split into blocks of `block` slots (see the
+    module docstring): the logits are the sum over `parts` of q `[B,K,G,Hp]` . k `[B,K,S,Hp]` (one
+    part for plain attention; MLA's absorbed decode has a latent part and a RoPE part), times scale;
+    v is `[B,K,S,Hv]`. Returns `[B,1,K*G,Hv]` in fp32."""
+    (B, K, G, _), S, Hv = parts[0][0].shape, v.shape[2], v.shape[-1]
+    C = S // block
+    logits = sum(
+        jnp.einsum("BKGH,BKCSH->BKCGS", q, k.reshape(B, K, C, block, k.shape[-1]), preferred_element_type=jnp.float32)
+        for q, k in parts
     ) * scale
     mask = visible(q_pos, k_pos, window)[..., 0, :]  # [B,S] or, per head, [B,K,S]
     mask = mask.reshape(B, -1, C, 1, block)
@@ -143,7 +152,7 @@ def _blocked_decode(q, k, v, q_pos, k_pos, window, scale, block) -> jax.Array:
     out = jnp.einsum(
         "BKCGS,BKCSH->BKCGH", probs.astype(v.dtype), v.reshape(B, K, C, block, Hv), preferred_element_type=jnp.float32
     ).sum(axis=2)
-    return out.reshape(B, 1, N, Hv).astype(q.dtype)
+    return out.reshape(B, 1, K * G, Hv)
 
 
 def attention_probs(

@@ -44,11 +44,12 @@ def test_cached_decode_equals_full_forward(make_model, overrides):
     assert all(isinstance(c, LatentCache) for c in caches) and len(caches) == 2
 
 
-def test_naive_decode_over_key_blocks_equals_full_forward(make_model):
-    """Naive MLA decode (expanded keys of 20 dims, values of 16) through kvjax.ops' blocked path (64
-    slots, blocks of 32). Absorbed decode attends over the latents with its own dense product."""
-    model = make_model("mla", TWO_LAYERS, NAIVE)
-    assert_cached_decode_equals_full_forward(*model, prefill=30, length=40, capacity=64)
+@pytest.mark.parametrize("overrides", [[], [NAIVE]], ids=["absorbed", "naive"])
+def test_decode_over_key_blocks_equals_full_forward(make_model, overrides):
+    """40 tokens decoded into 64 slots, through kvjax.ops' blocked path (blocks of 32, keys in both):
+    absorbed (latent and RoPE logits summed over the shared latents) and naive (expanded keys of 20
+    dims, values of 16)."""
+    assert_cached_decode_equals_full_forward(*make_model("mla", TWO_LAYERS, *overrides), prefill=30, length=40, capacity=64)
 
 
 @pytest.mark.parametrize("q_lora", [[], [Q_LORA]], ids=["direct-q", "q-lora"])

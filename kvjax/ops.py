@@ -14,7 +14,8 @@ A single query per row (a decode step) takes a blocked path: the keys are split 
 product taken per block then summed (the split-K of flash-decoding, without its separate rescaling
 since every block's logits are in memory). Same result, but XLA:CPU runs the many small per-block
 products faster than one long product per head: in scripts/bench_decode.py the attention of a step went
-from 13.5-14.0 ms to 9.2-9.3 ms and the whole step from 18-19.5 ms to 13.4-14.3 ms.
+from 13.5-14.0 ms to 9.2-9.3 ms and the whole step from 18-19.5 ms to 13.4-14.3 ms. MLA's absorbed
+decode calls `blocked_decode` with two logit parts (latent and RoPE).
 """
 
 from __future__ import annotations

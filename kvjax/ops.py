@@ -107,9 +107,12 @@ def attention(
     `n_kv_heads`.
     """
     block = decode_block(k.shape[2]) if q.shape[1] == 1 and k_head is None else None
-    if block is not None:
-        _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads)
-        return _blocked_decode(q, k, v, q_pos, k_pos, window, scale, block)
+    if block is not None:  # a decode step (see the module docstring)
+        K = _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads)
+        B, _, N, H = q.shape
+        scale = H**-0.5 if scale is None else scale
+        parts = ((q.reshape(B, K, N // K, H), k),)
+        return blocked_decode(parts, v, q_pos, k_pos, window, scale, block).astype(q.dtype)
     probs = attention_probs(
         q, k, v, q_pos, k_pos, window=window, scale=scale, impl=impl, k_head=k_head, n_kv_heads=n_kv_heads
     )
@@ -128,14 +131,6 @@ def decode_block(n_slots: int) -> int | None:
     return None
 
 
-def _blocked_decode(q, k, v, q_pos, k_pos, window, scale, block) -> jax.Array:
-    """`attention` for one query per row `[B,1,N,H]` (see the module docstring)."""
-    B, _, N, H = q.shape
-    K = k.shape[1]
-    scale = H**-0.5 if scale is None else scale
-    return blocked_decode(((q.reshape(B, K, N // K, H), k),), v, q_pos, k_pos, window, scale, block).astype(q.dtype)
-
-
 def blocked_decode(parts, v, q_pos, k_pos, window, scale: float, block: int) -> jax.Array:
     """Attention of one query per row over keys and values split into blocks of `block` slots (see the
     module docstring): the logits are the sum over `parts` of q `[B,K,G,Hp]` . k `[B,K,S,Hp]` (one
@@ -149,7 +144,7 @@ def blocked_decode(parts, v, q_pos, k_pos, window, scale: float, block: int) -> 
     ) * scale
     mask = visible(q_pos, k_pos, window)[..., 0, :]  # [B,S] or, per head, [B,K,S]
     mask = mask.reshape(B, -1, C, 1, block)
-    probs = jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, _MASKED), axis=(2, 4)), 0.0)
+    probs = _softmax_where(logits, mask, axis=(2, 4))
     out = jnp.einsum(
         "BKCGS,BKCSH->BKCGH", probs.astype(v.dtype), v.reshape(B, K, C, block, Hv), preferred_element_type=jnp.float32
     ).sum(axis=2)
@@ -177,8 +172,13 @@ def masked_softmax(
     # Every [.., T, G, S] tensor is in the order the dot emits; asking for [.., G, T, S] made XLA:CPU
     # transpose the logits inside each mask op (half of a 2k-token prefill's time).
     # jax.nn.softmax rather than a hand-fused one: its backward rule kept training 1.6-2x faster.
-    mask = _grouped_mask(q_pos, k_pos, window, k_head, logits.shape[1])
-    return jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, _MASKED), axis=-1), 0.0)
+    return _softmax_where(logits, _grouped_mask(q_pos, k_pos, window, k_head, logits.shape[1]), axis=-1)
+
+
+def _softmax_where(logits: jax.Array, mask: jax.Array, axis) -> jax.Array:
+    """Softmax of fp32 logits over `axis` among the keys where `mask` holds; masked keys get exactly 0
+    (and a row that sees no key, all zeros)."""
+    return jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, _MASKED), axis=axis), 0.0)
 
 
 def attend(probs: jax.Array, v: jax.Array) -> jax.Array:

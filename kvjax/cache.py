@@ -113,6 +113,17 @@ class _SlotCache(_Positioned):
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    def resized(self, capacity: int):
+        """The same tokens in `capacity` slots: cut or padded (empty slots) at the end. Only for a cache
+        whose tokens are compacted in slots 0..length-1 and fit `capacity` (what the reducers leave)."""
+        extra = capacity - self.capacity
+        if extra <= 0:
+            return self.replace(k=self.k[:, :, :capacity], v=self.v[:, :, :capacity], pos=self.pos[..., :capacity])
+        pad = ((0, 0), (0, 0), (0, extra), (0, 0))
+        pos_pad = [(0, 0)] * (self.pos.ndim - 1) + [(0, extra)]
+        return self.replace(k=jnp.pad(self.k, pad), v=jnp.pad(self.v, pad),
+                            pos=jnp.pad(self.pos, pos_pad, constant_values=-1))
+
 
 @struct.dataclass
 class KVCache(_SlotCache):

@@ -14,6 +14,35 @@ from kvjax.plan import KV_KINDS, SHARABLE_KINDS
 from kvjax.report import format_bytes, format_table
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, as kvjax's other errors are."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind: type, rule: str, ok):
+    """An argparse type: a number of `kind` for which ok(value) holds, else '<value> <rule>'."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text} {rule}")
+        return value
+
+    return parse
+
+
+POSITIVE = _number(int, "must be >= 1", lambda v: v >= 1)
+NON_NEGATIVE = _number(int, "must be >= 0", lambda v: v >= 0)
+NON_NEGATIVE_FLOAT = _number(float, "must be >= 0", lambda v: v >= 0)
+UNIT = _number(float, "must be in [0, 1]", lambda v: 0 <= v <= 1)
+OPEN_UNIT = _number(float, "must be in (0, 1]", lambda v: 0 < v <= 1)
+
+
 def _split_overrides(items: list[str]) -> tuple[list[str], list[str]]:
     """Positional arguments containing '=' are overrides; the rest name configs."""
     return [a for a in items if "=" not in a], [a for a in items if "=" in a]
@@ -60,8 +89,6 @@ def _cmd_memory(args) -> None:
     names, overrides = _split_overrides(args.configs)
     if not names:
         raise ConfigError("kvjax memory needs at least one config (a YAML path or a shipped name)")
-    if args.batch <= 0 or any(t <= 0 for t in args.tokens):
-        raise ConfigError(f"--batch={args.batch} and --tokens={args.tokens} must be > 0")
     print(memory_table(names, overrides, sorted(args.tokens), args.batch))
     print(
         f"\nKV layers: layers that store K/V (or an MLA latent). KV B/token: what each token adds to the caches"
@@ -72,55 +99,68 @@ def _cmd_memory(args) -> None:
     )
 
 
+def _train_target(names: list[str], overrides: list[str], run_dir: str | None):
+    """(config, run directory) of `kvjax train`: a model config (+ --run-dir), or a run directory,
+    resumed with the config it was started with (its config.yaml), overrides applied on top."""
+    from training.trainer import RUN_CONFIG
+
+    if len(names) != 1:
+        raise ConfigError(f"kvjax train needs exactly one config or run directory, got {names}")
+    saved = Path(names[0]) / RUN_CONFIG
+    if not saved.is_file():
+        config = load_config(names[0], overrides)
+        return config, Path(run_dir or f"runs/{config.model.name}")
+    if run_dir is not None and Path(run_dir).resolve() != saved.parent.resolve():
+        raise ConfigError(f"--run-dir={run_dir} differs from the run directory {names[0]} being resumed")
+    return load_config(saved, overrides), saved.parent
+
+
 def _cmd_train(args) -> None:
     from training.sharding import maybe_initialize_distributed
     from training.trainer import Trainer
 
     names, overrides = _split_overrides(args.config)
-    if len(names) != 1:
-        raise ConfigError(f"kvjax train needs exactly one config, got {names}")
+    config, run_dir = _train_target(names, overrides, args.run_dir)
     maybe_initialize_distributed()
-    config = load_config(names[0], overrides)
-    run_dir = Path(args.run_dir or f"runs/{config.model.name}")
     trainer = Trainer(config, run_dir)
-    print(f"training {config.model.name} in {run_dir} from step {trainer.step} of {config.train.steps}")
+    steps = config.train.steps
+    if trainer.extended_from is not None:
+        print(f"train.steps {trainer.extended_from} -> {steps}: the learning-rate schedule now decays over {steps} steps")
+    done = " (finished: nothing to train)" if trainer.step >= steps else ""
+    print(f"training {config.model.name} in {run_dir} from step {trainer.step} of {steps}{done}")
     trainer.run(log=lambda row: print(json.dumps(row), flush=True) if "eval_loss" in row else None)
     print(json.dumps({"step": trainer.step, **trainer.evaluate()}))
 
 
-def _is_gguf(model_ref: str) -> bool:
-    from training.gguf_import import SHIPPED
+def _calibration(loaded, policies, corpus: str | None):
+    """Palu's calibration tokens (the corpus's training split) when a policy needs them, else None."""
+    from training import compression_eval as ce
 
-    return model_ref in SHIPPED or model_ref.endswith(".gguf")
-
-
-def _load_any(model_ref: str):
-    """A trained run directory, a .gguf file, or a shipped GGUF model name -> (config, model, tokenizer)."""
-    from training.gguf_import import load_gguf_model, load_gguf_tokenizer
-    from training.trainer import load_trained
-
-    if _is_gguf(model_ref):
-        config, model = load_gguf_model(model_ref)
-        return config, model, load_gguf_tokenizer(model_ref)
-    return load_trained(model_ref)
+    if not any(s.method == "palu" for p in policies for s in p.stages):
+        return None
+    return ce.calibration_tokens(loaded.tokenizer, corpus or loaded.corpus)
 
 
 def _cmd_eval(args) -> None:
+    from training.loading import check_context, load_model
+
     task = args.task or ("continuation" if args.policy else "ppl")
+    if task == "ppl" and args.policy:
+        raise ConfigError("--policy applies to --task continuation, passkey or needle (ppl scores windows uncached)")
     if task != "ppl":
         return _eval_compressed(args, task)
-    if args.policy:
-        raise ConfigError("--policy applies to --task continuation, passkey or needle (ppl scores windows uncached)")
 
     from training.data import load_corpus, pack, split_documents
     from training.trainer import evaluate_model
 
-    config, model, tokenizer = _load_any(args.model)
-    data = config.data if args.corpus is None else dataclasses.replace(config.data, corpus=args.corpus)
+    loaded = load_model(args.model)
+    config = loaded.config
+    data = dataclasses.replace(config.data, corpus=args.corpus or loaded.corpus)
     seq_len = args.seq_len or data.seq_len
+    check_context(loaded, seq_len, f"--seq-len={seq_len}", args.allow_long_context)
     _, val_docs = split_documents(load_corpus(data.corpus), data.val_fraction)
-    windows = pack(val_docs, tokenizer, seq_len + 1)[: args.windows]
-    scores = evaluate_model(model, windows, tokenizer, batch_size=args.batch)
+    windows = pack(val_docs, loaded.tokenizer, seq_len + 1)[: args.windows]
+    scores = evaluate_model(loaded.model, windows, loaded.tokenizer, batch_size=args.batch)
     print(
         f"{config.model.name} on {data.corpus} validation ({len(windows)} windows of {seq_len} tokens): "
         f"{scores['eval_bpb']:.4f} bits/byte, perplexity {scores['eval_ppl']:.3f} "
@@ -133,30 +173,38 @@ def _eval_compressed(args, task: str) -> None:
     from kvjax.compress import parse_policy
     from kvjax.report import format_table
     from training import compression_eval as ce
+    from training.loading import check_context, load_model
 
     parsed = [parse_policy(p) for p in args.policy or []]  # every policy is checked before compute
     policies = [str(p) for p in parsed]
-    _, model, tokenizer = _load_any(args.model)
-    bos = not _is_gguf(args.model)
-    palu = any(s.method == "palu" for p in parsed for s in p.stages)
-    calibration = ce.calibration_tokens(tokenizer, args.corpus or "kjv") if palu else None
+    loaded = load_model(args.model)
+    model, tokenizer, corpus = loaded.model, loaded.tokenizer, args.corpus or loaded.corpus
     if task == "continuation":
-        stream = ce.corpus_tokens(tokenizer, args.corpus or "kjv")
+        # One more token than scored: the first is predicted by the prefill itself, before compression.
+        check_context(loaded, args.prefix + args.continuation + 1, "--prefix + --continuation + 1",
+                      args.allow_long_context)
+    else:
+        check_context(loaded, max(args.lengths) + ce.ANSWER_TOKENS, f"--lengths {max(args.lengths)} + the answer",
+                      args.allow_long_context)
+    calibration = _calibration(loaded, parsed, args.corpus)
+    if task == "continuation":
+        stream = ce.corpus_tokens(tokenizer, corpus)
         prefixes, conts = ce.continuation_windows(
-            stream, args.prefix, args.continuation, args.samples, tokenizer.bos_id if bos else None
+            stream, args.prefix, args.continuation, args.samples, tokenizer.bos_id if loaded.bos else None
         )
         rows = ce.continuation_eval(model, prefixes, conts, policies, batch=args.batch, calibration=calibration)
-        print(f"{model.config.name}: {args.samples} x ({args.prefix}-token prefix, next {args.continuation} tokens)")
+        print(f"{model.config.name} on {corpus}: {args.samples} x ({args.prefix}-token prefix, the next "
+              f"{args.continuation} tokens scored through the compressed cache)")
         print(format_table(
             ["policy", "NLL (nats/token)", "perplexity", "KL vs full", "cache B/token"],
             [[r.policy, f"{r.nll:.4f}", f"{r.ppl:.3f}", f"{r.kl:.4g}", f"{r.cache_bytes_per_token:,.0f}"] for r in rows],
         ))
         return
-    filler = ce.corpus_tokens(tokenizer, args.corpus or "kjv")
+    filler = ce.corpus_tokens(tokenizer, corpus)
     table = []
     for policy in [None, *policies]:
         acc = ce.retrieval_accuracy(model, tokenizer, task, args.lengths, args.depths, policy=policy,
-                                    trials=args.trials, bos=bos, filler=filler, calibration=calibration)
+                                    trials=args.trials, bos=loaded.bos, filler=filler, calibration=calibration)
         table.append([policy or "full", *(f"{acc[(n, d)]:.2f}" for n in args.lengths for d in args.depths)])
     print(f"{model.config.name}: {task} exact match, {args.trials} trials per cell (length/depth)")
     print(format_table(["policy", *(f"{n}/{d:g}" for n in args.lengths for d in args.depths)], table))
@@ -166,11 +214,18 @@ def _cmd_generate(args) -> None:
     from kvjax.compress import parse_policy
     from kvjax.config import DecodingConfig
     from kvjax.generate import generate
+    from training.loading import check_context, load_model
 
     policy = parse_policy(args.policy) if args.policy else None
-    _, model, tokenizer = _load_any(args.model)
+    loaded = load_model(args.model)
+    tokenizer = loaded.tokenizer
     # Runs trained here saw BOS at every document start; imported models get no special token unless asked.
-    bos = args.bos if args.bos is not None else not _is_gguf(args.model)
+    bos = args.bos if args.bos is not None else loaded.bos
+    prompt = [tokenizer.bos_id, *tokenizer.encode(args.prompt)] if bos else tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ConfigError("--prompt='' gives no token; write some text, or pass --bos to start from BOS alone")
+    check_context(loaded, len(prompt) + args.max_new_tokens, f"a prompt of {len(prompt)} tokens + "
+                  f"--max-new-tokens={args.max_new_tokens}", args.allow_long_context)
     decoding = DecodingConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -179,8 +234,8 @@ def _cmd_generate(args) -> None:
         seed=args.seed,
         eos_id=tokenizer.eos_id,
     )
-    prompt = [tokenizer.bos_id, *tokenizer.encode(args.prompt)] if bos else tokenizer.encode(args.prompt)
-    out = generate(model, [prompt], decoding, policy=policy)
+    calibration = _calibration(loaded, [policy] if policy else [], args.corpus)
+    out = generate(loaded.model, [prompt], decoding, policy=policy, calibration=calibration)
     print(args.prompt + tokenizer.decode(out.tokens[0, : out.lengths[0]]))
 
 
@@ -193,9 +248,14 @@ def _cmd_compare(args) -> None:
     if args.variants:
         exp = dataclasses.replace(exp, variants=tuple(args.variants))
     name = Path(args.experiment).stem if args.experiment else "compare"
-    # Every experiment shares runs/compare/{full,quick}/<variant>, so a variant trained with the same
-    # config by another experiment is reused; tables and plots are named after the experiment.
-    run_compare(exp, Path(args.out) / ("quick" if args.quick else "full"), quick=args.quick, name=name)
+    # Every experiment shares runs/compare/{full,quick}/<variant> by default, so a variant trained with
+    # the same config by another experiment is reused; tables and plots are named after the experiment.
+    run_compare(exp, _compare_dir(args), quick=args.quick, name=name)
+
+
+def _compare_dir(args) -> Path:
+    """--out as given, else runs/compare/full (runs/compare/quick with --quick)."""
+    return Path(args.out) if args.out else Path("runs/compare") / ("quick" if args.quick else "full")
 
 
 def _compare_policies(args) -> None:
@@ -203,89 +263,112 @@ def _compare_policies(args) -> None:
 
     from kvjax.compress import parse_policy
     from training import compression_eval as ce
+    from training.loading import check_context, load_model
 
-    for text, _ in ce.table_runs(args.policies, args.budgets)[1:]:  # checked before any compute
-        parse_policy(text)
-    model_ref = args.model or str(Path(args.out) / ("quick" if args.quick else "full") / "gqa")
-    _, model, tokenizer = _load_any(model_ref)
-    palu = any(m.partition(":")[0] == "palu" for m in args.policies)
+    parsed = [parse_policy(text) for text, _ in ce.table_runs(args.policies, args.budgets)[1:]]  # before compute
+    loaded = load_model(args.model or str(_compare_dir(args) / "gqa"))
+    allow = args.allow_long_context
+    check_context(loaded, args.prefix + args.continuation + 1, "--prefix + --continuation + 1", allow)
+    check_context(loaded, args.context, f"--context={args.context}", allow)
+    if args.passkey_length:
+        check_context(loaded, args.passkey_length + ce.ANSWER_TOKENS, "--passkey-length + the answer", allow)
+    model = loaded.model
     rows = ce.policy_table(
-        model, tokenizer, args.policies, args.budgets, prefix=args.prefix, continuation=args.continuation,
-        calibration=ce.calibration_tokens(tokenizer) if palu else None,
-        samples=args.samples, context=args.context, passkey_length=args.passkey_length, bos=not _is_gguf(model_ref),
+        model, loaded.tokenizer, args.policies, args.budgets, prefix=args.prefix, continuation=args.continuation,
+        calibration=_calibration(loaded, parsed, None), corpus=loaded.corpus,
+        samples=args.samples, context=args.context, passkey_length=args.passkey_length, bos=loaded.bos,
     )
     title = (f"{model.config.name}: {args.samples} x ({args.prefix}-token prefix + {args.continuation} scored), "
              f"decode at {args.context} tokens")
     print(ce.render_policy_table(rows, title))
-    out = Path(args.out) / f"policies-{model.config.name}.json"
+    out = _compare_dir(args) / f"policies-{model.config.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     print(f"wrote {out}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvjax", description=__doc__)
+    parser = _Parser(prog="kvjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     mem = sub.add_parser("memory", help="analytic KV-cache memory of model configs")
     mem.add_argument("configs", nargs="+", help="YAML paths or shipped names, then key.sub=value overrides")
-    mem.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768], help="sequence lengths")
-    mem.add_argument("--batch", type=int, default=1)
+    mem.add_argument("--tokens", type=POSITIVE, nargs="+", default=[4096, 32768],
+                     help="sequence lengths of the cache columns (default: 4096 32768)")
+    mem.add_argument("--batch", type=POSITIVE, default=1, help="sequences per cache (default: 1)")
     mem.set_defaults(run=_cmd_memory)
 
     train = sub.add_parser("train", help="train (or resume) a model on a corpus")
-    train.add_argument("config", nargs="+", help="a YAML path or shipped name, then key.sub=value overrides")
+    train.add_argument("config", nargs="+", help="a YAML path or shipped name, or a run directory to resume "
+                       "(its config.yaml; raise train.steps=N to extend a finished run), then key.sub=value overrides")
     train.add_argument("--run-dir", help="where checkpoints and metrics go (default runs/<model name>)")
     train.set_defaults(run=_cmd_train)
 
     model_help = "a run directory, a .gguf file, or a shipped model (smollm2)"
+    long_help = "go past the model's trained context (data.seq_len of a run; the GGUF file's context_length)"
     ev = sub.add_parser(
         "eval", help="perplexity on a validation split, or quality under compressed caches (--policy, --task)"
     )
     ev.add_argument("model", help=model_help)
     ev.add_argument("--corpus", help="corpus spec (default: the run's own; kjv for GGUF models)")
-    ev.add_argument("--seq-len", type=int, help="window length (default: the run's data.seq_len)")
-    ev.add_argument("--windows", type=int, default=64, help="how many validation windows")
-    ev.add_argument("--batch", type=int, default=4)
+    ev.add_argument("--seq-len", type=POSITIVE, help="ppl: window length (default: the run's data.seq_len)")
+    ev.add_argument("--windows", type=POSITIVE, default=64, help="ppl: how many validation windows (default: 64)")
+    ev.add_argument("--batch", type=POSITIVE, default=4, help="sequences per forward pass (default: 4)")
     ev.add_argument("--policy", action="append", help="a compression policy, e.g. snapkv:0.5 (repeatable)")
     ev.add_argument("--task", choices=("ppl", "continuation", "passkey", "needle"),
                     help="default: ppl, or continuation when --policy is given")
-    ev.add_argument("--prefix", type=int, default=1536, help="continuation: prefix tokens compressed")
-    ev.add_argument("--continuation", type=int, default=255, help="continuation: tokens scored after it")
-    ev.add_argument("--samples", type=int, default=1, help="continuation: how many prefix/continuation pairs")
-    ev.add_argument("--lengths", type=int, nargs="+", default=[512, 1024], help="passkey/needle prompt lengths")
-    ev.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="needle depths in [0, 1]")
-    ev.add_argument("--trials", type=int, default=4, help="passkey/needle prompts per cell")
+    ev.add_argument("--prefix", type=POSITIVE, default=1536,
+                    help="continuation: prefix tokens compressed (default: 1536)")
+    ev.add_argument("--continuation", type=POSITIVE, default=255,
+                    help="continuation: tokens scored after the prefix, each predicted through the compressed "
+                         "cache (default: 255; one more token is read, the one the prefill predicts)")
+    ev.add_argument("--samples", type=POSITIVE, default=1,
+                    help="continuation: how many prefix/continuation pairs (default: 1)")
+    ev.add_argument("--lengths", type=POSITIVE, nargs="+", default=[512, 1024],
+                    help="passkey/needle prompt lengths (default: 512 1024)")
+    ev.add_argument("--depths", type=UNIT, nargs="+", default=[0.1, 0.5, 0.9],
+                    help="passkey/needle depths in [0, 1] (default: 0.1 0.5 0.9)")
+    ev.add_argument("--trials", type=POSITIVE, default=4, help="passkey/needle prompts per cell (default: 4)")
+    ev.add_argument("--allow-long-context", action="store_true", help=long_help)
     ev.set_defaults(run=_cmd_eval)
 
     gen = sub.add_parser("generate", help="continue a text prompt")
     gen.add_argument("model", help=model_help)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument(
         "--bos", action=argparse.BooleanOptionalAction, help="start the prompt with BOS (default: for runs trained here)"
     )
-    gen.add_argument("--max-new-tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=POSITIVE, default=200, help="tokens to generate (default: 200)")
+    gen.add_argument("--temperature", type=NON_NEGATIVE_FLOAT, default=0.8,
+                     help="sampling temperature; 0 is greedy (default: 0.8)")
+    gen.add_argument("--top-k", type=NON_NEGATIVE, default=0, help="sample among the k likeliest; 0 is off (default: 0)")
+    gen.add_argument("--top-p", type=OPEN_UNIT, default=0.95,
+                     help="nucleus sampling mass in (0, 1]; 1 is off (default: 0.95)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     gen.add_argument("--policy", help="compress the cache, e.g. snapkv:0.5 or streaming:256:every=1")
+    gen.add_argument("--corpus", help="palu: calibration corpus (default: the run's own; kjv for GGUF models)")
+    gen.add_argument("--allow-long-context", action="store_true", help=long_help)
     gen.set_defaults(run=_cmd_generate)
 
     cmp = sub.add_parser("compare", help="train every variant of an experiment and compare them")
     cmp.add_argument("--experiment", help="experiment YAML or shipped name, e.g. sharing (default: compare)")
     cmp.add_argument("--quick", action="store_true", help="a short run, for a smoke test")
     cmp.add_argument("--variants", nargs="+", help="model configs to compare (default: the experiment's list)")
-    cmp.add_argument("--out", default="runs/compare", help="output directory")
+    cmp.add_argument("--out", help="directory for the runs, tables and plot, used as given "
+                     "(default: runs/compare/full, or runs/compare/quick with --quick)")
     pol = cmp.add_argument_group("policy table (token-level compression of one model)")
     pol.add_argument("--policies", nargs="+", help="methods run at every budget (snapkv streaming h2o tova keynorm, "
                      "snapkv:obs_window=16) and whole policies run as given (kivi:2 int:8 snapkv:0.5+kivi:4)")
     pol.add_argument("--model", help=f"{model_help} (default: the gqa run of this comparison)")
-    pol.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.75], help="fractions of the prefix kept")
-    pol.add_argument("--prefix", type=int, default=1536, help="tokens compressed before the scored continuation")
-    pol.add_argument("--continuation", type=int, default=255)
-    pol.add_argument("--samples", type=int, default=1)
-    pol.add_argument("--context", type=int, default=2048, help="cache length for the decode speed")
-    pol.add_argument("--passkey-length", type=int, help="also passkey accuracy at this prompt length")
+    pol.add_argument("--budgets", type=OPEN_UNIT, nargs="+", default=[0.25, 0.5, 0.75],
+                     help="fractions of the prefix kept, in (0, 1] (default: 0.25 0.5 0.75)")
+    pol.add_argument("--prefix", type=POSITIVE, default=1536,
+                     help="tokens compressed before the scored continuation (default: 1536)")
+    pol.add_argument("--continuation", type=POSITIVE, default=255,
+                     help="tokens scored after the prefix through the compressed cache (default: 255)")
+    pol.add_argument("--samples", type=POSITIVE, default=1, help="prefix/continuation pairs scored (default: 1)")
+    pol.add_argument("--context", type=POSITIVE, default=2048, help="cache length for the decode speed (default: 2048)")
+    pol.add_argument("--passkey-length", type=POSITIVE, help="also passkey accuracy at this prompt length")
+    pol.add_argument("--allow-long-context", action="store_true", help=long_help)
     cmp.set_defaults(run=_cmd_compare)
     return parser
 
@@ -294,10 +377,30 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
+    except KeyboardInterrupt:
+        print("kvjax: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, *_user_errors()) as e:
+        from training.trainer import TrainingInterrupted
+
+        if isinstance(e, TrainingInterrupted):  # Ctrl-C in training: the step was finished and saved
+            print(f"kvjax: {e}", file=sys.stderr)
+            return 130
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not _out_of_memory(e):
+            raise
+        print(f"kvjax: error: out of memory ({str(e).splitlines()[0][:200]}); lower --batch, the sequence "
+              "lengths or the cache capacity", file=sys.stderr)
+        return 2
     return 0
+
+
+def _out_of_memory(e: Exception) -> bool:
+    import jax
+
+    return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

@@ -552,8 +552,9 @@ def _deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
-def load_yaml_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
-    """Read a YAML config, merging it over its `base:` file (a path relative to this one)."""
+def load_yaml_tree(path: Path, shipped: Path | None = None, _seen: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML config, merging it over its `base:` file: a path relative to this one or, failing
+    that, a file in the `shipped` directory (so a user's file anywhere may say `base: gqa.yaml`)."""
     path = path.resolve()
     if path in _seen:
         chain = " -> ".join(str(p) for p in (*_seen, path))
@@ -567,10 +568,11 @@ def load_yaml_tree(path: Path, _seen: tuple[Path, ...] = ()) -> dict:
     base = data.pop("base", None)
     if base is None:
         return data
-    base_path = path.parent / base
-    if not base_path.is_file():
-        raise ConfigError(f"{path}: base={base!r} does not exist (looked for {base_path})")
-    return _deep_merge(load_yaml_tree(base_path, (*_seen, path)), data)
+    candidates = [path.parent / base] + ([shipped / base] if shipped is not None else [])
+    base_path = next((p for p in candidates if p.is_file()), None)
+    if base_path is None:
+        raise ConfigError(f"{path}: base={base!r} does not exist (looked for {', '.join(map(str, candidates))})")
+    return _deep_merge(load_yaml_tree(base_path, shipped, (*_seen, path)), data)
 
 
 def apply_overrides(tree: dict, overrides: typing.Iterable[str]) -> dict:
@@ -595,7 +597,7 @@ def apply_overrides(tree: dict, overrides: typing.Iterable[str]) -> dict:
 def load_config(name: str | Path, overrides: typing.Iterable[str] = ()) -> Config:
     """Load and validate a config file (or shipped name) with command-line overrides."""
     path = resolve_config_path(name)
-    tree = load_yaml_tree(path)
+    tree = load_yaml_tree(path, CONFIG_ROOT / "models")
     model = tree.get("model")
     if isinstance(model, dict) and "name" not in model:  # a variant is named after its file
         tree["model"] = {**model, "name": path.stem}

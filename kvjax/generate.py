@@ -358,8 +358,9 @@ def generate(
     capacity: int | None = None,
     rng: jax.Array | None = None,
     policy: Policy | None = None,
+    calibration: np.ndarray | None = None,
 ) -> GenerationResult:
-    """Generate from a batch of token-id prompts, optionally compressing the cache with `policy`. One-off
-    convenience; use `Generator` to reuse compiles."""
+    """Generate from a batch of token-id prompts, optionally compressing the cache with `policy` (Palu's
+    needs `calibration` tokens). One-off convenience; use `Generator` to reuse compiles."""
     capacity = default_capacity(prompts, decoding.max_new_tokens) if capacity is None else capacity
-    return Generator(model, capacity=capacity, policy=policy)(prompts, decoding, rng=rng)
+    return Generator(model, capacity=capacity, policy=policy, calibration=calibration)(prompts, decoding, rng=rng)

@@ -27,10 +27,13 @@ def _diff(saved: Any, current: Any, path: str = "") -> list[str]:
 class Checkpointer:
     """Save and restore train states under one run directory."""
 
-    def __init__(self, directory: str | Path, keep: int = 3):
+    def __init__(self, directory: str | Path, keep: int = 3, *, create: bool = True):
+        """`create=False` reads an existing directory and never writes (a missing one is an error)."""
         self.directory = Path(directory).resolve()
+        if not create and not self.directory.is_dir():
+            raise CheckpointError(f"no checkpoint in {self.directory}")
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
         )
 
     def steps(self) -> list[int]:
@@ -61,19 +64,24 @@ class Checkpointer:
                 "it may be partial or corrupt. It was left as is: move it away to use an earlier step."
             ) from None
 
-    def restore(self, abstract_state: Any, step: int | None = None, *, expect_config: dict | None = None):
+    def restore(
+        self, abstract_state: Any, step: int | None = None, *, expect_config: dict | None = None,
+        may_differ: tuple[str, ...] = (),
+    ):
         """Load step `step` (default: the latest) into the structure of `abstract_state`.
 
         With `expect_config`, the saved config's `model`, `data` and `train` sections must equal it, so
         weights are never loaded into a model of another shape, nor resumed on another corpus or with
-        another recipe (which would give results that neither recipe produces). Only `mesh` may change.
+        another recipe (which would give results that neither recipe produces). Only `mesh` and the
+        dotted fields named in `may_differ` (e.g. `train.steps`, to extend a run) may change.
         """
         step, record = self.read_record(step)
         if expect_config is not None:
             # Through JSON, as the record was written, so tuples compare equal to the lists they became.
             wanted = json.loads(json.dumps({k: expect_config[k] for k in ("model", "data", "train")}))
             saved = {k: record.get("config", {}).get(k) for k in wanted}
-            if diff := _diff(saved, wanted):
+            diff = [d for d in _diff(saved, wanted) if d.partition(":")[0] not in may_differ]
+            if diff:
                 raise CheckpointError(
                     f"checkpoint {self.directory}/{step} was made with another config: "
                     + "; ".join(diff)

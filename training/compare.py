@@ -54,7 +54,7 @@ def load_experiment(name: str | Path | None = None) -> CompareConfig:
     if not path.is_file():
         known = sorted(p.stem for p in shipped.glob("*.yaml"))
         raise ConfigError(f"experiment {name!r} is neither a file nor a shipped experiment (shipped: {known})")
-    return from_dict(CompareConfig, load_yaml_tree(path))
+    return from_dict(CompareConfig, load_yaml_tree(path, shipped))
 
 
 @dataclasses.dataclass
@@ -71,23 +71,24 @@ class Row:
     decode_tokens_per_s: float
 
 
-def generation_times(model, prompts: np.ndarray, new_tokens: int) -> tuple[float, float, tuple]:
+def generation_times(model, prompts: np.ndarray, new_tokens: int, repeats: int = 5) -> tuple[float, float, tuple]:
     """(prefill seconds, greedy decode seconds, final caches) for a batch of prompts that, with the new
-    tokens, fill the cache; each phase timed separately, after a first round that compiles. The decode
-    samples `new_tokens` tokens with `new_tokens - 1` forward steps."""
+    tokens, fill the cache; each phase timed separately, the median of `repeats` rounds after one that
+    compiles and warms up. The decode samples `new_tokens` tokens with `new_tokens - 1` forward steps."""
     gen = Generator(model, capacity=prompts.shape[1] + new_tokens)
     decoding = DecodingConfig(max_new_tokens=new_tokens)
     tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
     rng = jax.random.key(0)
-    for _ in range(2):  # the first round compiles
+    prefills, decodes = [], []
+    for _ in range(1 + repeats):
         start = time.perf_counter()
         logits, caches = jax.block_until_ready(gen.prefill(tokens, lengths))
-        prefill = time.perf_counter() - start
+        prefills.append(time.perf_counter() - start)
         start = time.perf_counter()
         result = gen.decode(caches, logits, lengths, decoding, rng)
         jax.block_until_ready(result.caches)
-        decode = time.perf_counter() - start
-    return prefill, decode, result.caches
+        decodes.append(time.perf_counter() - start)
+    return float(np.median(prefills[1:])), float(np.median(decodes[1:])), result.caches
 
 
 def run_compare(
@@ -109,8 +110,14 @@ def run_compare(
     corpus = prepare_corpus(next(iter(configs.values())))
     rows = []
     for i, (variant, cfg) in enumerate(configs.items(), 1):
-        log(f"[{i}/{len(configs)}] {variant}: training {cfg.train.steps} steps of {cfg.train.batch_size} x {cfg.data.seq_len} tokens")
         trainer = Trainer(cfg, out_dir / variant, corpus=corpus)
+        steps, where = cfg.train.steps, out_dir / variant
+        if trainer.step >= steps:
+            log(f"[{i}/{len(configs)}] {variant}: reusing the finished run in {where} ({steps} steps)")
+        else:
+            resume = f", resuming at step {trainer.step}" if trainer.step else ""
+            log(f"[{i}/{len(configs)}] {variant}: training {steps} steps of {cfg.train.batch_size} x "
+                f"{cfg.data.seq_len} tokens{resume}")
         trainer.run()
         scores = trainer.evaluate()
         model = trainer.model()

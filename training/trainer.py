@@ -3,9 +3,13 @@ JSON-lines metrics, a progress bar, orbax checkpoints and exact resume, on any d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -16,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import yaml
 from flax import nnx, struct
 from tqdm.auto import tqdm
 
@@ -29,6 +34,55 @@ from training.tokenizer import Tokenizer, get_tokenizer
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss diverged); the message says what is kept and what to do."""
+
+
+class TrainingInterrupted(TrainingError):
+    """Ctrl-C during training: the step in progress finished and was checkpointed."""
+
+
+RUN_CONFIG = "config.yaml"  # the resolved config of a run, beside its checkpoints
+
+
+def write_run_config(run_dir: Path, config: Config) -> None:
+    """The resolved config as readable YAML (`kvjax train RUN_DIR` resumes from it), written atomically."""
+    tree = json.loads(json.dumps(config.to_dict()))  # tuples -> lists
+    tmp = run_dir / f".{RUN_CONFIG}.tmp"
+    tmp.write_text("# Written by kvjax train: the resolved config of this run.\n" + yaml.safe_dump(tree, sort_keys=False))
+    os.replace(tmp, run_dir / RUN_CONFIG)
+
+
+def drop_superseded_metrics(path: Path, step: int) -> None:
+    """Remove the metrics rows after `step` (logged by a run that stopped before checkpointing them and
+    is now resumed from `step`), so the file holds each step once."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _deferred_interrupt():
+    """Within the block, a first Ctrl-C only sets the returned flag (the loop stops at a clean point);
+    a second one interrupts at once. A no-op outside the main thread."""
+    flag = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        flag.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @struct.dataclass
@@ -172,9 +226,14 @@ class Trainer:
         self._eval = jax.jit(partial(_eval_sums, self.graphdef))
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.position = None
+        self.extended_from = None  # train.steps of the checkpoint, when this run changes it
         if self.checkpoints.latest_step() is not None:
-            self.state, record = self.checkpoints.restore(abstract(self.state), expect_config=config.to_dict())
+            self.state, record = self.checkpoints.restore(
+                abstract(self.state), expect_config=config.to_dict(), may_differ=("train.steps",)
+            )
             self.position = record["data_position"]
+            saved_steps = record["config"]["train"]["steps"]
+            self.extended_from = saved_steps if saved_steps != cfg.steps else None
 
     @property
     def step(self) -> int:
@@ -194,16 +253,20 @@ class Trainer:
 
     def run(self, log: Callable[[dict], None] | None = None, stop_at: int | None = None) -> list[dict]:
         """Train up to train.steps (or stop early at `stop_at`, checkpointing there, as an interruption
-        would); returns one metrics dict per step taken, with the loss of every step."""
+        would); returns one metrics dict per step taken, with the loss of every step. Ctrl-C finishes
+        the step in progress, checkpoints it and raises TrainingInterrupted."""
         cfg = self.config.train
         stop_at = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
         iterator = BatchIterator(self.corpus.train, cfg.batch_size, cfg.seed, self.position)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_run_config(self.run_dir, self.config)
+        drop_superseded_metrics(self.run_dir / "metrics.jsonl", self.step)
         history: list[dict] = []
         tokens_per_step = cfg.batch_size * self.config.data.seq_len
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, unit="step", leave=False)
         last_time, last_step = time.perf_counter(), self.step
-        with open(self.run_dir / "metrics.jsonl", "a") as metrics_file, jax.set_mesh(self.mesh):
+        with (open(self.run_dir / "metrics.jsonl", "a") as metrics_file, jax.set_mesh(self.mesh),
+              _deferred_interrupt() as interrupted):
             while self.step < stop_at:
                 batch = shard_batch(next(iterator), self.mesh)
                 self.state, metrics = self._step(self.state, batch)
@@ -228,8 +291,14 @@ class Trainer:
                     metrics_file.flush()
                     if log is not None:
                         log(row)
-                if self.step % cfg.checkpoint_every == 0 or self.step == stop_at:
+                if self.step % cfg.checkpoint_every == 0 or self.step == stop_at or interrupted.is_set():
                     self._save(iterator)
+                if interrupted.is_set():
+                    bar.close()
+                    raise TrainingInterrupted(
+                        f"stopped at step {self.step} of {cfg.steps} (Ctrl-C); last checkpoint: step {self.step} in "
+                        f"{self.checkpoints.directory}; resume with: kvjax train {self.run_dir}"
+                    )
         self.position = iterator.position
         bar.close()
         return history
@@ -237,7 +306,7 @@ class Trainer:
 
 def load_trained(run_dir: str | Path) -> tuple[Config, Decoder, Tokenizer]:
     """The config, model (latest checkpoint) and tokenizer of a finished or interrupted run."""
-    checkpoints = Checkpointer(Path(run_dir) / "checkpoints")
+    checkpoints = Checkpointer(Path(run_dir) / "checkpoints", create=False)
     if checkpoints.latest_step() is None:
         raise CheckpointError(f"no checkpoint in {Path(run_dir) / 'checkpoints'}: is {run_dir} a run directory?")
     _, record = checkpoints.read_record()

@@ -249,8 +249,8 @@ def quant_cache_bytes(spec, capacity: int, K: int, H: int, dtype, positions: int
     (`positions` per slot) and two int32 counters."""
     item = jnp.dtype(dtype).itemsize
     codes = 2 * K * packed_width(H, spec.bits)
-    if spec.method == "int":  # one K scale and one V scale per token and head
-        total, fixed = capacity * (codes + 2 * K * item), 0
+    if spec.method == "int":  # one K scale and one V scale (and zero points with asym) per token and head
+        total, fixed = capacity * (codes + 2 * K * item * (2 if spec.asym else 1)), 0
     else:  # keys: scale + zero per channel per group of tokens; values: per token per channel group
         groups = H // spec.value_group(H)
         total = capacity * (codes + 2 * K * groups * item) + capacity // spec.group * 2 * K * H * item

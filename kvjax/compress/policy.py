@@ -3,7 +3,7 @@
 A policy is a chain of stages written `method:budget[:key=value,...]` joined by `+`, for example
 `snapkv:0.5`, `streaming:512:sinks=4`, `h2o:0.5:every=1`, `snapkv:0.5:allocator=adakv,reducer=kvmerger`
 or `streaming:0.5+snapkv:0.5`. Quantizers are `method:bits` and come last: `kivi:2`, `int:8`,
-`snapkv:0.5+kivi:4` (evict, then quantize what is kept).
+`snapkv:0.5+kivi:4` (evict, then quantize what is kept), `int:4:asym` (a boolean option alone means true).
 
 Budget convention (one for every method): a number below 1 is a **ratio**, the fraction of the cached
 tokens removed (kvpress's `compression_ratio`; a row of L tokens keeps int(L * (1 - ratio))); an
@@ -55,7 +55,8 @@ class Stage:
     floor: float = 0.2  # AdaKV: each head keeps at least floor x its uniform share
     sigma: float = 1.0  # KVMerger: Gaussian kernel width over unit-key distances
     page_size: int = 16  # Quest: tokens per page
-    bits: int = 0  # int / kivi: code width
+    bits: int = 0  # int / kivi / kvquant: code width
+    asym: bool = False  # int: per-token min-max codes with a zero point (else symmetric)
     group: int = 32  # KIVI: tokens per key group, channels per value group
     residual: int = 128  # KIVI / KVQuant: full-precision recent tokens
     outliers: float = 0.01  # KVQuant: fraction of each vector kept exactly
@@ -74,6 +75,8 @@ class Stage:
             if self.every or self.allocator != "uniform" or self.reducer != "select":
                 raise ConfigError(f"{where}: a quantizer keeps every token; every=, allocator= and reducer= do not apply")
             return
+        if self.asym:
+            raise ConfigError(f"{where}: asym applies to int quantization only")
         if (self.ratio is None) == (self.size is None):
             raise ConfigError(f"{where}: give exactly one budget, a ratio in [0, 1) or a size >= 1")
         if self.ratio is not None and not 0 <= self.ratio < 1:
@@ -129,7 +132,7 @@ class Stage:
         from kvjax.quant import QuantSpec
 
         sinks = 1 if self.sinks is None else self.sinks
-        return QuantSpec(self.method, self.bits, self.group, self.residual, outliers=self.outliers, sinks=sinks)
+        return QuantSpec(self.method, self.bits, self.asym, self.group, self.residual, outliers=self.outliers, sinks=sinks)
 
     @property
     def fixed_protected(self) -> int:
@@ -226,6 +229,8 @@ def parse_stage(text: str) -> Stage:
     options = {}
     for item in parts[2].split(",") if len(parts) == 3 else ():
         name, eq, raw = item.partition("=")
+        if not eq and "bool" in _OPTION_TYPES.get(name.strip(), ""):  # a bare flag: int:4:asym
+            eq, raw = "=", "true"
         if not eq:
             raise ConfigError(f"{where}: option {item!r} must be key=value")
         options[name.strip()] = _option(name.strip(), raw.strip(), where)
@@ -249,14 +254,17 @@ def stage_counts(stage: Stage, lengths: np.ndarray, n_layers: int) -> np.ndarray
     keep = np.array([stage.keep(int(n)) for n in lengths], np.int64)
     for row, (n, k) in enumerate(zip(lengths, keep)):
         protected = min(int(n), stage.n_sinks + stage.n_window(int(k)))
-        if k > n:
+        if k > n and not stage.every:  # a decode-time budget is a cap: rows below it keep every token
             raise ConfigError(
                 f"policy stage {stage.method!r}: size={k} is above row {row}'s sequence of {n} tokens"
+                " (a size budget applies to prompts longer than it; every=n makes it a cap)"
             )
-        if k < protected or k < 1:
+        if min(k, n) < protected or k < 1:
+            sinks, window = stage.n_sinks, stage.n_window(int(k))
+            capped = f", capped at the row's {n} tokens" if protected < sinks + window else ""
             raise ConfigError(
-                f"policy stage {stage.method!r}: row {row} ({n} tokens) would keep {k}, below "
-                f"sinks {stage.n_sinks} + window {stage.n_window(int(k))} = {protected}; raise the budget "
+                f"policy stage {stage.method!r}: row {row} ({n} tokens) would keep {k}, below the {protected} "
+                f"tokens always kept (sinks {sinks} + window {window}{capped}); raise the budget "
                 f"or lower sinks/window"
             )
     counts = np.broadcast_to(keep, (n_layers, len(keep))).copy()

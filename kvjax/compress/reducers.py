@@ -39,17 +39,21 @@ def protected(pos: jax.Array, sinks: int, window: jax.Array, last_pos: jax.Array
 
 
 def top_slots(scores, pos, count, keep_cap: int, *, sinks, window, last_pos, floor=None, head=None):
-    """Indices `[B,Kh,keep_cap]` of the slots to keep, compacted in slot order, and their validity.
+    """Indices `[B,Kh,C]` of the slots to keep, compacted in slot order, and their validity; C is
+    keep_cap, or the S slots there are when a cap (`every=`) is above them.
 
-    scores, pos `[B,Kh,S]`; row b keeps count[b] slots per head (for a pool: in all). With `floor`
-    (AdaKV) and the pool's `head` ids `[B,1,S]`, each head's best floor[b] entries are kept first.
+    scores, pos `[B,Kh,S]`; row b keeps count[b] slots per head (for a pool: in all), or every filled
+    slot when it has fewer (a budget is a cap). With `floor` (AdaKV) and the pool's `head` ids
+    `[B,1,S]`, each head's best floor[b] entries are kept first.
     """
     s = jnp.where(protected(pos, sinks, window, last_pos), jnp.inf, scores.astype(jnp.float32))
     if floor is not None:
         s = jnp.where(_within_head_rank(s, head) < floor[:, None, None], jnp.maximum(s, _FORCED), s)
     s = jnp.where(pos >= 0, s, -jnp.inf)
-    _, idx = jax.lax.top_k(s, keep_cap)
-    valid = jnp.arange(keep_cap)[None, None, :] < count[:, None, None]
+    C = min(keep_cap, s.shape[-1])
+    _, idx = jax.lax.top_k(s, C)
+    filled = jnp.take_along_axis(pos, idx, axis=-1) >= 0  # empty slots rank last
+    valid = (jnp.arange(C)[None, None, :] < count[:, None, None]) & filled
     S = s.shape[-1]
     key = jnp.sort(jnp.where(valid, idx, S + idx), axis=-1)
     return jnp.where(key < S, key, key - S), key < S

@@ -11,7 +11,9 @@ model runs; `score` turns that statistic (or the cache alone) into scores when t
   could see the key, as kvpress's observed-attention press does.
 - SnapKV (Li et al. 2024, arXiv 2404.14469, eqs. in sec. 4.2): attention of the last `obs_window`
   prompt queries, summed, averaged over the query heads of each KV head, then pooled over
-  neighbouring slots with a 1-D kernel (average, kernel 5, zero padded as F.avg_pool1d).
+  neighbouring slots with a 1-D kernel (average, kernel 5, zero padded as F.avg_pool1d). As in the
+  reference code, only the keys before the window are pooled (the window's own slots count as the
+  zero padding), so attention paid to window keys never leaks into the slots next to them.
 - TOVA (Oren et al. 2024, arXiv 2401.06104): the last query's attention averaged over all heads.
 - Key norm (Devoto et al. 2024, arXiv 2406.11430): keys with a low L2 norm draw attention; keep the
   lowest norms (score = -||k||).
@@ -66,7 +68,8 @@ def score(stage: Stage, cache, stat: jax.Array | None, last_pos: jax.Array) -> j
         seen = jnp.maximum(last_pos[:, None, None] - pos + 1, 1)
         return stat / seen
     if stage.method == "snapkv" and not isinstance(cache, PooledKVCache):
-        return pool(stat, stage.kernel, stage.pooling)
+        in_window = pos > (last_pos[:, None, None] - stage.obs_window)  # kept anyway; pooled as padding
+        return pool(jnp.where(in_window, 0.0, stat), stage.kernel, stage.pooling)
     return stat
 
 

@@ -1,8 +1,9 @@
 """`QuantKVCache`: K/V stored as bit-packed integer codes with their scales (and zero points), plus, for
 KIVI, a full-precision residual of the most recent tokens. Attention reads a dequantized view.
 
-- `int` (the common serving baseline): symmetric, one scale per token and KV head over head_dim;
-  every token is quantized when written.
+- `int` (the common serving baseline): per token and KV head over head_dim, symmetric (one scale) or,
+  with `asym`, min-max (a scale and a zero point: the "per-token asymmetric" baseline of KIVI's and
+  KVQuant's tables); every token is quantized when written.
 - `kivi` (Liu et al. 2024, arXiv 2402.02750, sec. 3-4): asymmetric min-max; keys per channel over
   groups of `group` tokens, values per token over groups of `min(group, head_dim)` channels. New
   tokens go to a full-precision residual; whenever it holds `residual` tokens (a multiple of `group`)
@@ -41,12 +42,13 @@ METHODS = ("int", "kivi", "kvquant")
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    """How a QuantKVCache encodes K and V: `method` int | kivi, `bits` (int: 4 or 8; kivi: 2 or 4),
-    KIVI's `group` (tokens per key group, channels per value group) and `residual` (full-precision
-    recent tokens, a multiple of group)."""
+    """How a QuantKVCache encodes K and V: `method` int | kivi | kvquant, `bits` (int: 4 or 8, with
+    `asym` 2, 4 or 8; kivi: 2 or 4; kvquant: 2, 3 or 4), KIVI's `group` (tokens per key group, channels
+    per value group) and `residual` (full-precision recent tokens, a multiple of group)."""
 
     method: str
     bits: int
+    asym: bool = False  # int: min-max codes with a zero point per token (else symmetric)
     group: int = 32
     residual: int = 128
     outliers: float = 0.01  # kvquant: fraction of each vector kept exactly
@@ -54,11 +56,14 @@ class QuantSpec:
     rope_theta: float | None = None  # kvquant: the layer's RoPE base (set from the model config)
 
     def __post_init__(self):
-        allowed = {"int": (4, 8), "kivi": (2, 4), "kvquant": (2, 3, 4)}
+        allowed = {"int": (2, 4, 8) if self.asym else (4, 8), "kivi": (2, 4), "kvquant": (2, 3, 4)}
         if self.method not in METHODS:
             raise ValueError(f"quantization method={self.method!r} must be one of {METHODS}")
+        if self.asym and self.method != "int":
+            raise ValueError(f"{self.method}: asym=true applies to int only ({self.method} is asymmetric already)")
         if self.bits not in allowed[self.method]:
-            raise ValueError(f"{self.method}: bits={self.bits} must be one of {allowed[self.method]}")
+            kind = " with asym=true" if self.asym else " (asym=true also allows 2)" if self.method == "int" else ""
+            raise ValueError(f"{self.method}: bits={self.bits} must be one of {allowed[self.method]}{kind}")
         if self.blocked and (self.group < 1 or self.residual < self.group or self.residual % self.group):
             raise ValueError(f"{self.method}: residual={self.residual} must be a positive multiple of group={self.group}")
         if not 0 <= self.outliers < 0.5 or self.sinks < 0:
@@ -99,7 +104,7 @@ class QuantKVCache(_Positioned):
     v_codes: jax.Array
     k_scale: jax.Array  # int: [B,K,S,1]; kivi: [B,K,S/G,H]
     v_scale: jax.Array  # int: [B,K,S,1]; kivi: [B,K,S,H/Gv]
-    k_zero: jax.Array | None
+    k_zero: jax.Array | None  # as the scales; None for symmetric int
     v_zero: jax.Array | None
     k_res: jax.Array | None  # kivi: [B,K,R,H] full precision, the tokens after n_quant
     v_res: jax.Array | None
@@ -120,7 +125,8 @@ class QuantKVCache(_Positioned):
         width = packed_width(H, spec.bits)
         zeros = lambda *shape: jnp.zeros(shape, dtype)  # noqa: E731
         if spec.method == "int":
-            scales = dict(k_scale=zeros(B, K, S, 1), v_scale=zeros(B, K, S, 1), k_zero=None, v_zero=None)
+            zero = (lambda: zeros(B, K, S, 1)) if spec.asym else (lambda: None)  # noqa: E731
+            scales = dict(k_scale=zeros(B, K, S, 1), v_scale=zeros(B, K, S, 1), k_zero=zero(), v_zero=zero())
             res = dict(k_res=None, v_res=None)
         else:
             Gv = spec.value_group(H)
@@ -144,6 +150,7 @@ class QuantKVCache(_Positioned):
     def from_cache(cls, cache, spec: QuantSpec, capacity: int) -> QuantKVCache:
         """Quantize a dense cache's tokens (slots 0..length-1, compacted) into a cache of `capacity`
         slots, keeping its positions (shared or per head)."""
+        cache = cache.resized(spec.slots(capacity))
         B, K, S, H = cache.k.shape
         new = cls.init(spec, B, capacity, K, H, cache.k.dtype)
         slot = jnp.arange(S, dtype=jnp.int32)[None, :]
@@ -151,8 +158,7 @@ class QuantKVCache(_Positioned):
         if spec.method == "kvquant":  # un-rotate at the true positions (shared or per head)
             k = rotate(k, -(cache.pos[:, None] if cache.pos.ndim == 2 else cache.pos), spec.rope_theta)
         new = new._append(k, cache.v, jnp.where(slot < cache.length[:, None], slot, -1))
-        pad = new.pos.shape[-1] - S
-        return new.replace(pos=jnp.pad(cache.pos, [(0, 0)] * (cache.pos.ndim - 1) + [(0, pad)], constant_values=-1))
+        return new.replace(pos=cache.pos)
 
     @property
     def capacity(self) -> int:
@@ -182,14 +188,18 @@ class QuantKVCache(_Positioned):
         return new._kivi_append(k_hm, v_hm, (pos >= 0).sum(axis=1, dtype=jnp.int32))
 
     def _store(self, slots, k_hm, v_hm, bits):
-        """Per-token symmetric codes of k, v `[B,K,T,H]` written to slots `[B,T]`."""
-        kc, ks, _ = quantize(k_hm, bits, k_hm.shape[-1], symmetric=True)
-        vc, vs, _ = quantize(v_hm, bits, v_hm.shape[-1], symmetric=True)
+        """Per-token codes of k, v `[B,K,T,H]` (symmetric, or min-max with `asym`) written to slots `[B,T]`."""
+        sym = not self.spec.asym
+        kc, ks, kz = quantize(k_hm, bits, k_hm.shape[-1], symmetric=sym)
+        vc, vs, vz = quantize(v_hm, bits, v_hm.shape[-1], symmetric=sym)
+        zeros = {} if sym else dict(k_zero=_head_major_scatter(self.k_zero, slots, kz),
+                                    v_zero=_head_major_scatter(self.v_zero, slots, vz))
         return self.replace(
             k_codes=_head_major_scatter(self.k_codes, slots, pack(kc, bits)),
             v_codes=_head_major_scatter(self.v_codes, slots, pack(vc, bits)),
             k_scale=_head_major_scatter(self.k_scale, slots, ks),
             v_scale=_head_major_scatter(self.v_scale, slots, vs),
+            **zeros,
         )
 
     def _kivi_append(self, k_hm, v_hm, added):
@@ -243,7 +253,8 @@ class QuantKVCache(_Positioned):
         kc, vc = unpack(self.k_codes, spec.bits), unpack(self.v_codes, spec.bits)
         H = kc.shape[-1]
         if spec.method == "int":
-            return (dequantize(kc, self.k_scale, None, spec.bits, H), dequantize(vc, self.v_scale, None, spec.bits, H))
+            return (dequantize(kc, self.k_scale, self.k_zero, spec.bits, H),
+                    dequantize(vc, self.v_scale, self.v_zero, spec.bits, H))
         k = dequantize(kc.swapaxes(2, 3), self.k_scale.swapaxes(2, 3), self.k_zero.swapaxes(2, 3), spec.bits, spec.group)
         k = k.swapaxes(2, 3)
         v = dequantize(vc, self.v_scale, self.v_zero, spec.bits, spec.value_group(H))

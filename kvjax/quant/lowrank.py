@@ -84,17 +84,16 @@ class LowRankKVCache(_Positioned):
     @classmethod
     def from_cache(cls, cache, k_basis, v_basis, capacity: int, rope_theta: float) -> LowRankKVCache:
         """Project a dense cache's keys (un-rotated at their positions) and values onto the bases."""
-        B, K, S, _ = cache.k.shape
+        cache = cache.resized(capacity)
+        K = cache.k.shape[1]
         Kg = k_basis.shape[0]
         pos4 = cache.pos[:, None] if cache.pos.ndim == 2 else cache.pos
         k_pre = rotate(cache.k, -pos4, rope_theta)
-        pad = ((0, 0), (0, 0), (0, capacity - S), (0, 0))
         zk = jnp.einsum("BGSi,Gir->BGSr", _grouped(k_pre, Kg).astype(jnp.float32), k_basis)
         zv = jnp.einsum("BGSi,Gir->BGSr", _grouped(cache.v, Kg).astype(jnp.float32), v_basis)
         return cls(
-            zk=jnp.pad(zk.astype(cache.k.dtype), pad), zv=jnp.pad(zv.astype(cache.v.dtype), pad),
-            pos=jnp.pad(cache.pos, [(0, 0)] * (cache.pos.ndim - 1) + [(0, capacity - S)], constant_values=-1),
-            length=cache.length, k_basis=k_basis, v_basis=v_basis, n_kv_heads=K, rope_theta=rope_theta,
+            zk=zk.astype(cache.k.dtype), zv=zv.astype(cache.v.dtype), pos=cache.pos, length=cache.length,
+            k_basis=k_basis, v_basis=v_basis, n_kv_heads=K, rope_theta=rope_theta,
         )
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[LowRankKVCache, KVView]:

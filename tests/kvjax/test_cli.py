@@ -1,3 +1,5 @@
+import pytest
+
 from kvjax import memory
 from kvjax.cli import main
 from kvjax.config import load_config
@@ -31,4 +33,6 @@ def test_memory_applies_overrides_and_reports_errors(capsys):
     assert main(["memory", "gqa", "model.attention.n_kv_heads=3"]) == 2
     assert "n_kv_heads=3 must divide" in capsys.readouterr().err
     assert main(["memory", "model.n_layers=2"]) == 2
-    assert main(["memory", "gqa", "--batch", "0"]) == 2
+    with pytest.raises(SystemExit, match="2"):
+        main(["memory", "gqa", "--batch", "0"])
+    assert "argument --batch: 0 must be >= 1" in capsys.readouterr().err

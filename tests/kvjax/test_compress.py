@@ -14,7 +14,7 @@ from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
 from kvjax.compress.apply import observe_fn
 from kvjax.compress.policy import Stage, pyramid_counts, stage_counts
 from kvjax.compress.reducers import protected, top_slots
-from kvjax.compress.scorers import observe, pool
+from kvjax.compress.scorers import observe, pool, score
 from kvjax.config import ConfigError
 from kvjax.ops import attend, attention, attention_probs
 
@@ -201,6 +201,18 @@ def test_streaming_keeps_exactly_sinks_and_recent_tokens_during_decoding(gqa):
         assert sorted(np.asarray(out.caches[0].pos[b])[np.asarray(out.caches[0].pos[b]) >= 0]) == expected
 
 
+@pytest.mark.parametrize("policy", ["streaming:256:every=1", "h2o:64:every=2"])
+def test_a_decode_time_budget_is_a_cap_prompts_below_it_decode_as_without_compression(gqa, policy):
+    """Rows shorter than a decode-time size budget keep every token: generation equals the plain one
+    until a row grows past the cap (never here)."""
+    cfg, model = gqa
+    ref = _generate(model, None, new=12, capacity=64)
+    out = _generate(model, policy, new=12, capacity=64)
+    np.testing.assert_array_equal(ref.tokens, out.tokens)
+    np.testing.assert_allclose(ref.logprobs, out.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(out.caches[0].length, [len(p) + 12 - 1 for p in PROMPTS])
+
+
 def test_jitted_equals_not_jitted(gqa):
     """The compression itself (top-k, merge, gather, layouts) run eagerly equals its jitted run."""
     from kvjax.compress import compress_caches, compressible
@@ -263,6 +275,25 @@ def test_h2o_snapkv_tova_statistics_follow_their_definitions():
     x = np.arange(7, dtype=np.float32)[None, None]
     np.testing.assert_allclose(pool(jnp.asarray(x), 3, "avg"), [[[1 / 3, 1, 2, 3, 4, 5, 11 / 3]]], rtol=1e-6)
     np.testing.assert_allclose(pool(jnp.asarray(x), 3, "max"), [[[1, 2, 3, 4, 5, 6, 6]]])
+
+
+def test_snapkv_pools_the_keys_before_the_window_only():
+    """The reference pools attention over keys[:-w] with zero padding (kvpress / SnapKV's code): slots
+    next to the window must not average in the attention that window keys received."""
+    rng = np.random.default_rng(3)
+    B, K, S, w, kernel = 2, 2, 20, 4, 5
+    lengths = np.array([20, 13])
+    stat = rng.random((B, K, S)).astype(np.float32)
+    stat[:, :, 12:] += 100.0  # heavy attention on late keys: inside row 1's window, and row 0's too
+    pos = np.where(np.arange(S)[None] < lengths[:, None], np.arange(S)[None], -1).astype(np.int32)
+    stat[pos[:, None].repeat(K, 1) < 0] = 0.0
+    stage = Stage("snapkv", ratio=0.5, obs_window=w, kernel=kernel)
+    got = np.asarray(score(stage, KVCache.init(B, S, K, 4, jnp.float32).replace(pos=jnp.asarray(pos)),
+                           jnp.asarray(stat), jnp.asarray(lengths - 1)))
+    for b, n in enumerate(lengths):
+        before = np.pad(stat[b, :, : n - w], ((0, 0), (kernel // 2, kernel // 2)))
+        want = np.stack([np.convolve(row, np.ones(kernel) / kernel, mode="valid") for row in before])
+        np.testing.assert_allclose(got[b, :, : n - w], want, rtol=1e-5)
 
 
 # --- reducers and allocators as properties ----------------------------------------------------------
@@ -407,7 +438,7 @@ def test_policies_run_on_every_token_cache_with_exact_bytes(make_model, variant)
 @pytest.mark.parametrize(
     "policy, message",
     [
-        ("snapkv:0.5", "below sinks 0 + window 32"),
+        ("snapkv:0.5", "would keep 20, below the 32 tokens always kept (sinks 0 + window 32"),
         ("streaming:64", "above row 0's sequence of 40 tokens"),
         ("magic:0.5", "method='magic' must be one of"),
         ("h2o:1.5", "size '1.5' must be a whole number"),
@@ -426,6 +457,12 @@ def test_bad_policies_fail_before_compute(gqa, policy, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
         gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy))
         gen.compression_plan(np.array([40, 29]), NEW)
+
+
+def test_a_budget_below_the_protected_tokens_says_what_it_adds_up_to():
+    with pytest.raises(ConfigError, match=r"keep 2, below the 5 tokens always kept \(sinks 0 \+ window 32, capped at "
+                                          r"the row's 5 tokens\)"):
+        stage_counts(parse_policy("snapkv:0.5").stages[0], np.array([5]), 1)
 
 
 def test_models_without_a_token_cache_or_methods_mla_cannot_use_are_refused(make_model):
@@ -506,8 +543,6 @@ def test_scoring_a_continuation_equals_the_full_forward_without_compression(gqa)
 
 
 def test_h2o_normalize_divides_by_the_queries_that_saw_each_key():
-    from kvjax.compress.scorers import score
-
     stat = jnp.asarray([[[4.0, 3.0, 2.0, 1.0, 0.0]]])
     pos = jnp.asarray([[0, 1, 2, 3, -1]])
     cache = KVCache(k=jnp.zeros((1, 1, 5, 2)), v=jnp.zeros((1, 1, 5, 2)), pos=pos, length=jnp.array([4]))

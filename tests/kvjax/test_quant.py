@@ -116,6 +116,19 @@ def test_int_quantization_is_per_token_symmetric():
     assert four.k_codes.shape == (2, 2, 40, 4)  # two 4-bit codes per byte
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_asymmetric_int_quantization_is_per_token_min_max(bits):
+    k, v, pos = _tokens(4)
+    cache, view = QuantKVCache.init(QuantSpec("int", bits, asym=True), 2, 40, 2, 8, jnp.float32).update(k, v, pos)
+    for got, x in ((view.k, k), (view.v, v)):
+        x = np.asarray(x)[0].transpose(1, 0, 2)  # [K,T,H]
+        bound = (x.max(-1, keepdims=True) - x.min(-1, keepdims=True)) / (2 * (2**bits - 1))
+        assert (np.abs(np.asarray(got)[0, :, :37] - x) <= bound + 1e-5).all()
+    assert cache.k_zero.shape == cache.k_scale.shape == (2, 2, 40, 1)
+    assert cache.k_codes.shape == (2, 2, 40, 8 * bits // 8)
+    assert parse_policy("int:2:asym").stages[0].quant_spec.asym and str(parse_policy("int:4:asym")) == "int:4:asym=true"
+
+
 def test_kivi_with_a_residual_covering_the_sequence_is_no_quantization(gqa):
     """Quantization switched off (every token in the residual): decoding is bitwise the plain cache's."""
     plain, gen, lengths, (logits, caches), (_, caches_c, stats) = _plain_and_compressed(
@@ -128,7 +141,7 @@ def test_kivi_with_a_residual_covering_the_sequence_is_no_quantization(gqa):
     _assert_same_decoding(plain, gen, lengths, caches, caches_c, logits, stats)
 
 
-@pytest.mark.parametrize("policy", ["int:4", "kivi:2:group=4,residual=8", "snapkv:0.5:obs_window=8+kivi:4:group=4,residual=8",
+@pytest.mark.parametrize("policy", ["int:4", "int:2:asym", "kivi:2:group=4,residual=8", "snapkv:0.5:obs_window=8+kivi:4:group=4,residual=8",
                                     "kvquant:2:group=8,residual=8,outliers=0.1,sinks=2"])
 def test_measured_bytes_equal_analytic_and_decoding_runs(gqa, policy):
     cfg, model = gqa
@@ -146,6 +159,9 @@ def test_measured_bytes_equal_analytic_and_decoding_runs(gqa, policy):
 
 @pytest.mark.parametrize("policy, message", [
     ("int:3", "bits=3 must be one of"),
+    ("int:2", r"asym=true also allows 2"),
+    ("kivi:2:asym", "asym=true applies to int only"),
+    ("snapkv:0.5:asym", "asym applies to int quantization only"),
     ("kivi:8", "bits=8 must be one of"),
     ("kivi:2:residual=40", "multiple of group=32"),
     ("kivi:2+snapkv:0.5", "encode last"),
@@ -270,3 +286,17 @@ def test_palu_needs_calibration_and_a_ratio(gqa):
         Generator(gqa[1], capacity=CAPACITY, policy=parse_policy("palu:0.5"))
     with pytest.raises(ConfigError, match="fraction of K/V dimensions removed"):
         parse_policy("palu:64")
+
+
+@pytest.mark.parametrize("policy", ["int:8", "int:4", "kivi:2", "kivi:4", "kvquant:3", "palu:0.5", "snapkv:0.5:obs_window=8+kivi:4"])
+def test_generator_decodes_every_encoder_in_a_roomy_cache(gqa, calibration, policy):
+    """`Generator(...)(prompts)` with a capacity above prompt + new tokens (the CLI's case): the
+    encoded cache has the planned bytes, and the sampled tokens' log-probabilities equal teacher
+    forcing them through the same compressed cache (decode == score)."""
+    cfg, model = gqa
+    gen = Generator(model, capacity=128, policy=parse_policy(policy), calibration=calibration)
+    out = gen(PROMPTS, DecodingConfig(max_new_tokens=NEW))
+    _, lengths = gen.pad(PROMPTS, NEW)
+    assert caches_nbytes(out.caches) == compressed_cache_bytes(cfg, gen.compression_plan(lengths, NEW), 2, 128)
+    logprobs, _ = gen.score(PROMPTS, out.tokens.tolist())
+    np.testing.assert_allclose(logprobs, out.logprobs, atol=2e-5)

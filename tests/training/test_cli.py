@@ -34,7 +34,7 @@ def test_train_eval_generate(tmp_path, capsys):
 
 def test_user_errors_exit_2_without_traceback(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "missing")]) == 2
-    assert "no checkpoint in" in capsys.readouterr().err
+    assert "is not a run directory" in capsys.readouterr().err
     assert main(["train", "gqa", "data.corpus=nope", "--run-dir", str(tmp_path)]) == 2
     assert "corpus='nope' must be one of" in capsys.readouterr().err
     assert main(["train", "gqa", "mqa"]) == 2
@@ -46,7 +46,7 @@ def test_compare_quick_end_to_end(tmp_path, capsys):
     K/V, RWKV state only), trained, measured and written; `kvjax compare --quick` runs the default list."""
     variants = ["gqa", "swa", "cla2", "mla", "yoco-gret", "rwkv7"]
     assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", *variants]) == 0
-    out_dir = tmp_path / "quick"
+    out_dir = tmp_path  # --out is used as given
     rows = list(csv.DictReader(open(out_dir / "compare.csv")))
     assert [r["variant"] for r in rows] == variants
     assert all(r["cache_bytes_analytic"] == r["cache_bytes_measured"] for r in rows)
@@ -61,15 +61,21 @@ def test_compare_quick_end_to_end(tmp_path, capsys):
     assert json.loads((out_dir / "compare.json").read_text())["rows"][0]["variant"] == "gqa"
     assert (out_dir / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| yoco-gret " in capsys.readouterr().out
+    assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", "gqa"]) == 0  # reused, not retrained
+    assert f"[1/1] gqa: reusing the finished run in {tmp_path / 'gqa'} (10 steps)" in capsys.readouterr().out
 
 
 def test_compare_variants_are_checked_before_training(tmp_path, capsys):
     assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", "gqa", "cla9"]) == 2
     assert "config 'cla9' is neither a file nor a shipped model config" in capsys.readouterr().err
-    assert not (tmp_path / "quick" / "gqa").exists()
+    assert not (tmp_path / "gqa").exists()
 
 
-def test_experiments_by_name_inherit_the_budget():
+def test_experiments_by_name_inherit_the_budget(tmp_path):
+    mine = tmp_path / "mine.yaml"  # a user's experiment outside configs/ may inherit a shipped one
+    mine.write_text("base: compare.yaml\nvariants: [gqa, mla]\n")
+    assert load_experiment(str(mine)).variants == ("gqa", "mla")
+    assert load_experiment(str(mine)).overrides == load_experiment().overrides
     default, sharing = load_experiment(), load_experiment("sharing")
     assert sharing.variants == ("gqa", "mqa", "cla2", "mqa-cla2", "cla3", "mlkv-2", "mlkv-1")
     assert sharing.overrides == default.overrides and sharing.quick == default.quick

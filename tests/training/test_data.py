@@ -85,3 +85,42 @@ def test_iterator_restore_continues_at_the_same_batch_across_epochs():
     assert not np.array_equal(epoch0, epoch1)  # each epoch reshuffles
     with pytest.raises(DataError, match="batch_size=11 exceeds the 10"):
         BatchIterator(windows, batch_size=11, seed=0)
+
+
+def test_byte_level_training_data_is_the_files_exact_bytes(tmp_path):
+    raw = b"caf\xe9 latin-1\n\nand \xff\xfe bytes that are not UTF-8 \xe2\x82\xac\n"
+    (tmp_path / "a.txt").write_bytes(raw)
+    (tmp_path / "b.txt").write_bytes(b"plain\n")
+    docs = load_corpus(f"text:{tmp_path}/*.txt")
+    tok = ByteTokenizer()
+    windows = pack(docs, tok, 4)
+    stream = windows.reshape(-1).tolist()
+    assert list(raw) == stream[1 : 1 + len(raw)]  # BOS, then the bytes themselves (no U+FFFD)
+
+
+def test_a_single_text_file_is_split_into_documents_at_blank_lines(tmp_path):
+    paragraphs = [f"paragraph {i}\nsecond line of {i}\n" for i in range(100)]
+    text = "\n".join(paragraphs)
+    (tmp_path / "one.txt").write_text(text)
+    docs = load_corpus(f"text:{tmp_path}/one.txt")
+    assert len(docs) >= 16 and "".join(d.text for d in docs) == text  # nothing dropped or duplicated
+    assert all(d.text.endswith("\n\n") for d in docs[:-1])  # cut after a blank line
+    train, val = split_documents(docs, 0.1)
+    assert train and val
+    (tmp_path / "flat.txt").write_text("x" * 1000)  # no line ends at all: still cut
+    assert "".join(d.text for d in load_corpus(f"text:{tmp_path}/flat.txt")) == "x" * 1000
+
+
+def test_a_hub_dataset_offline_is_a_one_line_error(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    argv = ["train", "gqa", "data.corpus=hf:kvjax-test/not-cached", "--run-dir", str(tmp_path / "run")]
+    result = subprocess.run([sys.executable, "-m", "kvjax.cli", *argv], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("kvjax: error: corpus 'hf:kvjax-test/not-cached' could not be loaded")
+    assert "network access or a copy in the local cache" in line

@@ -1,0 +1,111 @@
+"""What a careless user gets from the `kvjax` commands: crash cases run through the real entry point in a
+subprocess (exit code, one line on stderr, no traceback), flags checked before any compute, and
+read-only commands that never write."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvjax.cli import build_parser, main
+from tests.training.test_cli import TINY
+
+
+def kvjax(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    """The real entry point in a fresh process (the test environment's JAX settings are inherited)."""
+    return subprocess.run([sys.executable, "-m", "kvjax.cli", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+def one_line_error(result: subprocess.CompletedProcess, code: int = 2) -> str:
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("inputs") / "gqa")
+    assert main(["train", "gqa", *TINY, "--run-dir", path]) == 0
+    return path
+
+
+@pytest.mark.parametrize("policy", ["int:8", "palu:0.5", "streaming:256:every=1"])
+def test_generate_with_quantized_low_rank_and_capped_caches(run, policy):
+    """Once crashes: a quantized cache in a roomy capacity, Palu without calibration data, a decode-time
+    budget above the prompt."""
+    result = kvjax("generate", run, "--prompt", "import ", "--max-new-tokens", "8", "--policy", policy)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("import ")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--windows", "0"], "argument --windows: 0 must be >= 1"),
+    (["--windows", "-1"], "argument --windows: -1 must be >= 1"),
+    (["--seq-len", "0"], "argument --seq-len: 0 must be >= 1"),
+    (["--batch", "0"], "argument --batch: 0 must be >= 1"),
+    (["--depths", "1.5"], r"argument --depths: 1.5 must be in [0, 1]"),
+    (["--samples", "two"], "argument --samples: 'two' is not an integer"),
+])
+def test_bad_eval_flags_are_one_line_errors(run, args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", run, *args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "RUN", "--prompt", "x", "--top-p", "0"], "argument --top-p: 0 must be in (0, 1]"),
+    (["generate", "RUN", "--prompt", "x", "--temperature", "-1"], "argument --temperature: -1 must be >= 0"),
+    (["generate", "RUN", "--prompt", "x", "--max-new-tokens", "0"], "argument --max-new-tokens: 0 must be >= 1"),
+    (["memory", "gqa", "--tokens", "0"], "argument --tokens: 0 must be >= 1"),
+    (["compare", "--policies", "snapkv", "--budgets", "0"], "argument --budgets: 0 must be in (0, 1]"),
+])
+def test_bad_flags_of_other_commands(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_crash_cases_exit_2_with_one_line(run, tmp_path):
+    assert "--batch: 0 must be >= 1" in one_line_error(kvjax("eval", run, "--batch", "0"))
+    assert "--prompt='' gives no token" in one_line_error(kvjax("generate", run, "--prompt", "", "--no-bos"))
+    text = tmp_path / "some_file.txt"
+    text.write_text("hello")
+    assert "is not a run directory" in one_line_error(kvjax("eval", str(text)))
+    assert "trained context of 32 tokens" in one_line_error(kvjax("eval", run, "--seq-len", "100000"))
+
+
+def test_past_the_trained_context_is_refused_unless_allowed(run, capsys):
+    assert main(["generate", run, "--prompt", "import json", "--max-new-tokens", "40"]) == 2
+    assert "--allow-long-context" in capsys.readouterr().err
+    assert main(["eval", run, "--seq-len", "40", "--windows", "2", "--allow-long-context"]) == 0
+    captured = capsys.readouterr()
+    assert "warning: --seq-len=40 needs 40 positions, past" in captured.err and "bits/byte" in captured.out
+
+
+def test_reading_commands_never_write(run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "runs/nope"]) == 2
+    assert main(["generate", "smollm3", "--prompt", "x"]) == 2
+    (tmp_path / "runs").mkdir()
+    assert main(["eval", "runs"]) == 2
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["runs"]
+    before = {p: p.stat().st_mtime_ns for p in Path(run).rglob("*")}
+    assert main(["eval", run, "--windows", "1", "--batch", "1"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in Path(run).rglob("*")} == before
+
+
+def test_every_option_says_what_it_does_and_its_default():
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if action.dest in ("help",) or not action.option_strings:
+                continue
+            assert action.help, f"kvjax {name} {action.option_strings[0]} has no help"
+            if action.default not in (None, False) and action.nargs != 0:
+                assert "default" in action.help, f"kvjax {name} {action.option_strings[0]} does not say its default"

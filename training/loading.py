@@ -1,0 +1,68 @@
+"""Models named on the command line: a run directory trained here, a .gguf file, or a shipped GGUF name
+(`smollm2`), loaded with what the commands need to know about them (tokenizer, trained context, BOS)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from architectures import Decoder
+from kvjax.config import Config, ConfigError
+from training.tokenizer import Tokenizer
+
+
+class ModelRefError(ConfigError):
+    """A model reference that names nothing loadable, or a request past the model's trained context."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    config: Config
+    model: Decoder
+    tokenizer: Tokenizer
+    context: int | None  # tokens the model was trained on (None: unknown); positions past it are extrapolation
+    bos: bool  # text starts with BOS: runs trained here saw it at every document start, imported models not
+    corpus: str  # default corpus for evaluation and calibration: the run's own, kjv for GGUF models
+    gguf: bool
+
+
+def is_gguf(ref: str) -> bool:
+    from training.gguf_import import SHIPPED
+
+    return ref in SHIPPED or ref.endswith(".gguf")
+
+
+def _missing(ref: str) -> ModelRefError:
+    from training.gguf_import import SHIPPED
+
+    return ModelRefError(
+        f"model {ref!r} is not a run directory (one with checkpoints/), a .gguf file, nor a shipped model "
+        f"({', '.join(sorted(SHIPPED))})"
+    )
+
+
+def load_model(ref: str) -> LoadedModel:
+    """Load `ref` without writing anything; a reference that names nothing is a ModelRefError."""
+    from training.gguf_import import gguf_context_length, load_gguf_model, load_gguf_tokenizer
+    from training.trainer import load_trained
+
+    if is_gguf(ref):
+        config, model = load_gguf_model(ref)
+        return LoadedModel(config, model, load_gguf_tokenizer(ref), gguf_context_length(ref), False, "kjv", True)
+    if not (Path(ref) / "checkpoints").is_dir():
+        raise _missing(ref)
+    config, model, tokenizer = load_trained(ref)
+    return LoadedModel(config, model, tokenizer, config.data.seq_len, True, config.data.corpus, False)
+
+
+def check_context(loaded: LoadedModel, tokens: int, what: str, allow: bool) -> None:
+    """Refuse `tokens` positions past the trained context, or with `allow` warn on stderr (as
+    transformers warns about sequences past a model's maximum length)."""
+    if loaded.context is None or tokens <= loaded.context:
+        return
+    message = (f"{what} needs {tokens} positions, past {loaded.config.model.name}'s trained context of "
+               f"{loaded.context} tokens (quality there is extrapolation)")
+    if not allow:
+        raise ModelRefError(f"{message}; shorten it, or pass --allow-long-context")
+    print(f"kvjax: warning: {message}", file=sys.stderr)

@@ -53,11 +53,18 @@ def write_run_config(run_dir: Path, config: Config) -> None:
 
 def drop_superseded_metrics(path: Path, step: int) -> None:
     """Remove the metrics rows after `step` (logged by a run that stopped before checkpointing them and
-    is now resumed from `step`), so the file holds each step once."""
+    is now resumed from `step`), and a last line cut short by a crash, so the file holds each step once."""
     if not path.is_file():
         return
+
+    def row_step(line: str) -> float:
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            return math.inf  # unreadable: dropped
+
     lines = path.read_text().splitlines(keepends=True)
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    kept = [line for line in lines if row_step(line) <= step]
     if len(kept) != len(lines):
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(kept))

@@ -183,11 +183,10 @@ class Policy:
 
 def _stage_text(stage: Stage) -> str:
     budget = stage.bits if stage.quantizes else stage.ratio if stage.ratio is not None else stage.size
-    defaults = Stage(stage.method, bits=stage.bits) if stage.quantizes else Stage(stage.method, ratio=0.5)
     opts = [
         f"{f.name}={str(getattr(stage, f.name)).lower()}"
         for f in dataclasses.fields(Stage)
-        if f.name not in ("method", "ratio", "size", "bits") and getattr(stage, f.name) != getattr(defaults, f.name)
+        if f.name not in ("method", "ratio", "size", "bits") and getattr(stage, f.name) != f.default
     ]
     return f"{stage.method}:{budget}" + (":" + ",".join(opts) if opts else "")
 

@@ -126,7 +126,8 @@ def test_asymmetric_int_quantization_is_per_token_min_max(bits):
         assert (np.abs(np.asarray(got)[0, :, :37] - x) <= bound + 1e-5).all()
     assert cache.k_zero.shape == cache.k_scale.shape == (2, 2, 40, 1)
     assert cache.k_codes.shape == (2, 2, 40, 8 * bits // 8)
-    assert parse_policy("int:2:asym").stages[0].quant_spec.asym and str(parse_policy("int:4:asym")) == "int:4:asym=true"
+    assert parse_policy("int:2:asym").stages[0].quant_spec.asym and str(parse_policy("int:2:asym")) == "int:2:asym=true"
+    assert parse_policy(str(parse_policy("int:2:asym"))) == parse_policy("int:2:asym")
 
 
 def test_kivi_with_a_residual_covering_the_sequence_is_no_quantization(gqa):

@@ -40,6 +40,8 @@ def test_metrics_of_steps_lost_to_a_crash_are_replaced_not_repeated(small_config
     losses = [row["loss"] for row in first.run()]
     # A crash after step 6 was logged but before it was checkpointed: only step 3 is on disk.
     first.checkpoints.manager.delete(6)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')  # and a row cut short as the process died
     again = Trainer(cfg, tmp_path, progress=False)
     assert again.step == 3
     resumed = [row["loss"] for row in again.run()]

@@ -268,17 +268,27 @@ def stage_counts(stage: Stage, lengths: np.ndarray, n_layers: int) -> np.ndarray
             )
     counts = np.broadcast_to(keep, (n_layers, len(keep))).copy()
     if stage.allocator == "pyramid" and n_layers > 1:
-        counts = pyramid_counts(keep, lengths, n_layers, stage)
+        counts = np.stack([pyramid_counts(stage, int(n), n_layers) for n in lengths], axis=1)
     return counts
 
 
-def pyramid_counts(keep: np.ndarray, lengths: np.ndarray, n_layers: int, stage: Stage) -> np.ndarray:
-    """PyramidKV (Cai et al. 2024, arXiv 2406.02069, sec. 3.3): budgets fall linearly with depth from
-    2k - k/beta at the first layer to k/beta at the last, so the mean stays k. Each layer's budget is
-    clipped to [sinks + window, the row's length]; clipping can lower the total below uniform's (the
-    reference does the same at high keep fractions)."""
-    top = keep / stage.beta
-    bottom = 2 * keep - top
-    layer = np.arange(n_layers)[:, None]
-    counts = np.floor(bottom - layer * (bottom - top) / (n_layers - 1) + 1e-9).astype(np.int64)
-    return np.clip(counts, max(stage.fixed_protected, 1), lengths[None])
+def pyramid_counts(stage: Stage, length: int, n_layers: int) -> np.ndarray:
+    """PyramidKV's layer budgets `[n_layers]` for one row of `length` tokens (Cai et al. 2024, arXiv
+    2406.02069, sec. 3.3), as kvpress's `PyramidKVPress.get_layer_budget` computes them from the
+    official code's rule: with k the mean budget (`length * (1 - ratio)`, or the size) and w the
+    stage's fixed window, the budget falls linearly from max = 2k - k/beta at layer 0 to min = k/beta;
+    when max exceeds length - w it is capped there and min = 2k - max, so the layers still sum to L x k.
+    Each budget is rounded (`round`, as kvpress; the official code floors, which can overshoot the
+    total); when the schedule would not hold (min below w, or max above the length) every layer keeps
+    round(k), as kvpress falls back to SnapKV."""
+    k = length * (1 - stage.ratio) if stage.ratio is not None else float(stage.size)
+    w = stage.fixed_protected
+    low = k / stage.beta
+    high = 2 * k - low
+    if high >= length - w:
+        high = length - w
+        low = 2 * k - high
+    if not length >= high >= low >= w:
+        return np.full(n_layers, round(k), np.int64)
+    step = (high - low) / (n_layers - 1)
+    return np.array([round(high - layer * step) for layer in range(n_layers)], np.int64)

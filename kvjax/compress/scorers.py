@@ -17,11 +17,14 @@ model runs; `score` turns that statistic (or the cache alone) into scores when t
 - TOVA (Oren et al. 2024, arXiv 2401.06104): the last query's attention averaged over all heads.
 - Key norm (Devoto et al. 2024, arXiv 2406.11430): keys with a low L2 norm draw attention; keep the
   lowest norms (score = -||k||).
-A pooled cache (AdaKV) scores entries `[B,1,P]`; SnapKV's neighbour pooling is skipped there, since
-neighbouring pool entries belong to different heads.
+A pooled cache (AdaKV) scores entries `[B,1,P]`; SnapKV pools each entry with its own head's entries
+in position order (`pool_by_head`), which at prefill is exactly the per-head pooling of the dense
+layout (what AdaKV's and kvpress's code pool before flattening the heads).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +70,12 @@ def score(stage: Stage, cache, stat: jax.Array | None, last_pos: jax.Array) -> j
     if stage.method == "h2o" and stage.normalize:
         seen = jnp.maximum(last_pos[:, None, None] - pos + 1, 1)
         return stat / seen
-    if stage.method == "snapkv" and not isinstance(cache, PooledKVCache):
+    if stage.method == "snapkv":
         in_window = pos > (last_pos[:, None, None] - stage.obs_window)  # kept anyway; pooled as padding
-        return pool(jnp.where(in_window, 0.0, stat), stage.kernel, stage.pooling)
+        stat = jnp.where(in_window, 0.0, stat)
+        if isinstance(cache, PooledKVCache):
+            return pool_by_head(stat, cache.head[:, None], pos, stage.kernel, stage.pooling)
+        return pool(stat, stage.kernel, stage.pooling)
     return stat
 
 
@@ -82,3 +88,22 @@ def pool(x: jax.Array, kernel: int, how: str) -> jax.Array:
     padding = ((0, 0),) * (x.ndim - 1) + ((pad, pad),)
     out = jax.lax.reduce_window(x, init, op, dims, (1,) * x.ndim, padding)
     return out / kernel if how == "avg" else out
+
+
+def pool_by_head(x: jax.Array, head: jax.Array, pos: jax.Array, kernel: int, how: str) -> jax.Array:
+    """`pool` over the entries of a pool `[B,1,P]`: each entry with the entries of its own head that
+    neighbour it in position order; other heads' entries and empty ones count as the zero padding."""
+    order = jnp.lexsort((pos, head), axis=-1)  # by head, then position
+    xs, hs, ps = (jnp.take_along_axis(a, order, axis=-1) for a in (x, head, pos))
+    half = kernel // 2
+    fill = 0.0 if how == "avg" else -jnp.inf
+    widths = ((0, 0),) * (x.ndim - 1) + ((half, half),)
+    xp = jnp.pad(xs, widths, constant_values=fill)
+    hp, pp = jnp.pad(hs, widths, constant_values=-1), jnp.pad(ps, widths, constant_values=-1)
+    P = x.shape[-1]
+    parts = [
+        jnp.where((hp[..., o : o + P] == hs) & (pp[..., o : o + P] >= 0), xp[..., o : o + P], fill)
+        for o in range(kernel)
+    ]
+    out = sum(parts) / kernel if how == "avg" else functools.reduce(jnp.maximum, parts)
+    return jnp.take_along_axis(out, jnp.argsort(order, axis=-1), axis=-1)  # back to the pool's order

@@ -346,12 +346,59 @@ def test_allocators_budgets(lengths, ratio, layers):
         return
     uniform = stage_counts(stage, L, layers)
     np.testing.assert_array_equal(uniform, np.broadcast_to(keep, (layers, len(L))))
-    pyr = pyramid_counts(keep, L, layers, Stage("streaming", ratio=ratio, sinks=0, window=1, allocator="pyramid"))
+    pyr = stage_counts(Stage("streaming", ratio=ratio, sinks=0, window=1, allocator="pyramid"), L, layers)
     assert (np.diff(pyr, axis=0) <= 0).all()  # shrinks with depth
     assert (pyr >= 1).all() and (pyr <= L[None]).all()
-    unclipped = (pyr[0] < L) & (pyr[-1] > 1)
-    # the mean over layers stays the uniform budget (up to flooring), unless clipped at the length
-    assert (np.abs(pyr.mean(axis=0) - keep)[unclipped] <= 1).all()
+    # the layers spend the uniform budget in all, up to rounding (exactly, for a whole budget)
+    target = L * (1 - ratio)
+    assert (np.abs(pyr.sum(axis=0) - layers * target) <= layers / 2 + 1e-6).all()
+    whole = np.isclose(target, np.round(target))
+    np.testing.assert_array_equal(pyr.sum(axis=0)[whole], layers * np.round(target[whole]))
+
+
+def test_pyramid_budgets_follow_the_reference_schedule():
+    """Hand-computed from PyramidKV's rule as kvpress computes it (w = the 8-token observation window)."""
+    stage = Stage("snapkv", ratio=0.5, obs_window=8, allocator="pyramid")
+    # k = 50: max 2k - k/20 = 97.5 is above 100 - 8, so max = 92 and min = 100 - 92 = 8; step 28.
+    np.testing.assert_array_equal(pyramid_counts(stage, 100, 4), [92, 64, 36, 8])
+    # k = 1000 of 2000: min 50, max 1950 (below 2000 - 8): step 633.3, rounded; sums to 4 x 1000.
+    np.testing.assert_array_equal(pyramid_counts(stage, 2000, 4), [1950, 1317, 683, 50])
+    # k = 200 of 1000 (ratio 0.8): min 10 is below the window, so every layer keeps k (kvpress's fallback).
+    np.testing.assert_array_equal(pyramid_counts(Stage("snapkv", ratio=0.8, obs_window=32, allocator="pyramid"),
+                                                 1000, 4), [200] * 4)
+    # The issue's case: 30 layers, 300 tokens, 20% removed: the layers spend exactly 30 x 240.
+    short = pyramid_counts(Stage("snapkv", ratio=0.2, allocator="pyramid"), 300, 30)
+    assert short.sum() == 30 * 240 and short[0] == 300 - 32
+
+
+def test_adakv_pools_snapkv_scores_per_head(gqa):
+    """AdaKV over SnapKV pools each head's statistic before the heads share one top-k (kvpress and
+    AdaKV's code): the pool's scores equal the dense per-head pooled scores, and the kernel matters."""
+    from kvjax.compress.apply import reduce_cache
+    from kvjax.compress.reducers import to_pool
+
+    rng = np.random.default_rng(0)
+    B, K, S, H = 1, 2, 20, 4
+    pos = jnp.asarray(np.arange(S)[None].astype(np.int32))  # full: head 0's last entry meets head 1's first
+    cache = KVCache(k=jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32), v=jnp.zeros((B, K, S, H)),
+                    pos=pos, length=jnp.array([S]))
+    stat = np.zeros((B, K, S), np.float32)
+    stat[0, 0, [3, 11, 18]] = 5.0  # spikes: pooling spreads them to their own head's neighbours only
+    stat[0, 1, [6, 7]] = 4.0
+    stat = jnp.asarray(stat)
+    last = jnp.array([S - 1])
+    for kernel in (3, 5):
+        stage = Stage("snapkv", ratio=0.5, obs_window=1, kernel=kernel, allocator="adakv")
+        dense = score(stage, cache, stat, last)  # [B,K,S], pooled per head
+        pool, pooled_stat = to_pool(cache, stat)
+        np.testing.assert_allclose(score(stage, pool, pooled_stat, last), dense.reshape(B, 1, K * S), atol=1e-6)
+
+    def kept(kernel):
+        stage = Stage("snapkv", ratio=0.5, obs_window=4, kernel=kernel, allocator="adakv", floor=0.0)
+        out, _ = reduce_cache(stage, cache, [stat], jnp.array([10]), jnp.array([4]), jnp.array([0]), last, 20, 20, K)
+        return {(int(h), int(p)) for h, p in zip(np.asarray(out.head[0]), np.asarray(out.pos[0])) if p >= 0}
+
+    assert kept(1) != kept(5)
 
 
 def test_chained_policies_multiply_keep_fractions(gqa):

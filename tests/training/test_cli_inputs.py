@@ -109,3 +109,17 @@ def test_every_option_says_what_it_does_and_its_default():
             assert action.help, f"kvjax {name} {action.option_strings[0]} has no help"
             if action.default not in (None, False) and action.nargs != 0:
                 assert "default" in action.help, f"kvjax {name} {action.option_strings[0]} does not say its default"
+
+
+def test_running_out_of_memory_is_one_line(run, monkeypatch, capsys):
+    import jax
+
+    import training.trainer
+
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 40000000000 bytes.")
+
+    monkeypatch.setattr(training.trainer, "evaluate_model", exhausted)
+    assert main(["eval", run, "--windows", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvjax: error: out of memory (RESOURCE_EXHAUSTED") and len(err.strip().splitlines()) == 1

@@ -23,7 +23,8 @@ from flax import nnx
 from architectures.layers import RMSNorm, apply_rope, dense
 from kvjax.cache import LatentCache, LatentView, heads_first
 from kvjax.config import AttentionConfig, MLAConfig
-from kvjax.ops import attend, attention, blocked_decode, decode_block, masked_softmax
+from kvjax.ops import attend, attention, blocked_decode, decode_block, kernel_impl, masked_softmax
+from pallas_kernels import flash_attention, latent_decode_attention
 
 
 class MLA(nnx.Module):
@@ -115,6 +116,9 @@ class MLA(nnx.Module):
         cfg = self.cfg
         N = q_nope.shape[2]
         w_uv = self.v_up.kernel[...].reshape(cfg.kv_lora_rank, N, cfg.v_head_dim)
+        if kernel_impl(self.att.impl) == "pallas":  # the latent is one shared "KV head" of the kernels
+            out_latent = self._absorbed_kernel(q_nope, q_rope, view, positions)
+            return jnp.einsum("BTNC,CNd->BTNd", out_latent.astype(view.c.dtype), w_uv).astype(q_nope.dtype)
         block = decode_block(view.c.shape[1]) if q_nope.shape[1] == 1 else None
         if block is not None:  # a decode step: kvjax.ops' blocked path, latent and RoPE logits summed
             # With one query per row, [B,T=1,N,.] is also the [B,K=1,G=N,.] of one shared latent "head".
@@ -124,3 +128,16 @@ class MLA(nnx.Module):
         else:
             out_latent = attend(self._latent_probs(q_nope, q_rope, view, positions), view.c[:, None])  # [B,T,N,Dc]
         return jnp.einsum("BTNC,CNd->BTNd", out_latent, w_uv).astype(q_nope.dtype)
+
+    def _absorbed_kernel(self, q_nope, q_rope, view: LatentView, positions) -> jax.Array:
+        """The absorbed attention through Pallas: a decode step reads each latent block once for both
+        logit parts and the values; a prefill runs flash attention over [latent, RoPE key] (a copy,
+        worth it in a compute-bound prefill). Returns `[B,T,N,Dc]` fp32."""
+        q_latent = self._latent_query(q_nope)
+        if q_nope.shape[1] == 1:
+            out = latent_decode_attention(q_latent[:, 0], q_rope[:, 0], view.c, view.k_rope, positions[:, 0], view.pos,
+                                          scale=self.scale)
+            return out[:, None]
+        q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
+        k = jnp.concatenate([view.c, view.k_rope.astype(view.c.dtype)], axis=-1)[:, None]
+        return flash_attention(q, k, view.c[:, None], positions, view.pos, scale=self.scale)

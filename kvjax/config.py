@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("xla",)
+ATTENTION_IMPLS = ("xla", "pallas", "auto")  # kvjax.ops.attention's backends
 MIXER_KINDS = ("attention", "mla", "swa", "gret", "mamba", "rwkv")  # what a layer of the plan may be
 PATTERN_KINDS = ("attention", "mla", "mamba", "rwkv")  # what model.layer_pattern may name (YOCO places its own)
 RWKV_FORMS = ("scan", "associative")

@@ -16,6 +16,12 @@ since every block's logits are in memory). Same result, but XLA:CPU runs the man
 products faster than one long product per head: in scripts/bench_decode.py the attention of a step went
 from 13.5-14.0 ms to 9.2-9.3 ms and the whole step from 18-19.5 ms to 13.4-14.3 ms. MLA's absorbed
 decode calls `blocked_decode` with two logit parts (latent and RoPE).
+
+`impl` picks the backend (tokamax's pattern: the XLA path is the reference and always works): `xla`;
+`pallas`, the kernels of `pallas_kernels/` (flash attention for several queries per row, with its
+backward; flash-decoding for one), compiled by Mosaic on TPU, Triton on GPU, and interpreted on CPU;
+`auto`, Pallas on TPU and GPU where a kernel takes the shapes, XLA otherwise (CPU included). A pooled
+(AdaKV) cache has no kernel: `pallas` refuses it, `auto` runs XLA.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("xla",)
+IMPLS = ("xla", "pallas", "auto")
 DECODE_BLOCK_RANGE = (32, 128, 256)  # smallest, preferred largest, largest key block of the decode path
 # Finite, so a fully masked row (a padding query) cannot produce NaN; its probabilities are then zeroed,
 # so it outputs 0 and every masked key gets exactly zero probability and zero gradient.
@@ -106,9 +112,11 @@ def attention(
     cache passes k `[B,P,H]`, v `[B,P,Hv]`, k_pos `[B,P]`, each entry's KV head `k_head` `[B,P]` and
     `n_kv_heads`.
     """
+    K = _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads)
+    if kernel_impl(impl, pooled=k_head is not None) == "pallas":
+        return _pallas_attention(q, k, v, q_pos, k_pos, window, scale, K)
     block = decode_block(k.shape[2]) if q.shape[1] == 1 and k_head is None else None
     if block is not None:  # a decode step (see the module docstring)
-        K = _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads)
         B, _, N, H = q.shape
         scale = H**-0.5 if scale is None else scale
         parts = ((q.reshape(B, K, N // K, H), k),)
@@ -117,6 +125,28 @@ def attention(
         q, k, v, q_pos, k_pos, window=window, scale=scale, impl=impl, k_head=k_head, n_kv_heads=n_kv_heads
     )
     return attend(probs, v).astype(q.dtype)
+
+
+def kernel_impl(impl: str, *, pooled: bool = False) -> str:
+    """The backend `impl` runs on this device: xla or pallas (see the module docstring)."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl={impl!r} must be one of {IMPLS}")
+    if impl == "pallas" and pooled:
+        raise ValueError("attention impl='pallas' has no kernel for a pooled (AdaKV) cache; use impl='auto' or 'xla'")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() in ("tpu", "gpu") and not pooled else "xla"
+    return impl
+
+
+def _pallas_attention(q, k, v, q_pos, k_pos, window, scale, K: int) -> jax.Array:
+    from pallas_kernels import decode_attention, flash_attention
+
+    B, T, N, H = q.shape
+    scale = H**-0.5 if scale is None else scale
+    if T == 1:
+        out = decode_attention(q.reshape(B, K, N // K, H), k, v, q_pos[:, 0], k_pos, scale=scale, window=window)
+        return out.reshape(B, 1, N, v.shape[-1]).astype(q.dtype)
+    return flash_attention(q, k, v, q_pos, k_pos, scale=scale, window=window).astype(q.dtype)
 
 
 def decode_block(n_slots: int) -> int | None:

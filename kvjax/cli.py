@@ -101,18 +101,24 @@ def _cmd_memory(args) -> None:
 
 def _train_target(names: list[str], overrides: list[str], run_dir: str | None):
     """(config, run directory) of `kvjax train`: a model config (+ --run-dir), or a run directory,
-    resumed with the config it was started with (its config.yaml), overrides applied on top."""
+    resumed with the config it was started with (its config.yaml, or for a run made before those were
+    written, its latest checkpoint's record), overrides applied on top."""
+    from kvjax.config import Config, apply_overrides, from_dict
+    from training.checkpoint import Checkpointer
     from training.trainer import RUN_CONFIG
 
     if len(names) != 1:
         raise ConfigError(f"kvjax train needs exactly one config or run directory, got {names}")
-    saved = Path(names[0]) / RUN_CONFIG
-    if not saved.is_file():
+    given = Path(names[0])
+    if not (given / RUN_CONFIG).is_file() and not (given / "checkpoints").is_dir():
         config = load_config(names[0], overrides)
         return config, Path(run_dir or f"runs/{config.model.name}")
-    if run_dir is not None and Path(run_dir).resolve() != saved.parent.resolve():
+    if run_dir is not None and Path(run_dir).resolve() != given.resolve():
         raise ConfigError(f"--run-dir={run_dir} differs from the run directory {names[0]} being resumed")
-    return load_config(saved, overrides), saved.parent
+    if (given / RUN_CONFIG).is_file():
+        return load_config(given / RUN_CONFIG, overrides), given
+    _, record = Checkpointer(given / "checkpoints", create=False).read_record()
+    return from_dict(Config, apply_overrides(record["config"], overrides)), given
 
 
 def _cmd_train(args) -> None:

@@ -25,6 +25,7 @@ from kvjax.quant.lowrank import calibrate
 from kvjax.sampling import sample
 
 MIN_BUCKET = 8
+FINE_BUCKETS_FROM = 1024  # prompts longer than this are padded to quarter-octave buckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +55,14 @@ class _LoopState:
 
 
 def prompt_bucket(length: int, capacity: int) -> int:
-    """Padded prefill length: the next power of two (at least MIN_BUCKET), capped at capacity."""
-    return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), capacity)
+    """Padded prefill length, capped at capacity: the next power of two (at least MIN_BUCKET) up to
+    FINE_BUCKETS_FROM tokens; above, the next multiple of a quarter of the power of two below the length
+    (1,280, 1,536, 1,792, 2,048, 2,560, ...), so a long prompt computes at most 25% padding (a 1,100-token
+    prompt 1,280, not 2,048) for four compiles per doubling of the length."""
+    if length <= FINE_BUCKETS_FROM:
+        return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), capacity)
+    step = 1 << ((length - 1).bit_length() - 3)
+    return min(-(-length // step) * step, capacity)
 
 
 def _prefill(graphdef, params, tokens, lengths, *, capacity):

@@ -42,3 +42,10 @@ def make_model():
         return cfg, nnx.merge(graphdef, state)
 
     return make
+
+
+def pytest_collection_modifyitems(items):
+    """Files holding slow tests first: under pytest-xdist's --dist loadfile (one file per worker at a
+    time) the longest files then start early instead of leaving one worker busy alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: order within a file is kept

@@ -100,7 +100,8 @@ def run_compare(
     log: Callable[[str], None] = print,
 ) -> list[Row]:
     """Train (or reuse, when a finished run with the same config is there) every variant under
-    out_dir/<variant>, measure it, and write out_dir/<name>.{csv,json,png}."""
+    out_dir/<variant>, measure it (decode speed: the median of 5 timed rounds, 1 with `quick`), and
+    write out_dir/<name>.{csv,json,png}."""
     out_dir = Path(out_dir)
     overrides = [*exp.overrides, *(exp.quick if quick else ())]
     configs = {v: load_config(v, overrides) for v in exp.variants}  # every config is checked before training
@@ -124,7 +125,7 @@ def run_compare(
         n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
         prompt_len = exp.decode_context - exp.decode_tokens
         prompts = np.resize(corpus.val[:, :prompt_len], (exp.decode_batch, prompt_len))
-        _, decode_s, caches = generation_times(model, prompts, exp.decode_tokens)
+        _, decode_s, caches = generation_times(model, prompts, exp.decode_tokens, repeats=1 if quick else 5)
         tok_s = exp.decode_batch * exp.decode_tokens / decode_s
         analytic = memory.cache_bytes(cfg.model, exp.decode_context, exp.decode_batch)
         measured = caches_nbytes(caches)

@@ -91,3 +91,13 @@ def test_bad_requests_fail_before_compute(setup):
 def test_generate_convenience_picks_a_capacity(setup):
     _, model, gen = setup
     np.testing.assert_array_equal(generate(model, PROMPTS, GREEDY).tokens, gen(PROMPTS, GREEDY).tokens)
+
+
+def test_prompt_buckets_are_powers_of_two_then_quarter_octaves():
+    from kvjax.generate import prompt_bucket
+
+    assert [prompt_bucket(n, 1 << 16) for n in (1, 8, 9, 600, 1024)] == [8, 8, 16, 1024, 1024]
+    assert [prompt_bucket(n, 1 << 16) for n in (1025, 1100, 1536, 1537, 2049, 5000)] == [1280, 1280, 1536, 1792, 2560, 5120]
+    assert prompt_bucket(1100, 1200) == 1200  # never past the capacity
+    for n in range(1025, 9000, 37):  # at most 25% padding above 1k
+        assert n <= prompt_bucket(n, 1 << 16) <= 1.25 * n

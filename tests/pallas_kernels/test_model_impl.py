@@ -1,4 +1,4 @@
-"""A model with `model.attention.impl=pallas` (interpret mode here) computes what the XLA path computes:
+"""A one-layer model with `model.attention.impl=pallas` (interpret mode here) computes what the XLA path computes:
 full forward, cached prefill + decode through `kvjax.Generator`, and a training step's loss and
 gradients."""
 
@@ -16,8 +16,8 @@ PROMPTS = [[5, 17, 3, 9, 11], list(range(40, 51))]
 
 def _pair(make_model, name, *overrides):
     """The same weights under impl=xla and impl=pallas."""
-    cfg, xla = make_model(name, "model.n_layers=2", *overrides)
-    _, pallas = make_model(name, "model.n_layers=2", "model.attention.impl=pallas", *overrides)
+    cfg, xla = make_model(name, "model.n_layers=1", *overrides)
+    _, pallas = make_model(name, "model.n_layers=1", "model.attention.impl=pallas", *overrides)
     nnx.update(pallas, nnx.state(xla))
     return cfg, xla, pallas
 

@@ -32,13 +32,19 @@ def run(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("policy", ["int:8", "palu:0.5", "streaming:256:every=1"])
-def test_generate_with_quantized_low_rank_and_capped_caches(run, policy):
-    """Once crashes: a quantized cache in a roomy capacity, Palu without calibration data, a decode-time
-    budget above the prompt."""
-    result = kvjax("generate", run, "--prompt", "import ", "--max-new-tokens", "8", "--policy", policy)
+def test_generate_with_a_quantized_cache_in_a_fresh_process(run):
+    """Once a traceback: a quantized cache in a capacity above prompt + new tokens."""
+    result = kvjax("generate", run, "--prompt", "import ", "--max-new-tokens", "8", "--policy", "int:8")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("import ")
+
+
+@pytest.mark.parametrize("policy", ["palu:0.5", "streaming:256:every=1"])
+def test_generate_calibrates_palu_and_caps_decode_time_budgets(run, policy, capsys):
+    """Once refused: Palu asked for calibration data the CLI did not pass; a decode-time budget above
+    the prompt was an error instead of a cap."""
+    assert main(["generate", run, "--prompt", "import ", "--max-new-tokens", "8", "--policy", policy]) == 0
+    assert capsys.readouterr().out.startswith("import ")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -32,6 +32,9 @@ def test_a_run_directory_resumes_as_written_and_extends_explicitly(tmp_path, cap
     assert main(["train", str(run), "train.lr=1e-2"]) == 2  # any other change is refused, as before
     assert "train.lr: checkpoint" in capsys.readouterr().err
     assert main(["train", str(run), "--run-dir", str(tmp_path / "elsewhere")]) == 2
+    (run / "config.yaml").unlink()  # a run made before config.yaml was written: its checkpoint's record
+    assert main(["train", str(run), "train.steps=9"]) == 0
+    assert "train.steps 8 -> 9" in capsys.readouterr().out
 
 
 def test_metrics_of_steps_lost_to_a_crash_are_replaced_not_repeated(small_config, tmp_path):

@@ -289,7 +289,7 @@ def test_palu_needs_calibration_and_a_ratio(gqa):
         parse_policy("palu:64")
 
 
-@pytest.mark.parametrize("policy", ["int:8", "int:4", "kivi:2", "kivi:4", "kvquant:3", "palu:0.5", "snapkv:0.5:obs_window=8+kivi:4"])
+@pytest.mark.parametrize("policy", ["int:8", "kivi:2", "kvquant:3", "palu:0.5", "snapkv:0.5:obs_window=8+kivi:4"])
 def test_generator_decodes_every_encoder_in_a_roomy_cache(gqa, calibration, policy):
     """`Generator(...)(prompts)` with a capacity above prompt + new tokens (the CLI's case): the
     encoded cache has the planned bytes, and the sampled tokens' log-probabilities equal teacher

@@ -22,8 +22,7 @@ def _pair(make_model, name, *overrides):
     return cfg, xla, pallas
 
 
-@pytest.mark.parametrize("name, overrides", [("gqa", ()), ("swa", ("model.attention.window=6",)),
-                                             ("mla", ())])
+@pytest.mark.parametrize("name, overrides", [("gqa", ("model.attention.window=6",)), ("mla", ())])
 def test_forward_and_generation_match_xla(make_model, name, overrides):
     cfg, xla, pallas = _pair(make_model, name, *overrides)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)))

@@ -53,9 +53,17 @@ def key_block(n_slots: int, largest: int = 128) -> int:
     return min(largest, max(16, 1 << (max(n_slots, 1) - 1).bit_length()))
 
 
+def pad_to(x, axis: int, size: int, value=0):
+    """x padded with `value` at the end of `axis` up to `size` (as is when already that long)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
 def padded_features(x, backend: str | None):
     """x `[..., D]` with D zero-padded to a power of two >= 16 for Triton, which needs power-of-two
     tiles and dot operands of at least 16 (zeros add nothing to a dot product); as is elsewhere."""
     D = x.shape[-1]
-    width = max(16, 1 << (D - 1).bit_length()) if resolve(backend) == "triton" else D
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - D)]) if width != D else x
+    return pad_to(x, -1, max(16, 1 << (D - 1).bit_length()) if resolve(backend) == "triton" else D)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import MASKED, call_options, key_block, padded_features, padded_group
+from pallas_kernels.backend import MASKED, call_options, key_block, pad_to, padded_features, padded_group
 from pallas_kernels.online_softmax import dot_t, start, visible, walk
 
 MAX_SPLITS = 16
@@ -74,19 +74,17 @@ def decode_partials(parts, v, q_pos, k_pos, *, scale: float, window: int | None 
     block = key_block(S) if block is None else block
     S_pad = -(-S // block) * block
     Gp = padded_group(G)
-    pad_slots = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, S_pad - S), (0, 0))) if S_pad != S else x  # noqa: E731
     parts = [(padded_features(q, backend), padded_features(k, backend)) for q, k in parts]
     arrays = []
     for q, k in parts:
-        arrays += [jnp.pad(q, ((0, 0), (0, 0), (0, Gp - G), (0, 0))), pad_slots(k)]
+        arrays += [pad_to(q, 2, Gp), pad_to(k, 2, S_pad)]
     Hv_out = (parts[0][1] if v is None else v).shape[-1]  # before Triton's padding of the values
     if v is not None:
         v = padded_features(v, backend)
-        arrays.append(pad_slots(v))
+        arrays.append(pad_to(v, 2, S_pad))
     Hv = (parts[0][1] if v is None else v).shape[-1]
     kpos = (k_pos[:, None] if k_pos.ndim == 2 else k_pos)[:, :, None, :].astype(jnp.int32)  # [B,1|K,1,S]
-    if S_pad != S:  # empty slots up to a whole number of blocks
-        kpos = jnp.pad(kpos, ((0, 0), (0, 0), (0, 0), (0, S_pad - S)), constant_values=-1)
+    kpos = pad_to(kpos, 3, S_pad, -1)  # empty slots up to a whole number of blocks
     C = _splits(S_pad // block)
     L = S_pad // C
     per_head = kpos.shape[1] > 1

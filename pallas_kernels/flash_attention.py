@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import MASKED, call_options, key_block, padded_features
+from pallas_kernels.backend import MASKED, call_options, key_block, pad_to, padded_features
 from pallas_kernels.online_softmax import dot_t, start, visible, walk
 
 
@@ -51,12 +51,6 @@ def _rows(q, q_pos):
     return rows, jnp.repeat(q_pos.astype(jnp.int32), G, axis=1).reshape(B, 1, T * G, 1)
 
 
-def _pad(x, axis: int, size: int, value=0):
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value) if size != x.shape[axis] else x
-
-
 def _forward(rows, row_pos, k, v, k_pos, *, scale, window, backend):
     """o `[B,K,R,Hv]` (fp32) and lse `[B,K,R]` of rows `[B,K,R,H]` over k `[B,K,S,H]`, v `[B,K,S,Hv]`."""
     Hv_out = v.shape[-1]
@@ -65,9 +59,9 @@ def _forward(rows, row_pos, k, v, k_pos, *, scale, window, backend):
     S, Hv = k.shape[2], v.shape[-1]
     bq, bk = key_block(R), key_block(S)
     R_pad, S_pad = -(-R // bq) * bq, -(-S // bk) * bk
-    rows, row_pos = _pad(rows, 2, R_pad), _pad(row_pos, 2, R_pad, -1)
-    k, v = _pad(k, 2, S_pad), _pad(v, 2, S_pad)
-    kpos = _pad((k_pos[:, None] if k_pos.ndim == 2 else k_pos)[:, :, None, :].astype(jnp.int32), 3, S_pad, -1)
+    rows, row_pos = pad_to(rows, 2, R_pad), pad_to(row_pos, 2, R_pad, -1)
+    k, v = pad_to(k, 2, S_pad), pad_to(v, 2, S_pad)
+    kpos = pad_to((k_pos[:, None] if k_pos.ndim == 2 else k_pos)[:, :, None, :].astype(jnp.int32), 3, S_pad, -1)
     per_head = kpos.shape[1] > 1
     o, lse = pl.pallas_call(
         functools.partial(_flash_kernel, scale=scale, block=bk, window=window),
@@ -112,10 +106,10 @@ def _attention_rows_bwd(scale, window, backend, residuals, d_o):
     q = rows.astype(jnp.float32)
     d_o = d_o.astype(jnp.float32)
     delta = (d_o * o).sum(axis=-1)  # rowsum(dO * O) [B,K,R]
-    kp = _pad(k_pos[:, None] if k_pos.ndim == 2 else k_pos, 2, S_pad, -1)  # [B,1|K,S_pad]
+    kp = pad_to(k_pos[:, None] if k_pos.ndim == 2 else k_pos, 2, S_pad, -1)  # [B,1|K,S_pad]
 
     def blocks(x, width):  # [B,K,S,X] -> [C,B,K,bk,X]
-        return _pad(x, 2, S_pad).astype(jnp.float32).reshape(B, K, C, bk, width).transpose(2, 0, 1, 3, 4)
+        return pad_to(x, 2, S_pad).astype(jnp.float32).reshape(B, K, C, bk, width).transpose(2, 0, 1, 3, 4)
 
     xs = (blocks(k, H), blocks(v, Hv), kp.reshape(B, kp.shape[1], C, bk).transpose(2, 0, 1, 3))
 

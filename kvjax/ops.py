@@ -29,6 +29,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import decode_attention, flash_attention
+
 IMPLS = ("xla", "pallas", "auto")
 DECODE_BLOCK_RANGE = (32, 128, 256)  # smallest, preferred largest, largest key block of the decode path
 # Finite, so a fully masked row (a padding query) cannot produce NaN; its probabilities are then zeroed,
@@ -139,8 +141,6 @@ def kernel_impl(impl: str, *, pooled: bool = False) -> str:
 
 
 def _pallas_attention(q, k, v, q_pos, k_pos, window, scale, K: int) -> jax.Array:
-    from pallas_kernels import decode_attention, flash_attention
-
     B, T, N, H = q.shape
     scale = H**-0.5 if scale is None else scale
     if T == 1:

@@ -47,10 +47,10 @@ def padded_group(g: int) -> int:
     return max(16, 1 << (g - 1).bit_length())
 
 
-def key_block(n_slots: int, largest: int = 128) -> int:
-    """Key block: `largest` (a power of two), or the next power of two >= 16 for shorter caches; the
-    cache is padded (empty slots) up to a multiple of it."""
-    return min(largest, max(16, 1 << (max(n_slots, 1) - 1).bit_length()))
+def block_size(n: int, largest: int = 128) -> int:
+    """A block of n keys or query rows: `largest` (a power of two), or the next power of two >= 16 for
+    fewer; the array is padded (with invisible entries) up to a multiple of it."""
+    return min(largest, max(16, 1 << (max(n, 1) - 1).bit_length()))
 
 
 def pad_to(x, axis: int, size: int, value=0):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import MASKED, call_options, key_block, pad_to, padded_features, padded_group
+from pallas_kernels.backend import MASKED, block_size, call_options, pad_to, padded_features, padded_group
 from pallas_kernels.online_softmax import dot_t, start, visible, walk
 
 MAX_SPLITS = 16
@@ -71,7 +71,7 @@ def decode_partials(parts, v, q_pos, k_pos, *, scale: float, window: int | None 
     q `[B,K,G,Hp]` . k `[B,K,S,Hp]`; v `[B,K,S,Hv]`, or None when the values are the first part's keys
     (MLA's absorbed decode: one latent read serves both)."""
     (B, K, G, _), S = parts[0][0].shape, parts[0][1].shape[2]
-    block = key_block(S) if block is None else block
+    block = block_size(S) if block is None else block
     S_pad = -(-S // block) * block
     Gp = padded_group(G)
     parts = [(padded_features(q, backend), padded_features(k, backend)) for q, k in parts]

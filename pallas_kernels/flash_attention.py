@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import MASKED, call_options, key_block, pad_to, padded_features
+from pallas_kernels.backend import MASKED, block_size, call_options, pad_to, padded_features
 from pallas_kernels.online_softmax import dot_t, start, visible, walk
 
 
@@ -57,7 +57,7 @@ def _forward(rows, row_pos, k, v, k_pos, *, scale, window, backend):
     rows, k, v = (padded_features(x, backend) for x in (rows, k, v))
     B, K, R, H = rows.shape
     S, Hv = k.shape[2], v.shape[-1]
-    bq, bk = key_block(R), key_block(S)
+    bq, bk = block_size(R), block_size(S)
     R_pad, S_pad = -(-R // bq) * bq, -(-S // bk) * bk
     rows, row_pos = pad_to(rows, 2, R_pad), pad_to(row_pos, 2, R_pad, -1)
     k, v = pad_to(k, 2, S_pad), pad_to(v, 2, S_pad)
@@ -100,7 +100,7 @@ def _attention_rows_bwd(scale, window, backend, residuals, d_o):
     rows, row_pos, k, v, k_pos, o, lse = residuals
     B, K, R, H = rows.shape
     S, Hv = k.shape[2], v.shape[-1]
-    bk = key_block(S)
+    bk = block_size(S)
     S_pad = -(-S // bk) * bk
     C = S_pad // bk
     q = rows.astype(jnp.float32)

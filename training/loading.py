@@ -24,7 +24,6 @@ class LoadedModel:
     context: int | None  # tokens the model was trained on (None: unknown); positions past it are extrapolation
     bos: bool  # text starts with BOS: runs trained here saw it at every document start, imported models not
     corpus: str  # default corpus for evaluation and calibration: the run's own, kjv for GGUF models
-    gguf: bool
 
 
 def is_gguf(ref: str) -> bool:
@@ -49,11 +48,11 @@ def load_model(ref: str) -> LoadedModel:
 
     if is_gguf(ref):
         config, model = load_gguf_model(ref)
-        return LoadedModel(config, model, load_gguf_tokenizer(ref), gguf_context_length(ref), False, "kjv", True)
+        return LoadedModel(config, model, load_gguf_tokenizer(ref), gguf_context_length(ref), False, "kjv")
     if not (Path(ref) / "checkpoints").is_dir():
         raise _missing(ref)
     config, model, tokenizer = load_trained(ref)
-    return LoadedModel(config, model, tokenizer, config.data.seq_len, True, config.data.corpus, False)
+    return LoadedModel(config, model, tokenizer, config.data.seq_len, True, config.data.corpus)
 
 
 def check_context(loaded: LoadedModel, tokens: int, what: str, allow: bool) -> None:

@@ -113,7 +113,7 @@ def test_every_option_says_what_it_does_and_its_default():
             if action.dest in ("help",) or not action.option_strings:
                 continue
             assert action.help, f"kvjax {name} {action.option_strings[0]} has no help"
-            if action.default not in (None, False) and action.nargs != 0:
+            if action.default is not None and action.default is not False and action.nargs != 0:
                 assert "default" in action.help, f"kvjax {name} {action.option_strings[0]} does not say its default"
 
 

@@ -25,12 +25,14 @@ from kvjax.plan import LayerPlan
 class KVView(NamedTuple):
     """What a chunk of queries attends to: keys and values `[B,K,S,H]` and their positions `[B,S]` (or
     `[B,K,S]` once heads hold different tokens). A pooled view has k, v `[B,P,H]`, pos `[B,P]` and each
-    entry's KV head `head` `[B,P]`."""
+    entry's KV head `head` `[B,P]`. A quantized cache's view also carries its codes (`quant`) for the
+    fused decode kernel; whatever reads k and v instead lets XLA drop the other."""
 
     k: jax.Array
     v: jax.Array
     pos: jax.Array
     head: jax.Array | None = None
+    quant: object | None = None  # the same K/V as stored codes (`kvjax.quant.QuantizedKV`), if quantized
 
 
 def _check_chunk(cache, k, v, pos) -> None:

@@ -21,7 +21,10 @@ decode calls `blocked_decode` with two logit parts (latent and RoPE).
 `pallas`, the kernels of `pallas_kernels/` (flash attention for several queries per row, with its
 backward; flash-decoding for one), compiled by Mosaic on TPU, Triton on GPU, and interpreted on CPU;
 `auto`, Pallas on TPU and GPU where a kernel takes the shapes, XLA otherwise (CPU included). A pooled
-(AdaKV) cache has no kernel: `pallas` refuses it, `auto` runs XLA.
+(AdaKV) cache has no kernel: `pallas` refuses it, `auto` runs XLA. A decode step over an int or KIVI
+cache (`quant`, the codes a `QuantKVCache` stores) runs the fused dequantize-attend kernel under Pallas
+(KIVI's full-precision residual through the decode kernel, merged by `combine`); XLA attends to the
+dequantized K/V.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import decode_attention, flash_attention
+from pallas_kernels.decode_attention import combine, decode_partials
+from pallas_kernels.quant_decode_attention import check as check_quant_kernel
+from pallas_kernels.quant_decode_attention import quant_decode_partials
 
 IMPLS = ("xla", "pallas", "auto")
 DECODE_BLOCK_RANGE = (32, 128, 256)  # smallest, preferred largest, largest key block of the decode path
@@ -106,16 +112,21 @@ def attention(
     impl: str = "xla",
     k_head: jax.Array | None = None,
     n_kv_heads: int | None = None,
+    quant=None,
 ) -> jax.Array:
     """softmax(q k^T * scale, masked by positions) v, for q `[B,T,N,H]`, k `[B,K,S,H]`, v `[B,K,S,Hv]`.
 
     Returns `[B,T,N,Hv]` in q's dtype; a query that sees no key (padding) gets zeros. `scale` defaults
     to 1/sqrt(H). k_pos is `[B,S]`, or `[B,K,S]` when each KV head holds different tokens. A pooled
     cache passes k `[B,P,H]`, v `[B,P,Hv]`, k_pos `[B,P]`, each entry's KV head `k_head` `[B,P]` and
-    `n_kv_heads`.
+    `n_kv_heads`. `quant` (a `kvjax.quant.QuantizedKV`) is the same K/V as stored codes: a decode step
+    under Pallas reads those instead of k and v.
     """
     K = _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads)
-    if kernel_impl(impl, pooled=k_head is not None) == "pallas":
+    backend = kernel_impl(impl, pooled=k_head is not None)
+    if backend == "pallas" and quant is not None and q.shape[1] == 1 and _fused_quant(quant, impl):
+        return _quant_decode(q, quant, q_pos, window, scale, K)
+    if backend == "pallas":
         return _pallas_attention(q, k, v, q_pos, k_pos, window, scale, K)
     block = decode_block(k.shape[2]) if q.shape[1] == 1 and k_head is None else None
     if block is not None:  # a decode step (see the module docstring)
@@ -147,6 +158,33 @@ def _pallas_attention(q, k, v, q_pos, k_pos, window, scale, K: int) -> jax.Array
         out = decode_attention(q.reshape(B, K, N // K, H), k, v, q_pos[:, 0], k_pos, scale=scale, window=window)
         return out.reshape(B, 1, N, v.shape[-1]).astype(q.dtype)
     return flash_attention(q, k, v, q_pos, k_pos, scale=scale, window=window).astype(q.dtype)
+
+
+def _fused_quant(quant, impl: str) -> bool:
+    """Whether the fused quantized kernel takes this layout; under impl='pallas' a layout it cannot
+    take is an error naming the constraint, under 'auto' the decode kernel reads the dequantized K/V."""
+    try:
+        check_quant_kernel(quant.bits, quant.v_codes.shape[-1] * 8 // quant.bits, quant.key_group, quant.value_group)
+    except ValueError:
+        if impl == "pallas":
+            raise
+        return False
+    return True
+
+
+def _quant_decode(q, quant, q_pos, window, scale, K: int) -> jax.Array:
+    """One query per row over a quantized cache: the fused kernel over the codes, plus KIVI's residual."""
+    B, _, N, H = q.shape
+    scale = H**-0.5 if scale is None else scale
+    q4, qp = q.reshape(B, K, N // K, H), q_pos[:, 0]
+    parts = [quant_decode_partials(
+        q4, quant.k_codes, quant.k_scale, quant.k_zero, quant.v_codes, quant.v_scale, quant.v_zero, qp, quant.pos,
+        bits=quant.bits, key_group=quant.key_group, value_group=quant.value_group, scale=scale, window=window,
+    )]
+    if quant.res_k is not None:
+        parts.append(decode_partials(((q4, quant.res_k),), quant.res_v, qp, quant.res_pos, scale=scale, window=window))
+    o, m, l = (jnp.concatenate(x, axis=2) for x in zip(*parts))
+    return combine(o, m, l)[:, :, : N // K].reshape(B, 1, N, H).astype(q.dtype)
 
 
 def decode_block(n_slots: int) -> int | None:

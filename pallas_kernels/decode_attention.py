@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.backend import MASKED, block_size, call_options, pad_to, padded_features, padded_group
-from pallas_kernels.online_softmax import dot_t, start, visible, walk
+from pallas_kernels.online_softmax import dot_t, start, visible, walk, weighted
 
 MAX_SPLITS = 16
 
@@ -45,7 +45,7 @@ def _decode_kernel(qpos_ref, *refs, n_parts, shared_values, scale, block, window
     def logits(keys):
         return sum(dot_t(q, k_ref[keys, :]) for q, (_, k_ref) in zip(queries, parts))
 
-    o, m, l = walk(kpos_ref.shape[1] // block, block, q_pos, kpos_ref, window, logits, lambda keys: v_ref[keys, :],
+    o, m, l = walk(kpos_ref.shape[1] // block, block, q_pos, kpos_ref, window, logits, weighted(v_ref),
                    start(*o_ref.shape))
     o_ref[...], m_ref[...], l_ref[...] = o, m, l
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.backend import MASKED, block_size, call_options, pad_to, padded_features
-from pallas_kernels.online_softmax import dot_t, start, visible, walk
+from pallas_kernels.online_softmax import dot_t, start, visible, walk, weighted
 
 
 def _flash_kernel(qpos_ref, q_ref, k_ref, v_ref, kpos_ref, o_ref, lse_ref, *, scale, block, window):
@@ -38,7 +38,7 @@ def _flash_kernel(qpos_ref, q_ref, k_ref, v_ref, kpos_ref, o_ref, lse_ref, *, sc
     q_pos = qpos_ref[...]
 
     o, m, l = walk(k_ref.shape[0] // block, block, q_pos, kpos_ref, window,
-                   lambda keys: dot_t(q, k_ref[keys, :]), lambda keys: v_ref[keys, :], start(*o_ref.shape))
+                   lambda keys: dot_t(q, k_ref[keys, :]), weighted(v_ref), start(*o_ref.shape))
     seen = l > 0
     o_ref[...] = jnp.where(seen, o / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)

@@ -23,27 +23,35 @@ def start(rows: int, width: int):
             jnp.zeros((rows, 1), jnp.float32))
 
 
-def update(carry, logits, vis, values):
-    """Fold one key block in: fp32 logits `[rows, block]`, its mask, values `[block, width]`."""
+def update(carry, logits, vis, weigh):
+    """Fold one key block in: fp32 logits `[rows, block]`, its mask, and `weigh(p)`, the block's values
+    weighted by probabilities p `[rows, block]` (shaped as o: an array or a tuple of them)."""
     o, m, l = carry
     s = jnp.where(vis, logits, MASKED)
     m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
     p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
     rescale = jnp.exp(m - m_new)
-    o = rescale * o + jnp.dot(p, values.astype(jnp.float32), preferred_element_type=jnp.float32)
+    o = jax.tree.map(lambda acc, new: rescale * acc + new, o, weigh(p))
     return o, m_new, rescale * l + p.sum(axis=1, keepdims=True)
 
 
-def walk(n_blocks: int, block: int, q_pos, kpos_ref, window, logits, values, carry):
+def walk(n_blocks: int, block: int, q_pos, kpos_ref, window, logits, weigh, carry):
     """Fold key blocks 0..n_blocks-1 into (o, m, l), skipping blocks that no row can see: for a block's
-    slots `keys` (a pl.ds), `logits(keys)` gives its fp32 logits and `values(keys)` its values."""
+    slots `keys` (a pl.ds), `logits(keys)` gives its fp32 logits and `weigh(keys, p)` its values
+    weighted by the probabilities p (`weighted(v_ref)` for values stored as they are)."""
 
     def step(i, carry):
         keys = pl.ds(pl.multiple_of(i * block, block), block)
         vis = visible(q_pos, kpos_ref[:, keys], window)
-        return jax.lax.cond(any_visible(vis), lambda c: update(c, logits(keys), vis, values(keys)), lambda c: c, carry)
+        fold = lambda c: update(c, logits(keys), vis, lambda p: weigh(keys, p))  # noqa: E731
+        return jax.lax.cond(any_visible(vis), fold, lambda c: c, carry)
 
     return jax.lax.fori_loop(0, n_blocks, step, carry)
+
+
+def weighted(v_ref):
+    """`weigh` for values stored as they are, `[slots, width]`: p . v_block in fp32."""
+    return lambda keys, p: jnp.dot(p, v_ref[keys, :].astype(jnp.float32), preferred_element_type=jnp.float32)
 
 
 def dot_t(a, b):

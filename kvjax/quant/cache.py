@@ -21,6 +21,11 @@ KIVI, a full-precision residual of the most recent tokens. Attention reads a deq
 Slots are the usual ones (token t of a row at slot `length` when written, `pos` per slot, -1 empty),
 so positions, masks and eviction work as for `KVCache`. Bytes (`nbytes()`) count codes, scales, zero
 points, the residual, positions and counters.
+
+Attention reads either the dequantized K/V of the returned `KVView`, or, for int and KIVI, the codes
+themselves (`KVView.quant`, a `QuantizedKV`): the fused Pallas decode kernel
+(`pallas_kernels.quant_decode_attention`) dequantizes block by block. Value scales of KIVI are stored
+group-major `[B,K,H/Gv,S]` so that a block's scales are rows of that kernel's blocks.
 """
 
 from __future__ import annotations
@@ -91,6 +96,12 @@ def _head_major_scatter(buf, slots, values):
     return _scatter(buf, slots, jnp.moveaxis(values, 1, 2), head_major=True)
 
 
+def _scatter_last(buf, slots, values):
+    """values `[B,K,T,n]` to slots `[B,T]` of a group-major buf `[B,K,n,S]` (slots outside [0, S) dropped)."""
+    rows = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[rows, :, :, slots].set(values.transpose(0, 2, 1, 3).astype(buf.dtype), mode="drop")
+
+
 def _split_outliers(x, n: int):
     """x `[..., H]` -> (x with each vector's n largest magnitudes zeroed, their values, their channels)."""
     _, idx = jax.lax.top_k(jnp.abs(x.astype(jnp.float32)), n)
@@ -99,11 +110,34 @@ def _split_outliers(x, n: int):
 
 
 @struct.dataclass
+class QuantizedKV:
+    """A QuantKVCache's K/V as stored, for attention that dequantizes as it reads
+    (`pallas_kernels.quant_decode_partials`): plane-major codes `[B,K,S,H*bits/8]`; key scales (zeros:
+    None for symmetric codes) `[B,K,1,S]` per token or `[B,K,S/key_group,H]` per channel; value scales
+    `[B,K,H/value_group,S]`; `pos` the positions of the slots held in codes (-1 elsewhere), and KIVI's
+    full-precision residual (res_k, res_v `[B,K,R,H]`, res_pos `[B,R]` or `[B,K,R]`) or None."""
+
+    k_codes: jax.Array
+    k_scale: jax.Array
+    k_zero: jax.Array | None
+    v_codes: jax.Array
+    v_scale: jax.Array
+    v_zero: jax.Array | None
+    pos: jax.Array
+    res_k: jax.Array | None
+    res_v: jax.Array | None
+    res_pos: jax.Array | None
+    bits: int = struct.field(pytree_node=False)
+    key_group: int | None = struct.field(pytree_node=False)  # None: keys scaled per token
+    value_group: int = struct.field(pytree_node=False)
+
+
+@struct.dataclass
 class QuantKVCache(_Positioned):
     k_codes: jax.Array  # [B,K,S,H*bits/8] uint8
     v_codes: jax.Array
     k_scale: jax.Array  # int: [B,K,S,1]; kivi: [B,K,S/G,H]
-    v_scale: jax.Array  # int: [B,K,S,1]; kivi: [B,K,S,H/Gv]
+    v_scale: jax.Array  # int: [B,K,S,1]; kivi: [B,K,H/Gv,S]
     k_zero: jax.Array | None  # as the scales; None for symmetric int
     v_zero: jax.Array | None
     k_res: jax.Array | None  # kivi: [B,K,R,H] full precision, the tokens after n_quant
@@ -131,7 +165,7 @@ class QuantKVCache(_Positioned):
         else:
             Gv = spec.value_group(H)
             scales = dict(k_scale=zeros(B, K, S // spec.group, H), k_zero=zeros(B, K, S // spec.group, H),
-                          v_scale=zeros(B, K, S, H // Gv), v_zero=zeros(B, K, S, H // Gv))
+                          v_scale=zeros(B, K, H // Gv, S), v_zero=zeros(B, K, H // Gv, S))
             res = dict(k_res=zeros(B, K, spec.residual, H), v_res=zeros(B, K, spec.residual, H))
         if spec.method == "kvquant":
             n = spec.n_outliers(H)
@@ -174,7 +208,42 @@ class QuantKVCache(_Positioned):
             k_hm = rotate(k_hm, -pos[:, None], self.spec.rope_theta)
         new = self._append(k_hm, v_hm, pos)
         k_view, v_view = new.dequantized()
-        return new, KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos)
+        return new, KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos, quant=new.stored())
+
+    def stored(self) -> QuantizedKV | None:
+        """The codes as `QuantizedKV` (int and KIVI; None for KVQuant, whose 3-bit codes, outliers,
+        sinks and RoPE re-rotation only the dequantized view applies)."""
+        spec = self.spec
+        if spec.method == "kvquant":
+            return None
+        slot = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
+        in_codes = slot < self.n_quant[:, None]
+        pos = jnp.where(in_codes if self.pos.ndim == 2 else in_codes[:, None], self.pos, -1)
+        if spec.method == "int":
+            B, K, S, _ = self.k_scale.shape
+            per_token = lambda x: None if x is None else x.reshape(B, K, 1, S)  # noqa: E731  ([B,K,S,1]: a free reshape)
+            return QuantizedKV(
+                self.k_codes, per_token(self.k_scale), per_token(self.k_zero), self.v_codes,
+                per_token(self.v_scale), per_token(self.v_zero), pos, None, None, None,
+                bits=spec.bits, key_group=None, value_group=self.head_dim,
+            )
+        R = spec.residual
+        at = self.n_quant[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # residual token i's slot
+        live = at < self.length[:, None]
+        at = jnp.minimum(at, self.capacity - 1)
+        if self.pos.ndim == 2:
+            res_pos = jnp.where(live, jnp.take_along_axis(self.pos, at, axis=1), -1)
+        else:
+            res_pos = jnp.where(live[:, None], jnp.take_along_axis(self.pos, at[:, None], axis=2), -1)
+        return QuantizedKV(
+            self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero, pos,
+            self.k_res, self.v_res, res_pos, bits=spec.bits, key_group=spec.group,
+            value_group=spec.value_group(self.head_dim),
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_codes.shape[-1] * 8 // self.spec.bits
 
     def _append(self, k_hm, v_hm, pos):
         """Write head-major k, v `[B,K,T,H]` (pre-RoPE keys for kvquant) at positions `[B,T]`."""
@@ -239,8 +308,8 @@ class QuantKVCache(_Positioned):
             v_codes=_head_major_scatter(self.v_codes, slots, pack(vc, spec.bits)),
             k_scale=_head_major_scatter(self.k_scale, gslots, ks.swapaxes(2, 3)),
             k_zero=_head_major_scatter(self.k_zero, gslots, kz.swapaxes(2, 3)),
-            v_scale=_head_major_scatter(self.v_scale, slots, vs),
-            v_zero=_head_major_scatter(self.v_zero, slots, vz),
+            v_scale=_scatter_last(self.v_scale, slots, vs),
+            v_zero=_scatter_last(self.v_zero, slots, vz),
             k_res=jnp.where(live, take(work_k), 0).astype(self.k_res.dtype),
             v_res=jnp.where(live, take(work_v), 0).astype(self.v_res.dtype),
             n_quant=self.n_quant + flush,
@@ -257,7 +326,7 @@ class QuantKVCache(_Positioned):
                     dequantize(vc, self.v_scale, self.v_zero, spec.bits, H))
         k = dequantize(kc.swapaxes(2, 3), self.k_scale.swapaxes(2, 3), self.k_zero.swapaxes(2, 3), spec.bits, spec.group)
         k = k.swapaxes(2, 3)
-        v = dequantize(vc, self.v_scale, self.v_zero, spec.bits, spec.value_group(H))
+        v = dequantize(vc, self.v_scale.swapaxes(2, 3), self.v_zero.swapaxes(2, 3), spec.bits, spec.value_group(H))
         if spec.method == "kvquant":
             if spec.n_outliers(H):
                 k = jnp.put_along_axis(k, self.k_out_idx.astype(jnp.int32), self.k_out.astype(k.dtype), axis=-1, inplace=False)

@@ -32,6 +32,17 @@ def test_packing_round_trips_and_uses_bits_per_code(bits, rows, width, seed):
     np.testing.assert_array_equal(jax.jit(unpack, static_argnums=1)(packed, bits), codes)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_bit_plane_j_holds_a_contiguous_run_of_codes(bits):
+    """Plane-major packing (what the fused kernel reads): (byte >> j * bits) & mask over a vector's W
+    bytes is codes [j W, (j + 1) W)."""
+    codes = np.random.default_rng(bits).integers(0, 2**bits, (3, 64)).astype(np.uint8)
+    packed = np.asarray(pack(jnp.asarray(codes), bits)).astype(np.int32)
+    W = packed.shape[-1]
+    for j in range(8 // bits):
+        np.testing.assert_array_equal((packed >> (j * bits)) & (2**bits - 1), codes[:, j * W:(j + 1) * W])
+
+
 @settings(max_examples=40, deadline=None)
 @given(bits=st.sampled_from([2, 3, 4, 8]), group=st.sampled_from([1, 4, 16]), scale=st.floats(1e-3, 1e3),
        symmetric=st.booleans(), seed=st.integers(0, 999))

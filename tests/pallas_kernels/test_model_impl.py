@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax import DecodingConfig, Generator
+import kvjax.ops
+from kvjax import DecodingConfig, Generator, parse_policy
 from kvjax.ops import kernel_impl
 
 PROMPTS = [[5, 17, 3, 9, 11], list(range(40, 51))]
@@ -32,6 +33,22 @@ def test_forward_and_generation_match_xla(make_model, name, overrides):
     greedy = DecodingConfig(max_new_tokens=6)
     want = Generator(xla, capacity=32)(PROMPTS, greedy)
     got = Generator(pallas, capacity=32)(PROMPTS, greedy)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["int:8", "kivi:2:group=4,residual=8"])
+def test_a_quantized_cache_decodes_the_same_through_the_fused_kernel(make_model, monkeypatch, policy):
+    """Generation over an int:8 / KIVI cache under impl=pallas goes through the fused dequantize-attend
+    kernel (its decode steps call it) and gives the XLA path's tokens."""
+    _, xla, pallas = _pair(make_model, "gqa")
+    calls = []
+    fused = kvjax.ops.quant_decode_partials
+    monkeypatch.setattr(kvjax.ops, "quant_decode_partials", lambda *a, **kw: calls.append(kw) or fused(*a, **kw))
+    greedy = DecodingConfig(max_new_tokens=6)
+    want = Generator(xla, capacity=32, policy=parse_policy(policy))(PROMPTS, greedy)
+    got = Generator(pallas, capacity=32, policy=parse_policy(policy))(PROMPTS, greedy)
+    assert calls and calls[0]["bits"] == int(policy.split(":")[1])
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-4)
 

@@ -1,11 +1,13 @@
 """Attention kernels against the XLA path, per context length, in one run: time, and the achieved memory
 bandwidth (decode: the K/V bytes read per second) or FLOP/s (prefill, causal: 2 * 2 * T^2/2 * H per
-head).
+head). Quantized decode (`--quant int:8 kivi:2`): the fused dequantize-attend kernel against XLA
+dequantizing the cache then attending, both reported against the bytes the cache holds.
 
 On a TPU or GPU both the Pallas kernels (`impl=pallas`) and XLA are timed. On a CPU Pallas only
 interprets (correct, not fast), so the script says so and times the XLA path alone.
 
     python scripts/bench_kernels.py [--contexts 1024 4096 16384 32768] [--batch 8] [--dtype bfloat16]
+                                    [--quant int:8 kivi:2]
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.compress.policy import parse_stage
 from kvjax.ops import attention
+from kvjax.quant import QuantKVCache
 from kvjax.report import format_table
 
 SHAPE = dict(N=9, K=3, H=64)  # SmolLM2-135M's attention
@@ -43,6 +47,27 @@ def decode_inputs(batch: int, context: int, dtype):
     return q, k, v, jnp.full((batch, 1), context - 1, jnp.int32), k_pos
 
 
+def quantized_cache(policy: str, k, v, dtype) -> QuantKVCache:
+    """k, v `[B,K,S,H]` written into a quantized cache of S slots (`policy`: an int or kivi encoder)."""
+    B, K, S, H = k.shape
+    spec = parse_stage(policy).quant_spec
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    cache = QuantKVCache.init(spec, B, S, K, H, dtype)
+    return jax.jit(lambda c, k, v: c.update(k.swapaxes(1, 2), v.swapaxes(1, 2), pos)[0])(cache, k, v)
+
+
+def quant_decode(impl: str):
+    """A decode step's attention over a quantized cache: fused over the codes (pallas) or XLA over the
+    dequantized copy."""
+
+    def step(q, cache, q_pos):
+        k, v = cache.dequantized()
+        quant = cache.stored() if impl == "pallas" else None
+        return attention(q, k.astype(q.dtype), v.astype(q.dtype), q_pos, cache.pos, impl=impl, quant=quant)
+
+    return jax.jit(step)
+
+
 def prefill_inputs(batch: int, tokens: int, dtype):
     N, K, H = SHAPE["N"], SHAPE["K"], SHAPE["H"]
     rng = np.random.default_rng(1)
@@ -59,6 +84,7 @@ def main() -> None:
     parser.add_argument("--prefill-batch", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--quant", nargs="*", default=["int:8", "kivi:2"], help="quantized caches to decode over")
     args = parser.parse_args()
     dtype = jnp.dtype(args.dtype)
     device = jax.devices()[0]
@@ -78,8 +104,15 @@ def main() -> None:
             step = jax.jit(functools.partial(attention, impl=impl))
             times[impl] = median_seconds(lambda: step(q, k, v, q_pos, k_pos), args.repeats)
         row = ["decode", context, args.batch]
-        row += [f"{times[i] * 1e3:.3f} ms ({kv_bytes / times[i] / 1e9:.0f} GB/s)" for i in impls]
+        row += [f"{times[i] * 1e3:.3f} ms ({kv_bytes / times[i] / 1e9:.1f} GB/s)" for i in impls]
         rows.append(row + ([f"{times['xla'] / times['pallas']:.2f}x"] if kernels else []))
+        for policy in args.quant:
+            cache = quantized_cache(policy, k, v, dtype)
+            steps = {i: quant_decode(i) for i in impls}
+            times = {i: median_seconds(lambda: steps[i](q, cache, q_pos), args.repeats) for i in impls}
+            row = [f"decode {policy}", context, args.batch]
+            row += [f"{times[i] * 1e3:.3f} ms ({cache.nbytes() / times[i] / 1e9:.1f} GB/s)" for i in impls]
+            rows.append(row + ([f"{times['xla'] / times['pallas']:.2f}x"] if kernels else []))
     for tokens in args.contexts:
         q, k, v, q_pos, k_pos = prefill_inputs(args.prefill_batch, tokens, dtype)
         flops = 2 * 2 * args.prefill_batch * N * H * tokens * tokens / 2  # QK^T and PV, causal half

@@ -37,7 +37,7 @@ class Attention(nnx.Module):
         k = apply_rope(self.k(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
         v = self.v(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         if cache is None:
-            return None, KVView(heads_first(k), heads_first(v), positions)
+            return None, KVView(heads_first(k), heads_first(v), positions, fresh=T)
         return cache.update(k, v, positions)
 
     def __call__(
@@ -64,7 +64,8 @@ class Attention(nnx.Module):
             cache, shared = self.kv(x if kv_x is None else kv_x, positions, cache)
             if isinstance(cache, QuestKVCache) and T == 1:  # Quest: a decode query reads its best pages
                 shared = cache.select(q, shared)
-        out = attention(q, shared.k, shared.v, positions, shared.pos, quant=shared.quant, **self._view_args(shared))
+        out = attention(q, shared.k, shared.v, positions, shared.pos, quant=shared.quant, fresh=shared.fresh,
+                        **self._view_args(shared))
         return self.o(out.reshape(B, T, cfg.n_heads * cfg.head_dim)), cache, shared
 
     def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:

@@ -33,6 +33,9 @@ class KVView(NamedTuple):
     pos: jax.Array
     head: jax.Array | None = None
     quant: object | None = None  # the same K/V as stored codes (`kvjax.quant.QuantizedKV`), if quantized
+    fresh: int | None = None  # T when slots [0, T) hold the attending chunk's own tokens, in order, and
+    # no other slot holds a token (a chunk written to an empty cache, or no cache): `kvjax.ops.attention`
+    # then reads only those slots and skips the key blocks causality hides
 
 
 def _check_chunk(cache, k, v, pos) -> None:
@@ -98,6 +101,9 @@ class _SlotCache(_Positioned):
     v: jax.Array  # [B,K,S,H]
     pos: jax.Array  # [B,S] int32, -1 for an empty slot; [B,K,S] after head-wise compression
     length: jax.Array  # [B] int32, slots filled (the next token goes to slot `length`)
+    # Known empty (a prefill's caches, `init_caches(fresh=True)`): the first update's view is then
+    # marked `fresh`. Static, so prefill and decode compile apart; every update clears it.
+    fresh: bool = struct.field(pytree_node=False, default=False, kw_only=True)
 
     _HEAD_MAJOR = ("k", "v")
 
@@ -134,7 +140,7 @@ class KVCache(_SlotCache):
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[KVCache, KVView]:
         _check_chunk(self, k, v, pos)
         new = self._write_slots(_append_slots(self.length, pos, self.capacity), pos, k=k, v=v)
-        return new, KVView(new.k, new.v, new.pos)
+        return new.replace(fresh=False), KVView(new.k, new.v, new.pos, fresh=k.shape[1] if self.fresh else None)
 
 
 @struct.dataclass
@@ -213,9 +219,11 @@ class RingKVCache(_SlotCache):
         W = self.capacity
         newest = jnp.max(pos, axis=1, keepdims=True)
         keep = (pos >= 0) & (pos > newest - W)  # the chunk's last W tokens: distinct slots mod W
-        new = self._write_slots(jnp.where(keep, pos % W, W), pos, k=k, v=v)
+        new = self._write_slots(jnp.where(keep, pos % W, W), pos, k=k, v=v).replace(fresh=False)
         if k.shape[1] == 1:
             return new, KVView(new.k, new.v, new.pos)
+        if self.fresh:  # nothing in the old ring: the chunk alone
+            return new, KVView(heads_first(k), heads_first(v), pos, fresh=k.shape[1])
         view = KVView(
             jnp.concatenate([self.k, heads_first(k).astype(self.k.dtype)], axis=2),
             jnp.concatenate([self.v, heads_first(v).astype(self.v.dtype)], axis=2),
@@ -364,8 +372,9 @@ def layer_slots(window: int | None, capacity: int) -> int:
 LayerCache = AttentionCache | LatentCache | RetentionState | SSMState | RWKVState
 
 
-def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[LayerCache, ...]:
-    """Empty caches for every producer layer of the model's plan, in plan order."""
+def init_caches(cfg: ModelConfig, batch: int, capacity: int, *, fresh: bool = False) -> tuple[LayerCache, ...]:
+    """Empty caches for every producer layer of the model's plan, in plan order. `fresh`: marked known
+    empty (see `_SlotCache.fresh`), for a prefill that writes its chunk in one update."""
     if batch <= 0 or capacity <= 0:
         raise ValueError(f"batch={batch} and capacity={capacity} must be > 0")
     mla = cfg.mla
@@ -384,7 +393,7 @@ def init_caches(cfg: ModelConfig, batch: int, capacity: int) -> tuple[LayerCache
             return SSMState.init(batch, m.d_conv, m.expand * cfg.d_model, m.d_state, dtype)
         att = cfg.attention_for(kind)
         cls = KVCache if att.window is None else RingKVCache
-        return cls.init(batch, layer_slots(att.window, capacity), att.n_kv_heads, att.head_dim, dtype)
+        return cls.init(batch, layer_slots(att.window, capacity), att.n_kv_heads, att.head_dim, dtype).replace(fresh=fresh)
 
     return tuple(init(plan.mixers[i]) for i in plan.producers)
 

@@ -70,7 +70,7 @@ def _prefill(graphdef, params, tokens, lengths, *, capacity):
     B, T = tokens.shape
     idx = jnp.arange(T, dtype=jnp.int32)[None, :]
     positions = jnp.where(idx < lengths[:, None], idx, -1)
-    last, caches = model.prefill_last(tokens, positions, init_caches(model.config, B, capacity), lengths - 1)
+    last, caches = model.prefill_last(tokens, positions, init_caches(model.config, B, capacity, fresh=True), lengths - 1)
     return model.logits(last), caches
 
 
@@ -82,7 +82,7 @@ def _prefill_compressed(graphdef, params, tokens, lengths, obs_index, arrays, *,
     idx = jnp.arange(T, dtype=jnp.int32)[None, :]
     positions = jnp.where(idx < lengths[:, None], idx, -1)
     reduce = observe_fn(tuple(static[0] for static in statics))
-    hidden, caches, observed = model.observe(tokens, positions, init_caches(model.config, B, capacity), obs_index, reduce)
+    hidden, caches, observed = model.observe(tokens, positions, init_caches(model.config, B, capacity, fresh=True), obs_index, reduce)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     caches, stats = compress_caches(caches, observed, statics, arrays, lengths - 1, slots)
     return model.logits(last), caches, stats

@@ -39,6 +39,7 @@ from pallas_kernels.quant_decode_attention import quant_decode_partials
 
 IMPLS = ("xla", "pallas", "auto")
 DECODE_BLOCK_RANGE = (32, 128, 256)  # smallest, preferred largest, largest key block of the decode path
+PREFILL_BLOCK = 256  # query rows per block of `causal_blocks` (128 and 256 ran alike; 512 slower)
 # Finite, so a fully masked row (a padding query) cannot produce NaN; its probabilities are then zeroed,
 # so it outputs 0 and every masked key gets exactly zero probability and zero gradient.
 _MASKED = -1e30
@@ -113,6 +114,7 @@ def attention(
     k_head: jax.Array | None = None,
     n_kv_heads: int | None = None,
     quant=None,
+    fresh: int | None = None,
 ) -> jax.Array:
     """softmax(q k^T * scale, masked by positions) v, for q `[B,T,N,H]`, k `[B,K,S,H]`, v `[B,K,S,Hv]`.
 
@@ -120,10 +122,17 @@ def attention(
     to 1/sqrt(H). k_pos is `[B,S]`, or `[B,K,S]` when each KV head holds different tokens. A pooled
     cache passes k `[B,P,H]`, v `[B,P,Hv]`, k_pos `[B,P]`, each entry's KV head `k_head` `[B,P]` and
     `n_kv_heads`. `quant` (a `kvjax.quant.QuantizedKV`) is the same K/V as stored codes: a decode step
-    under Pallas reads those instead of k and v.
+    under Pallas reads those instead of k and v. `fresh=T` (T, the number of queries) promises that key
+    slot t holds query t's own token for t < T, in order, and that later slots are empty (`KVView.fresh`):
+    only those T slots are read, and (XLA) `causal_blocks` skips what causality hides.
     """
     K = _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads)
     backend = kernel_impl(impl, pooled=k_head is not None)
+    T = q.shape[1]
+    if fresh == T and T > 1 and k_head is None:  # a chunk over its own keys (see the docstring)
+        k, v, k_pos = k[:, :, :T], v[:, :, :T], k_pos[..., :T]
+        if backend == "xla":
+            return causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl)
     if backend == "pallas" and quant is not None and q.shape[1] == 1 and _fused_quant(quant, impl):
         return _quant_decode(q, quant, q_pos, window, scale, K)
     if backend == "pallas":
@@ -138,6 +147,23 @@ def attention(
         q, k, v, q_pos, k_pos, window=window, scale=scale, impl=impl, k_head=k_head, n_kv_heads=n_kv_heads
     )
     return attend(probs, v).astype(q.dtype)
+
+
+def causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl, block: int = PREFILL_BLOCK) -> jax.Array:
+    """Attention of T queries over their own T keys (query t is key t, positions increasing): query block
+    i (`block` rows) attends to keys [lo, (i + 1) b) only, lo = 0 or, with a window, the first key
+    its first query can see; the keys after the block are causally hidden, the ones before lo out of the
+    window. Same result as one softmax over all T keys; about half the work and memory traffic at 2k
+    tokens (a 2k-token SmolLM2 attention layer: 0.17 s -> 0.074 s on XLA:CPU)."""
+    T = q.shape[1]
+    outs = []
+    for start in range(0, T, block):
+        end = min(T, start + block)
+        lo = 0 if window is None else max(0, start - window + 1)
+        probs = attention_probs(q[:, start:end], k[:, :, lo:end], v[:, :, lo:end], q_pos[:, start:end],
+                                k_pos[..., lo:end], window=window, scale=scale, impl=impl)
+        outs.append(attend(probs, v[:, :, lo:end]))
+    return jnp.concatenate(outs, axis=1).astype(q.dtype)
 
 
 def kernel_impl(impl: str, *, pooled: bool = False) -> str:

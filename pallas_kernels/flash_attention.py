@@ -12,11 +12,12 @@ Blocks: block_q = 128 rows (the next power of two >= 16 for fewer), block_k = 12
 rows and slots are padded up to whole blocks with invisible entries. One program holds its head's whole
 K/V (on TPU they are copied to VMEM: S * H * 4 bytes * 2 (K and V) * 2 (double buffering) must fit).
 
-Backward (`jax.custom_vjp`): FlashAttention-2's backward written blockwise in jnp (a scan over key
-blocks that recomputes each block's probabilities from the saved log-sum-exp: dV = P^T dO,
-dS = P * (dO V^T - rowsum(dO * O)), dQ += dS K, dK = dS^T Q), so memory stays O(T * block_k) on every
-backend. XLA fuses each block's few matmuls well; a Pallas backward would save re-reading Q and dO once
-per key block and is the next step.
+Backward (`jax.custom_vjp`), FlashAttention-2's (alg. 2) as two Pallas kernels that recompute each
+block's probabilities from the saved log-sum-exp, P = exp(Q K^T scale - lse), with D = rowsum(dO * O):
+one program per key block walks the query blocks for dV = P^T dO and dK = scale (P * (dO V^T - D))^T Q;
+one per query block walks the key blocks for dQ = scale (P * (dO V^T - D)) K. Two kernels rather than
+one with atomic adds into dQ (FlashAttention-2's choice on GPU), so that every output block has one
+writer on every backend. Blocks that no pair can see are skipped in both.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.backend import MASKED, block_size, call_options, pad_to, padded_features
-from pallas_kernels.online_softmax import dot_t, start, visible, walk, weighted
+from pallas_kernels.online_softmax import any_visible, dot_t, start, visible, walk, weighted
 
 
 def _flash_kernel(qpos_ref, q_ref, k_ref, v_ref, kpos_ref, o_ref, lse_ref, *, scale, block, window):
@@ -51,28 +52,43 @@ def _rows(q, q_pos):
     return rows, jnp.repeat(q_pos.astype(jnp.int32), G, axis=1).reshape(B, 1, T * G, 1)
 
 
-def _forward(rows, row_pos, k, v, k_pos, *, scale, window, backend):
-    """o `[B,K,R,Hv]` (fp32) and lse `[B,K,R]` of rows `[B,K,R,H]` over k `[B,K,S,H]`, v `[B,K,S,Hv]`."""
-    Hv_out = v.shape[-1]
+def _operands(rows, row_pos, k, v, k_pos, backend):
+    """The operands padded for the kernels: feature dims for Triton, rows and slots to whole blocks
+    (invisible entries). Returns them with the block sizes (bq, bk)."""
     rows, k, v = (padded_features(x, backend) for x in (rows, k, v))
-    B, K, R, H = rows.shape
-    S, Hv = k.shape[2], v.shape[-1]
+    R, S = rows.shape[2], k.shape[2]
     bq, bk = block_size(R), block_size(S)
     R_pad, S_pad = -(-R // bq) * bq, -(-S // bk) * bk
-    rows, row_pos = pad_to(rows, 2, R_pad), pad_to(row_pos, 2, R_pad, -1)
-    k, v = pad_to(k, 2, S_pad), pad_to(v, 2, S_pad)
-    kpos = pad_to((k_pos[:, None] if k_pos.ndim == 2 else k_pos)[:, :, None, :].astype(jnp.int32), 3, S_pad, -1)
-    per_head = kpos.shape[1] > 1
+    kpos = (k_pos[:, None] if k_pos.ndim == 2 else k_pos)[:, :, None, :].astype(jnp.int32)
+    return (pad_to(rows, 2, R_pad), pad_to(row_pos, 2, R_pad, -1), pad_to(k, 2, S_pad), pad_to(v, 2, S_pad),
+            pad_to(kpos, 3, S_pad, -1), (bq, bk))
+
+
+def _specs(R: int, S: int, row_widths, key_widths, per_head: bool, rows_block: int | None, keys_block: int | None):
+    """in_specs over the grid (row, KV head, i) for: the row positions `[R,1]`, row arrays `[R, width]`,
+    key arrays `[S, width]`, the key positions `[1,S]`. Rows come in blocks of `rows_block` (block i),
+    or all of them when None; keys likewise with `keys_block`."""
+    def spec(n, block, width):
+        if block is None:
+            return pl.BlockSpec((None, None, n, width), lambda b, h, i: (b, h, 0, 0))
+        return pl.BlockSpec((None, None, block, width), lambda b, h, i: (b, h, i, 0))
+
+    heads = (lambda h: h) if per_head else (lambda h: 0)
+    row_pos = pl.BlockSpec((None, None, rows_block or R, 1), lambda b, h, i: (b, 0, 0 if rows_block is None else i, 0))
+    key_pos = pl.BlockSpec((None, None, 1, keys_block or S), lambda b, h, i: (b, heads(h), 0, 0 if keys_block is None else i))
+    return [row_pos, *(spec(R, rows_block, w) for w in row_widths), *(spec(S, keys_block, w) for w in key_widths), key_pos]
+
+
+def _forward(rows, row_pos, k, v, k_pos, *, scale, window, backend):
+    """o `[B,K,R,Hv]` (fp32) and lse `[B,K,R]` of rows `[B,K,R,H]` over k `[B,K,S,H]`, v `[B,K,S,Hv]`."""
+    R, Hv_out = rows.shape[2], v.shape[-1]
+    rows, row_pos, k, v, kpos, (bq, bk) = _operands(rows, row_pos, k, v, k_pos, backend)
+    B, K, R_pad, H = rows.shape
+    S_pad, Hv = k.shape[2], v.shape[-1]
     o, lse = pl.pallas_call(
         functools.partial(_flash_kernel, scale=scale, block=bk, window=window),
         grid=(B, K, R_pad // bq),
-        in_specs=[
-            pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, 0, i, 0)),
-            pl.BlockSpec((None, None, bq, H), lambda b, h, i: (b, h, i, 0)),
-            pl.BlockSpec((None, None, S_pad, H), lambda b, h, i: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, S_pad, Hv), lambda b, h, i: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, 1, S_pad), lambda b, h, i: (b, h if per_head else 0, 0, 0)),
-        ],
+        in_specs=_specs(R_pad, S_pad, [H], [H, Hv], kpos.shape[1] > 1, bq, None),
         out_specs=[
             pl.BlockSpec((None, None, bq, Hv), lambda b, h, i: (b, h, i, 0)),
             pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0)),
@@ -83,6 +99,81 @@ def _forward(rows, row_pos, k, v, k_pos, *, scale, window, backend):
         **call_options(backend),
     )(row_pos, rows, k, v, kpos)
     return o[:, :, :R, :Hv_out], lse[:, :, :R, 0]
+
+
+def _probs_and_ds(q, d_o, lse, delta, k, v, vis, scale):
+    """A block's recomputed probabilities P `[bq,bk]` and dS = P * (dO V^T - D) (FlashAttention-2, alg. 2)."""
+    p = jnp.where(vis, jnp.exp(dot_t(q, k) * scale - lse), 0.0)
+    return p, p * (dot_t(d_o, v) - delta)
+
+
+def _dkdv_kernel(qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kpos_ref, dk_ref, dv_ref, *, scale,
+                 block, window):
+    """One (row, KV head, key block): every row's q `[R,H]`, dO `[R,Hv]`, lse, D and position `[R,1]`; the
+    block's k `[bk,H]`, v `[bk,Hv]` and key positions `[1,bk]`; out dk `[bk,H]`, dv `[bk,Hv]`."""
+    k, v, k_pos = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32), kpos_ref[...]
+
+    def step(i, carry):
+        rows = pl.ds(pl.multiple_of(i * block, block), block)
+        vis = visible(qpos_ref[rows, :], k_pos, window)
+
+        def fold(carry):
+            dk, dv = carry
+            q, d_o = q_ref[rows, :].astype(jnp.float32), do_ref[rows, :].astype(jnp.float32)
+            p, ds = _probs_and_ds(q, d_o, lse_ref[rows, :], delta_ref[rows, :], k, v, vis, scale)
+            return (dk + jnp.dot(ds.T, q, preferred_element_type=jnp.float32) * scale,
+                    dv + jnp.dot(p.T, d_o, preferred_element_type=jnp.float32))
+
+        return jax.lax.cond(any_visible(vis), fold, lambda c: c, carry)
+
+    dk, dv = jax.lax.fori_loop(0, q_ref.shape[0] // block, step, (jnp.zeros_like(k), jnp.zeros_like(v)))
+    dk_ref[...], dv_ref[...] = dk, dv
+
+
+def _dq_kernel(qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kpos_ref, dq_ref, *, scale, block, window):
+    """One (row, KV head, query block): the block's q `[bq,H]`, dO `[bq,Hv]`, lse, D and positions `[bq,1]`;
+    every key's k `[S,H]`, v `[S,Hv]` and position `[1,S]`; out dq `[bq,H]`."""
+    q, d_o, lse, delta = (r[...].astype(jnp.float32) for r in (q_ref, do_ref, lse_ref, delta_ref))
+
+    def step(j, dq):
+        keys = pl.ds(pl.multiple_of(j * block, block), block)
+        vis = visible(qpos_ref[...], kpos_ref[:, keys], window)
+
+        def fold(dq):
+            k = k_ref[keys, :].astype(jnp.float32)
+            _, ds = _probs_and_ds(q, d_o, lse, delta, k, v_ref[keys, :].astype(jnp.float32), vis, scale)
+            return dq + jnp.dot(ds, k, preferred_element_type=jnp.float32) * scale
+
+        return jax.lax.cond(any_visible(vis), fold, lambda c: c, dq)
+
+    dq_ref[...] = jax.lax.fori_loop(0, k_ref.shape[0] // block, step, jnp.zeros_like(q))
+
+
+def _backward(rows, row_pos, k, v, k_pos, o, lse, d_o, *, scale, window, backend):
+    """(dq, dk, dv) of the rows' attention, from the forward's o and lse and the output gradient d_o."""
+    (R, H), (S, Hv) = rows.shape[2:], v.shape[2:]
+    delta = (d_o.astype(jnp.float32) * o).sum(axis=-1, keepdims=True)  # D = rowsum(dO * O) [B,K,R,1]
+    rows, row_pos, k, v, kpos, (bq, bk) = _operands(rows, row_pos, k, v, k_pos, backend)
+    B, K, R_pad, Hp = rows.shape
+    S_pad, Hvp = k.shape[2], v.shape[-1]
+    d_o = pad_to(padded_features(d_o, backend), 2, R_pad)
+    lse, delta = pad_to(lse[..., None], 2, R_pad), pad_to(delta, 2, R_pad)
+    operands = (row_pos, rows, d_o, lse, delta, k, v, kpos)
+
+    def call(kernel, rows_block, keys_block, n, outputs):
+        return pl.pallas_call(
+            functools.partial(kernel, scale=scale, block=bq if rows_block is None else bk, window=window),
+            grid=(B, K, n),
+            in_specs=_specs(R_pad, S_pad, [Hp, Hvp, 1, 1], [Hp, Hvp], kpos.shape[1] > 1, rows_block, keys_block),
+            out_specs=[pl.BlockSpec((None, None, blk, w), lambda b, h, i: (b, h, i, 0)) for blk, w, _ in outputs],
+            out_shape=[jax.ShapeDtypeStruct((B, K, total, w), jnp.float32) for _, w, total in outputs],
+            name=f"kvjax_flash_attention_{kernel.__name__.strip('_').removesuffix('_kernel')}",
+            **call_options(backend),
+        )(*operands)
+
+    dk, dv = call(_dkdv_kernel, None, bk, S_pad // bk, [(bk, Hp, S_pad), (bk, Hvp, S_pad)])
+    (dq,) = call(_dq_kernel, bq, None, R_pad // bq, [(bq, Hp, R_pad)])
+    return dq[:, :, :R, :H], dk[:, :, :S, :H], dv[:, :, :S, :Hv]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -96,36 +187,9 @@ def _attention_rows_fwd(rows, row_pos, k, v, k_pos, scale, window, backend):
 
 
 def _attention_rows_bwd(scale, window, backend, residuals, d_o):
-    """FlashAttention-2's backward, one key block at a time (see the module docstring)."""
     rows, row_pos, k, v, k_pos, o, lse = residuals
-    B, K, R, H = rows.shape
-    S, Hv = k.shape[2], v.shape[-1]
-    bk = block_size(S)
-    S_pad = -(-S // bk) * bk
-    C = S_pad // bk
-    q = rows.astype(jnp.float32)
-    d_o = d_o.astype(jnp.float32)
-    delta = (d_o * o).sum(axis=-1)  # rowsum(dO * O) [B,K,R]
-    kp = pad_to(k_pos[:, None] if k_pos.ndim == 2 else k_pos, 2, S_pad, -1)  # [B,1|K,S_pad]
-
-    def blocks(x, width):  # [B,K,S,X] -> [C,B,K,bk,X]
-        return pad_to(x, 2, S_pad).astype(jnp.float32).reshape(B, K, C, bk, width).transpose(2, 0, 1, 3, 4)
-
-    xs = (blocks(k, H), blocks(v, Hv), kp.reshape(B, kp.shape[1], C, bk).transpose(2, 0, 1, 3))
-
-    def step(dq, block):
-        kb, vb, pb = block
-        vis = visible(row_pos[..., 0][..., None], pb[:, :, None, :], window)  # [B,1|K,R,bk]
-        s = jnp.einsum("bkrh,bksh->bkrs", q, kb) * scale
-        p = jnp.where(vis, jnp.exp(s - lse[..., None]), 0.0)
-        dv = jnp.einsum("bkrs,bkrh->bksh", p, d_o)
-        ds = p * (jnp.einsum("bkrh,bksh->bkrs", d_o, vb) - delta[..., None])
-        dk = jnp.einsum("bkrs,bkrh->bksh", ds, q) * scale
-        return dq + jnp.einsum("bkrs,bksh->bkrh", ds, kb) * scale, (dk, dv)
-
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(q), xs)
-    unblock = lambda x: x.transpose(1, 2, 0, 3, 4).reshape(B, K, S_pad, -1)[:, :, :S]  # noqa: E731
-    return (dq.astype(rows.dtype), None, unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), None)
+    dq, dk, dv = _backward(rows, row_pos, k, v, k_pos, o, lse, d_o, scale=scale, window=window, backend=backend)
+    return dq.astype(rows.dtype), None, dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _attention_rows.defvjp(_attention_rows_fwd, _attention_rows_bwd)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.ops import attend, attention, attention_probs, decode_block
+from kvjax.ops import attend, attention, attention_probs, causal_blocks, decode_block
 
 
 def loop_reference(q, k, v, q_pos, k_pos, window):
@@ -59,6 +59,28 @@ def test_blocked_decode_matches_loop_reference(N, K, window):
     got = attention(*map(jnp.asarray, (q, k, v, q_pos, k_pos)), window=window)
     np.testing.assert_allclose(got, loop_reference(q, k, v, q_pos, k_pos, window), atol=1e-5)
     assert np.all(np.asarray(got)[1] == 0)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_chunk_over_its_own_keys_in_causal_blocks(window):
+    """`fresh=T` (a prefill into an empty cache): 70 queries over their own keys at the front of a
+    96-slot cache (row 1 padded after 41 tokens), query blocks of 16 that skip hidden key blocks: equal
+    to the per-head loop, gradients included, and to attention over every slot."""
+    B, T, S, N, K, H = 2, 70, 96, 4, 2, 8
+    r = np.random.default_rng(3)
+    q, k, v = (r.normal(size=s).astype(np.float32) for s in [(B, T, N, H), (B, K, S, H), (B, K, S, H)])
+    pos = np.stack([np.arange(T), np.where(np.arange(T) < 41, np.arange(T), -1)]).astype(np.int32)
+    k_pos = np.concatenate([pos, np.full((B, S - T), -1, np.int32)], axis=1)
+    want = loop_reference(q, k, v, pos, k_pos, window)
+    args = tuple(map(jnp.asarray, (q, k, v, pos, k_pos)))
+    np.testing.assert_allclose(attention(*args, window=window, fresh=T), want, atol=1e-5)
+    blocked = lambda q, k, v: causal_blocks(q, k[:, :, :T], v[:, :, :T], args[3], args[4][:, :T], window, None, "xla", 16)  # noqa: E731
+    np.testing.assert_allclose(blocked(*args[:3]), want, atol=1e-5)
+    loss = lambda f: lambda *x: (f(*x) * jnp.sin(jnp.arange(B * T * N * H).reshape(B, T, N, H))).sum()  # noqa: E731
+    grads = jax.grad(loss(blocked), argnums=(0, 1, 2))(*args[:3])
+    dense = jax.grad(loss(lambda q, k, v: attention(q, k, v, args[3], args[4], window=window)), argnums=(0, 1, 2))(*args[:3])
+    for got, expected in zip(grads, dense):
+        np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
 def test_blocked_decode_with_per_head_positions_matches_dense_path():

@@ -1,0 +1,107 @@
+"""Converting a trained model to another KV architecture: exact at no reduction, mean-pooling as the GQA
+paper defines it, exact bytes, the cached-decode oracle, and clear refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kvjax.cache import caches_nbytes, init_caches
+from kvjax.config import ConfigError
+from kvjax.memory import cache_bytes
+from tests.architectures.oracles import assert_cached_decode_equals_full_forward, tokens_and_positions
+from training.convert import convert, parse_conversion, pool_heads
+
+
+def _with_random_norms(model, seed=0):
+    """A copy with random pre-norm scales (they start at 1), so that a new K/V norm's start matters."""
+    model, rng = nnx.clone(model), np.random.default_rng(seed)
+    for block in model.blocks:
+        for norm in (block.mixer_norm, block.mlp_norm):
+            norm.scale.set_value(jnp.asarray(rng.uniform(0.5, 1.5, norm.scale.shape), jnp.float32))
+    return model
+
+
+@pytest.fixture(scope="module")
+def source(make_model):
+    """A 4-layer MHA model (8 heads of 16) with random pre-norm scales."""
+    return _with_random_norms(make_model("mha", "model.init_std=0.2")[1])
+
+
+def _logits(model, length=24):
+    tokens, pos = tokens_and_positions(model.config.vocab_size, length=length)
+    return np.asarray(jax.jit(lambda t, p: model(t, p)[0])(tokens, pos))
+
+
+@pytest.mark.parametrize("text", ["gqa:kv_heads=8", "cla:factor=1", "cla1:merge=keep", "mlkv:layers=4",
+                                  "swa:window=100", "gqa:kv_heads=8,pool=first+mlkv:layers=4"])
+def test_no_reduction_reproduces_the_source(source, text):
+    converted = convert(source, parse_conversion(text))
+    np.testing.assert_allclose(_logits(converted), _logits(source), atol=1e-5)
+
+
+def test_yoco_with_a_one_layer_cross_decoder_reproduces_the_source(make_model):
+    """YOCO cannot be exact in general (upper layers read K/V made from a lower layer's input). Its
+    closest degenerate case is: 2 layers (a one-layer cross-decoder making its own K/V through a K/V
+    norm that starts as its pre-norm) and a window that covers the text."""
+    two = _with_random_norms(make_model("mha", "model.n_layers=2", "model.init_std=0.2")[1])
+    for merge in ("mean", "keep"):
+        converted = convert(two, parse_conversion(f"yoco-swa:window=64,merge={merge}"))
+        assert converted.config.mixers == ("swa", "attention") and converted.blocks[1].kv_norm is not None
+        np.testing.assert_allclose(_logits(converted), _logits(two), atol=1e-5)
+
+
+def test_mean_pooling_is_the_group_mean_of_contiguous_heads():
+    kernel = jnp.arange(2 * 4 * 3, dtype=jnp.float32).reshape(2, 12)  # D=2, 4 heads of 3
+    pooled = np.asarray(pool_heads(kernel, 2, 3, "mean"))
+    k = np.asarray(kernel)
+    np.testing.assert_allclose(pooled[:, :3], (k[:, 0:3] + k[:, 3:6]) / 2)  # heads 0, 1 -> KV head 0
+    np.testing.assert_allclose(pooled[:, 3:], (k[:, 6:9] + k[:, 9:12]) / 2)  # heads 2, 3 -> KV head 1
+    np.testing.assert_array_equal(pool_heads(kernel, 2, 3, "first"), np.concatenate([k[:, 0:3], k[:, 6:9]], 1))
+
+
+def test_cla_merges_each_groups_projections_into_its_producer(source):
+    converted = convert(source, parse_conversion("mqa+cla2"))
+    assert converted.config.kv_source == (0, 0, 2, 2) and converted.config.attention.n_kv_heads == 1
+    assert converted.blocks[1].mixer.k is None and converted.blocks[0].kv_norm is not None
+    layers = [np.asarray(source.blocks[i].mixer.k.kernel[...]).reshape(128, 8, 16) for i in (2, 3)]
+    want = np.mean(layers, axis=0).mean(axis=1)  # layers 2 and 3 averaged, then the 8 heads
+    np.testing.assert_allclose(converted.blocks[2].mixer.k.kernel[...], want, atol=1e-6)
+    np.testing.assert_array_equal(converted.blocks[2].kv_norm.scale[...], source.blocks[2].mixer_norm.scale[...])
+    kept = convert(source, parse_conversion("cla2:merge=keep"))
+    np.testing.assert_array_equal(kept.blocks[2].mixer.v.kernel[...], source.blocks[2].mixer.v.kernel[...])
+
+
+@pytest.mark.parametrize("text", ["mqa", "cla2", "mqa+mlkv:layers=1", "yoco-swa:window=8"])
+def test_converted_models_decode_exactly_and_hold_the_analytic_bytes(make_model, text):
+    source = make_model("mha")[1]  # default init: logits of order 1, as the oracle's tolerance assumes
+    converted = convert(source, parse_conversion(text))
+    cfg = converted.config
+    caches = assert_cached_decode_equals_full_forward(cfg, converted, length=20, prefill=12)
+    assert caches_nbytes(caches) == cache_bytes(cfg, 20, batch=2)
+    assert caches_nbytes(init_caches(cfg, 1, 1000)) < caches_nbytes(init_caches(source.config, 1, 1000))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("gqa:kv_heads=3", "cannot map 8 KV heads to kv_heads=3; a divisor of 8 is needed"),
+    ("gqa", "needs kv_heads=N"),
+    ("gqa:kv_heads=0", "kv_heads='0' must be an integer >= 1"),
+    ("cla:factor=5", "factor=5 must be <= n_layers=4"),
+    ("mqa:pool=max", "pool='max' must be one of"),
+    ("cla2:merge=sum", "merge='sum' must be one of"),
+    ("cla2:window=3", "unknown option"),
+    ("mla:d_c=64", "MHA2MLA-style conversion to MLA is not implemented"),
+    ("moe", "'moe' must be one of"),
+    ("cla2+yoco-swa:window=8", "drop cla/mlkv"),
+    ("", "is empty"),
+])
+def test_bad_conversions_are_refused_before_any_compute(source, text, message):
+    with pytest.raises(ConfigError, match=message):
+        convert(source, parse_conversion(text))
+
+
+def test_a_source_that_already_shares_kv_is_refused(make_model):
+    _, cla = make_model("cla2")
+    with pytest.raises(ConfigError, match="already shares K/V across layers"):
+        convert(cla, parse_conversion("mlkv:layers=1"))

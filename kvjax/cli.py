@@ -138,6 +138,28 @@ def _cmd_train(args) -> None:
     print(json.dumps({"step": trainer.step, **trainer.evaluate()}))
 
 
+def _cmd_uptrain(args) -> None:
+    from training.uptrain import uptrain
+
+    if any("=" not in o for o in args.overrides):
+        raise ConfigError(f"kvjax uptrain takes one source and one conversion, then key.sub=value overrides; "
+                          f"got {args.overrides}")
+    run_dir = args.run_dir or f"runs/uptrain/{Path(args.source).stem}-{args.conversion.replace(':', '_')}"
+    record = uptrain(args.source, args.conversion, run_dir, args.overrides)
+    after = record["after"]
+    kv = record["kv_bytes_per_token"]
+    rows = [[args.source, f"{kv['source']:,}", *_scores(record["source_eval"])],
+            [f"{args.conversion}, converted", f"{kv['converted']:,}", *_scores(record["before"])],
+            [f"{args.conversion}, after {after['step']} steps", f"{kv['converted']:,}", *_scores(after)]]
+    print(format_table(["model", "KV B/token", "val NLL (nats/token)", "bits/byte"], rows))
+    print(f"{record['tokens']:,} training tokens in {record['train_seconds']:.0f} s; run: {run_dir} "
+          f"(kvjax eval/generate {run_dir}; record in {run_dir}/uptrain.json)")
+
+
+def _scores(scores: dict) -> list[str]:
+    return [f"{scores['eval_loss']:.4f}", f"{scores['eval_bpb']:.4f}"]
+
+
 def _calibration(loaded, policies, corpus: str | None):
     """Palu's calibration tokens (the corpus's training split) when a policy needs them, else None."""
     from training import compression_eval as ce
@@ -354,6 +376,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--corpus", help="palu: calibration corpus (default: the run's own; kjv for GGUF models)")
     gen.add_argument("--allow-long-context", action="store_true", help=long_help)
     gen.set_defaults(run=_cmd_generate)
+
+    up = sub.add_parser("uptrain", help="convert a pretrained model to another KV architecture and train it briefly")
+    up.add_argument("source", help=model_help)
+    up.add_argument("conversion", help="mqa, gqa:kv_heads=K, cla2, cla:factor=F, mlkv:layers=M, swa:window=W, "
+                    "yoco-swa:window=W, joined by + (options pool=mean|first, merge=mean|keep)")
+    up.add_argument("overrides", nargs="*", help="data.* and train.* overrides (a GGUF source starts from "
+                    "seq_len 256, 100 steps of batch 4 at lr 1e-4)")
+    up.add_argument("--run-dir", help="where the run goes; an existing one resumes "
+                    "(default: runs/uptrain/<source>-<conversion>)")
+    up.set_defaults(run=_cmd_uptrain)
 
     cmp = sub.add_parser("compare", help="train every variant of an experiment and compare them")
     cmp.add_argument("--experiment", help="experiment YAML or shipped name, e.g. sharing (default: compare)")

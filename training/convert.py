@@ -152,8 +152,8 @@ def convert(model: Decoder, conversion: Conversion) -> Decoder:
         kernels = [getattr(model.blocks[i].mixer, name).kernel[...] for i in layers]
         return pool_heads(jnp.mean(jnp.stack(kernels), axis=0), att.n_kv_heads, att.head_dim, conversion.pool)
 
-    def put(variable, value):
-        variable.set_value(jnp.asarray(value, variable.dtype))
+    def put(variable, value):  # a copy: two parameters must never share a buffer (training donates them)
+        variable.set_value(jnp.array(value, variable.dtype, copy=True))
 
     put(target.embed.embedding, model.embed.embedding[...])
     put(target.final_norm.scale, model.final_norm.scale[...])

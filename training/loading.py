@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -52,7 +53,10 @@ def load_model(ref: str) -> LoadedModel:
     if not (Path(ref) / "checkpoints").is_dir():
         raise _missing(ref)
     config, model, tokenizer = load_trained(ref)
-    return LoadedModel(config, model, tokenizer, config.data.seq_len, True, config.data.corpus)
+    context = config.data.seq_len
+    if (record := Path(ref) / "uptrain.json").is_file():  # an uptrained model keeps its source's context
+        context = max(context, json.loads(record.read_text())["context"] or 0)
+    return LoadedModel(config, model, tokenizer, context, True, config.data.corpus)
 
 
 def check_context(loaded: LoadedModel, tokens: int, what: str, allow: bool) -> None:

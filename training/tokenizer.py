@@ -76,9 +76,15 @@ class HFTokenizer:
 
 
 TOKENIZERS = {"byte": ByteTokenizer}
+GGUF_PREFIX = "gguf:"  # `gguf:smollm2` or `gguf:/path/model.gguf`: the vocabulary a GGUF file carries
 
 
 def get_tokenizer(name: str) -> Tokenizer:
+    """`byte`, or `gguf:<shipped name or .gguf path>` (an imported model's BPE, e.g. for uptraining it)."""
+    if name.startswith(GGUF_PREFIX):
+        from training.gguf_import import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(name[len(GGUF_PREFIX):])
     if name not in TOKENIZERS:
-        raise ValueError(f"tokenizer={name!r} must be one of {sorted(TOKENIZERS)}")
+        raise ValueError(f"data.tokenizer={name!r} must be one of {sorted(TOKENIZERS)} or gguf:<model>")
     return TOKENIZERS[name]()

@@ -207,15 +207,19 @@ class Trainer:
         devices: list | None = None,
         progress: bool = True,
         corpus: Corpus | None = None,
+        init: Decoder | None = None,
     ):
-        """`corpus` reuses data prepared (by `prepare_corpus`) for the same data config."""
+        """`corpus` reuses data prepared (by `prepare_corpus`) for the same data config; `init` is the
+        model a new run starts from (a converted one, for uptraining) instead of a random one."""
         self.config = config
         self.run_dir = Path(run_dir)
         self.progress = progress
         self.mesh = make_mesh(config.mesh, devices)
         self.corpus = prepare_corpus(config) if corpus is None else corpus
         cfg = config.train
-        model = Decoder(config.model, rngs=nnx.Rngs(cfg.seed))
+        if init is not None and init.config != config.model:
+            raise ValueError("init's model config differs from config.model")
+        model = Decoder(config.model, rngs=nnx.Rngs(cfg.seed)) if init is None else init
         self.graphdef, params = nnx.split(model)
         self.schedule = learning_rate(cfg)
         tx = make_optimizer(cfg)

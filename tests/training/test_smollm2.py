@@ -94,6 +94,20 @@ def test_cached_decode_equals_full_forward(ours, text_ids):
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-4, rtol=1e-4)
 
 
+def test_a_conversion_without_reduction_reproduces_smollm2(ours, text_ids):
+    """Keeping all 3 KV heads (first of each group of one) and a K/V layer for each of the 30 layers is
+    SmolLM2 itself; the MQA conversion is not (its 3 heads are pooled into one)."""
+    from training.convert import convert, parse_conversion
+
+    _, model, _ = ours
+    ids, pos = jnp.asarray([text_ids[:32]]), jnp.arange(32)[None]
+    full, _ = model(ids, pos)
+    same = convert(model, parse_conversion("gqa:kv_heads=3,pool=first+mlkv:layers=30"))
+    np.testing.assert_allclose(same(ids, pos)[0], full, atol=1e-4)
+    mqa = convert(model, parse_conversion("mqa"))
+    assert mqa.config.attention.n_kv_heads == 1 and np.abs(np.asarray(mqa(ids, pos)[0] - full)).max() > 1.0
+
+
 def test_export_round_trip(ours, text_ids, tmp_path):
     _, model, tokenizer = ours
     export_llama(model, tmp_path, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)

@@ -1,0 +1,74 @@
+"""Uptraining a model trained here: convert, evaluate, train, evaluate; the run resumes bit for bit and
+reads like any run."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from kvjax.cli import main
+from kvjax.config import ConfigError
+from training.loading import load_model
+from training.trainer import Trainer, load_trained
+from training.uptrain import uptrain
+
+SHORT = ["train.steps=6", "train.warmup_steps=1", "train.checkpoint_every=3", "train.eval_every=6"]
+
+
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory):
+    """A 2-layer GQA run trained for 8 steps on a tiny corpus."""
+    from kvjax.config import load_config
+    from tests.training.conftest import SMALL_CORPUS
+
+    config = load_config("gqa", ["model.n_layers=2", f"data.corpus={SMALL_CORPUS}", "data.seq_len=32",
+                                 "data.val_fraction=0.3", "data.eval_windows=8", "train.batch_size=4",
+                                 "train.steps=8", "train.warmup_steps=1", "train.log_every=1000"])
+    run_dir = tmp_path_factory.mktemp("source")
+    Trainer(config, run_dir, progress=False).run()
+    return str(run_dir)
+
+
+def test_uptraining_records_source_converted_and_trained_scores(source_run, tmp_path):
+    record = uptrain(source_run, "mqa", tmp_path / "up", SHORT, progress=False, log=lambda _: None)
+    assert record["kv_bytes_per_token"]["converted"] * 2 == record["kv_bytes_per_token"]["source"]  # 2 -> 1 KV heads
+    assert record["after"]["step"] == 6 and record["tokens"] == 6 * 4 * 32
+    assert record["after"]["eval_loss"] != record["before"]["eval_loss"]
+    assert json.loads((tmp_path / "up" / "uptrain.json").read_text()) == record
+    loaded = load_model(str(tmp_path / "up"))  # an ordinary run: kvjax eval / generate read it
+    assert loaded.config.model.attention.n_kv_heads == 1 and loaded.context == 32
+
+
+def test_no_reduction_starts_where_the_source_is(source_run, tmp_path):
+    record = uptrain(source_run, "gqa:kv_heads=2", tmp_path / "same", SHORT, progress=False, log=lambda _: None,
+                     stop_at=1)
+    np.testing.assert_allclose(record["before"]["eval_loss"], record["source_eval"]["eval_loss"], rtol=1e-6)
+
+
+def test_an_interrupted_uptraining_resumes_bit_for_bit(source_run, tmp_path):
+    quiet = dict(progress=False, log=lambda _: None)
+    uptrain(source_run, "cla2", tmp_path / "whole", SHORT, **quiet)
+    uptrain(source_run, "cla2", tmp_path / "split", SHORT, stop_at=3, **quiet)
+    uptrain(source_run, "cla2", tmp_path / "split", SHORT, **quiet)
+    whole, split = (jax.tree.leaves(load_trained(tmp_path / d)[1]) for d in ("whole", "split"))
+    for a, b in zip(whole, split):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ConfigError, match="uptrains .* by .cla2., not"):
+        uptrain(source_run, "mqa", tmp_path / "split", SHORT, **quiet)
+
+
+def test_bad_requests_fail_before_training(source_run, tmp_path):
+    with pytest.raises(ConfigError, match="cannot map 2 KV heads"):
+        uptrain(source_run, "gqa:kv_heads=3", tmp_path / "x", SHORT, progress=False)
+    with pytest.raises(ConfigError, match="the model is the converted source"):
+        uptrain(source_run, "mqa", tmp_path / "x", ["model.d_model=64"], progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_command_prints_the_three_scores(source_run, tmp_path, capsys):
+    assert main(["uptrain", source_run, "mqa", *SHORT, "--run-dir", str(tmp_path / "cli")]) == 0
+    out = capsys.readouterr().out
+    assert "mqa, converted" in out and "mqa, after 6 steps" in out and "KV B/token" in out
+    assert main(["uptrain", source_run, "mqa:pool=max", "--run-dir", str(tmp_path / "bad")]) == 2
+    assert "pool='max' must be one of" in capsys.readouterr().err

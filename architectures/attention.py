@@ -20,9 +20,10 @@ class Attention(nnx.Module):
     def __init__(self, d_model: int, cfg: AttentionConfig, *, produces_kv: bool, std: float, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q = dense(d_model, N * H, std=std, dtype=dtype, rngs=rngs)
-        self.k = dense(d_model, K * H, std=std, dtype=dtype, rngs=rngs) if produces_kv else None
-        self.v = dense(d_model, K * H, std=std, dtype=dtype, rngs=rngs) if produces_kv else None
+        bias = cfg.qkv_bias
+        self.q = dense(d_model, N * H, std=std, dtype=dtype, rngs=rngs, bias=bias)
+        self.k = dense(d_model, K * H, std=std, dtype=dtype, rngs=rngs, bias=bias) if produces_kv else None
+        self.v = dense(d_model, K * H, std=std, dtype=dtype, rngs=rngs, bias=bias) if produces_kv else None
         self.o = dense(N * H, d_model, std=std, dtype=dtype, rngs=rngs)
 
     @property

@@ -12,25 +12,29 @@ __all__ = ["Dense", "RMSNorm", "SwiGLU", "apply_rope", "dense", "last_valid"]
 
 
 class Dense(nnx.Module):
-    """A bias-free projection x @ kernel, kernel `[d_in, d_out]` ~ N(0, std), computing in the kernel's dtype.
+    """A projection x @ kernel (+ bias, zeros at init, when `bias`), kernel `[d_in, d_out]` ~ N(0, std),
+    computing in the kernel's dtype.
 
     Leading axes are flattened into one before the matmul: XLA:CPU's weight gradient of a `[B,T,D]`
     dot (contracting B and T together) ran 3.5x slower than the same matmul on `[B*T, D]`
     (SwiGLU backward at 16 x 256 x 128: 80 ms vs 22 ms).
     """
 
-    def __init__(self, d_in: int, d_out: int, *, std: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, *, std: float, dtype, rngs: nnx.Rngs, bias: bool = False):
         self.kernel = nnx.Param(nnx.initializers.normal(std)(rngs.params(), (d_in, d_out), dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
         y = x.reshape(-1, x.shape[-1]).astype(kernel.dtype) @ kernel
+        if self.bias is not None:
+            y = y + self.bias[...][None, :]
         return y.reshape(*x.shape[:-1], kernel.shape[1])
 
 
-def dense(d_in: int, d_out: int, *, std: float, dtype, rngs: nnx.Rngs) -> Dense:
-    """A bias-free `Dense` projection with N(0, std) weights in `dtype`."""
-    return Dense(d_in, d_out, std=std, dtype=dtype, rngs=rngs)
+def dense(d_in: int, d_out: int, *, std: float, dtype, rngs: nnx.Rngs, bias: bool = False) -> Dense:
+    """A `Dense` projection with N(0, std) weights in `dtype` (bias-free unless `bias`)."""
+    return Dense(d_in, d_out, std=std, dtype=dtype, rngs=rngs, bias=bias)
 
 
 class RMSNorm(nnx.Module):

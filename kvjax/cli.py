@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", help="where checkpoints and metrics go (default runs/<model name>)")
     train.set_defaults(run=_cmd_train)
 
-    model_help = "a run directory, a .gguf file, or a shipped model (smollm2)"
+    model_help = "a run directory, a Hugging Face checkpoint directory, a .gguf file, or a shipped model (smollm2)"
     long_help = "go past the model's trained context (data.seq_len of a run; the GGUF file's context_length)"
     ev = sub.add_parser(
         "eval", help="perplexity on a validation split, or quality under compressed caches (--policy, --task)"
@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("source", help=model_help)
     up.add_argument("conversion", help="mqa, gqa:kv_heads=K, cla2, cla:factor=F, mlkv:layers=M, swa:window=W, "
                     "yoco-swa:window=W, joined by + (options pool=mean|first, merge=mean|keep)")
-    up.add_argument("overrides", nargs="*", help="data.* and train.* overrides (a GGUF source starts from "
+    up.add_argument("overrides", nargs="*", help="data.* and train.* overrides (an imported source starts from "
                     "seq_len 256, 100 steps of batch 4 at lr 1e-4)")
     up.add_argument("--run-dir", help="where the run goes; an existing one resumes "
                     "(default: runs/uptrain/<source>-<conversion>)")

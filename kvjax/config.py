@@ -53,6 +53,7 @@ class AttentionConfig:
     rope_theta: float = 10_000.0
     window: int | None = None
     impl: str = "xla"
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2's attention)
 
     def __post_init__(self):
         p = "model.attention"

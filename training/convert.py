@@ -4,7 +4,8 @@ A conversion is text, stages joined by `+` (e.g. `mqa+cla2`), each `name[:key=va
 
 - `gqa:kv_heads=K`, `mqa` (K = 1): fewer KV heads. The K/V projection heads of each contiguous group are
   mean-pooled (Ainslie et al. 2023, sec. 2.2: better than keeping the first head or a random init),
-  `pool=first` keeps each group's first head instead. Queries and outputs are unchanged.
+  `pool=first` keeps each group's first head instead; biases (Qwen2's) alike. Queries and outputs are
+  unchanged.
 - `cla:factor=F` (or `cla2`, `cla3`, ...; Brandon et al. 2024) and `mlkv:layers=M` (Zuhri et al. 2024):
   layers share K/V. The producer of each group gets the group's K/V projections mean-pooled over its
   layers (`merge=mean`; MLKV's code averages the layers' heads too), or keeps its own (`merge=keep`);
@@ -145,12 +146,12 @@ def convert(model: Decoder, conversion: Conversion) -> Decoder:
     att = target_cfg.attention
     kv_source = target_cfg.kv_source
 
-    def kv_kernel(name: str, producer: int):
-        """The producer's K or V kernel: its group's projections merged, then heads pooled."""
+    def kv_param(name: str, part: str, producer: int):
+        """The producer's K or V kernel (or bias): its group's projections merged, then heads pooled."""
         group = [i for i, src in enumerate(kv_source) if src == producer]
         layers = group if conversion.merge == "mean" else [producer]
-        kernels = [getattr(model.blocks[i].mixer, name).kernel[...] for i in layers]
-        return pool_heads(jnp.mean(jnp.stack(kernels), axis=0), att.n_kv_heads, att.head_dim, conversion.pool)
+        merged = jnp.mean(jnp.stack([getattr(getattr(model.blocks[i].mixer, name), part)[...] for i in layers]), 0)
+        return pool_heads(merged.reshape(-1, merged.shape[-1]), att.n_kv_heads, att.head_dim, conversion.pool)
 
     def put(variable, value):  # a copy: two parameters must never share a buffer (training donates them)
         variable.set_value(jnp.array(value, variable.dtype, copy=True))
@@ -168,7 +169,11 @@ def convert(model: Decoder, conversion: Conversion) -> Decoder:
             put(getattr(new.mlp, name).kernel, getattr(old.mlp, name).kernel[...])
         put(new.mixer.q.kernel, old.mixer.q.kernel[...])
         put(new.mixer.o.kernel, old.mixer.o.kernel[...])
-        if new.mixer.produces_kv:
-            put(new.mixer.k.kernel, kv_kernel("k", i))
-            put(new.mixer.v.kernel, kv_kernel("v", i))
+        parts = ("kernel", "bias") if att.qkv_bias else ("kernel",)
+        if att.qkv_bias:
+            put(new.mixer.q.bias, old.mixer.q.bias[...])
+        for name in ("k", "v") if new.mixer.produces_kv else ():
+            for part in parts:
+                param = getattr(getattr(new.mixer, name), part)
+                put(param, kv_param(name, part, i).reshape(param.shape))
     return target

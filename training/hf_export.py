@@ -44,6 +44,9 @@ def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
         out[_torch_name(i, "post_attention_layernorm")] = arr(block.mlp_norm.scale)
         for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
             out[_torch_name(i, f"self_attn.{theirs}")] = arr(getattr(block.mixer, ours).kernel).T
+            if cfg.attention.qkv_bias:  # Llama's attention_bias also biases o_proj: zeros there keep it exact
+                bias = getattr(block.mixer, ours).bias
+                out[f"model.layers.{i}.self_attn.{theirs}.bias"] = arr(bias) if bias is not None else np.zeros(cfg.d_model, np.float32)
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             out[_torch_name(i, f"mlp.{theirs}")] = arr(getattr(block.mlp, ours).kernel).T
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
@@ -66,7 +69,7 @@ def hf_config(model: Decoder, *, bos_id: int | None = None, eos_id: int | None =
         "rope_theta": att.rope_theta,
         "max_position_embeddings": max_positions,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
+        "attention_bias": att.qkv_bias,
         "mlp_bias": False,
         "torch_dtype": "float32",
         "bos_token_id": bos_id,

@@ -1,5 +1,6 @@
-"""Models named on the command line: a run directory trained here, a .gguf file, or a shipped GGUF name
-(`smollm2`), loaded with what the commands need to know about them (tokenizer, trained context, BOS)."""
+"""Models named on the command line: a run directory trained here, a Hugging Face checkpoint directory, a
+.gguf file, or a shipped GGUF name (`smollm2`), loaded with what the commands need to know about them
+(tokenizer, trained context, BOS)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def _missing(ref: str) -> ModelRefError:
     from training.gguf_import import SHIPPED
 
     return ModelRefError(
-        f"model {ref!r} is not a run directory (one with checkpoints/), a .gguf file, nor a shipped model "
-        f"({', '.join(sorted(SHIPPED))})"
+        f"model {ref!r} is not a run directory (one with checkpoints/), a Hugging Face checkpoint directory "
+        f"(config.json + safetensors), a .gguf file, nor a shipped model ({', '.join(sorted(SHIPPED))})"
     )
 
 
@@ -47,9 +48,15 @@ def load_model(ref: str) -> LoadedModel:
     from training.gguf_import import gguf_context_length, load_gguf_model, load_gguf_tokenizer
     from training.trainer import load_trained
 
+    from training.hf_import import is_hf_dir, load_hf_model, load_hf_tokenizer
+
     if is_gguf(ref):
         config, model = load_gguf_model(ref)
         return LoadedModel(config, model, load_gguf_tokenizer(ref), gguf_context_length(ref), False, "kjv")
+    if is_hf_dir(ref):
+        config, model = load_hf_model(ref)
+        context = json.loads((Path(ref) / "config.json").read_text()).get("max_position_embeddings")
+        return LoadedModel(config, model, load_hf_tokenizer(ref), context, False, "kjv")
     if not (Path(ref) / "checkpoints").is_dir():
         raise _missing(ref)
     config, model, tokenizer = load_trained(ref)

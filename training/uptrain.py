@@ -20,28 +20,29 @@ from typing import Callable
 from kvjax import memory
 from kvjax.config import Config, ConfigError, apply_overrides, from_dict
 from training.convert import convert, parse_conversion
+from training.hf_import import is_hf_dir
 from training.loading import is_gguf, load_model
-from training.tokenizer import GGUF_PREFIX
+from training.tokenizer import GGUF_PREFIX, HF_PREFIX
 
 RECORD = "uptrain.json"
-# An imported (GGUF) source's defaults: a short run at a small learning rate, as MHA2MLA's recipe
-# (AdamW lr 1e-4, no weight decay) fine-tunes pretrained weights; override any of them.
-GGUF_DEFAULTS = ("data.seq_len=256", "data.eval_windows=32", "train.steps=100", "train.batch_size=4",
+# An imported (GGUF or Hugging Face) source's defaults: a short run at a small learning rate, as
+# MHA2MLA's recipe (AdamW lr 1e-4, no weight decay) fine-tunes pretrained weights; override any of them.
+IMPORTED_DEFAULTS = ("data.seq_len=256", "data.eval_windows=32", "train.steps=100", "train.batch_size=4",
                  "train.lr=1e-4", "train.warmup_steps=10", "train.weight_decay=0.0", "train.eval_every=100",
                  "train.checkpoint_every=50")
 
 
 def uptrain_config(source_ref: str, loaded, target_model, overrides: list[str]) -> Config:
-    """The run's config: the converted model, and the source run's data and training settings (for a
-    GGUF source, its own tokenizer and `GGUF_DEFAULTS`), with `overrides` on top."""
+    """The run's config: the converted model, and the source run's data and training settings (for an
+    imported source, its own tokenizer and `IMPORTED_DEFAULTS`), with `overrides` on top."""
     if models := [o for o in overrides if o.startswith("model.")]:
         raise ConfigError(f"{models}: the model is the converted source; change it through the conversion")
     base = dataclasses.replace(loaded.config, model=target_model).to_dict()
     given = list(overrides)
-    if is_gguf(source_ref):
-        base["data"]["tokenizer"] = GGUF_PREFIX + source_ref
+    if imported := (GGUF_PREFIX if is_gguf(source_ref) else HF_PREFIX if is_hf_dir(source_ref) else None):
+        base["data"]["tokenizer"] = imported + source_ref
         base["data"]["corpus"] = loaded.corpus
-        given = [*GGUF_DEFAULTS, *given]
+        given = [*IMPORTED_DEFAULTS, *given]
     return from_dict(Config, apply_overrides(base, given))
 
 

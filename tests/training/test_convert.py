@@ -105,3 +105,17 @@ def test_a_source_that_already_shares_kv_is_refused(make_model):
     _, cla = make_model("cla2")
     with pytest.raises(ConfigError, match="already shares K/V across layers"):
         convert(cla, parse_conversion("mlkv:layers=1"))
+
+
+def test_qkv_biases_are_kept_and_pooled_like_the_kernels(make_model):
+    """Qwen2-style biases: kept exactly at no reduction; the K/V biases mean-pooled with their heads."""
+    model = nnx.clone(make_model("mha", "model.attention.qkv_bias=true")[1])
+    rng = np.random.default_rng(2)
+    for block in model.blocks:
+        for proj in (block.mixer.q, block.mixer.k, block.mixer.v):
+            proj.bias.set_value(jnp.asarray(rng.normal(size=proj.bias.shape), jnp.float32))
+    np.testing.assert_allclose(_logits(convert(model, parse_conversion("gqa:kv_heads=8"))), _logits(model), atol=1e-5)
+    mqa = convert(model, parse_conversion("mqa"))
+    want = np.asarray(model.blocks[1].mixer.v.bias[...]).reshape(8, 16).mean(axis=0)
+    np.testing.assert_allclose(mqa.blocks[1].mixer.v.bias[...], want, atol=1e-6)
+    np.testing.assert_array_equal(mqa.blocks[1].mixer.q.bias[...], model.blocks[1].mixer.q.bias[...])

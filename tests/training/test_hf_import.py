@@ -1,0 +1,111 @@
+"""Hugging Face checkpoint directories (Llama, Mistral, Qwen2) load as kvjax models that compute what
+transformers computes, kvjax's own export reads back exactly, and what kvjax cannot express is refused."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from training.hf_export import export_llama
+from training.hf_import import HFImportError, load_hf_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rope_theta=1000.0, rms_norm_eps=1e-5)
+
+
+def _save(family: str, directory, **extra):
+    """A randomly initialised tiny model written by transformers' save_pretrained (biases made non-zero)."""
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(**TINY, **extra)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(directory)
+    return model
+
+
+def _ids(length=12):
+    return np.random.default_rng(0).integers(0, TINY["vocab_size"], (2, length))
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("Llama", {}),
+    ("Llama", {"tie_word_embeddings": True}),
+    ("Mistral", {"sliding_window": 5}),  # 12 tokens: the window matters
+    ("Qwen2", {}),  # query/key/value biases
+])
+def test_logits_match_transformers(tmp_path, family, extra):
+    reference = _save(family, tmp_path, **extra)
+    config, model = load_hf_model(tmp_path)
+    ids = _ids()
+    ours, _ = model(jnp.asarray(ids), jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape))
+    with torch.no_grad():
+        want = reference(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(ours, want, atol=1e-4)
+    assert config.model.attention.window == extra.get("sliding_window")
+    assert config.model.attention.qkv_bias == (family == "Qwen2")
+
+
+def test_kvjax_export_reads_back_exactly(make_model, tmp_path):
+    from flax import nnx
+
+    cfg, model = make_model("gqa", "model.n_layers=2", "model.attention.qkv_bias=true")
+    model, rng = nnx.clone(model), np.random.default_rng(1)
+    for block in model.blocks:  # biases start at zero: make them matter
+        for proj in (block.mixer.q, block.mixer.k, block.mixer.v):
+            proj.bias.set_value(jnp.asarray(rng.normal(size=proj.bias.shape), jnp.float32))
+    export_llama(model, tmp_path)
+    _, back = load_hf_model(tmp_path)
+    ids = jnp.asarray(_ids())
+    pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    np.testing.assert_allclose(back(ids % cfg.vocab_size, pos)[0], model(ids % cfg.vocab_size, pos)[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures='GPT2LMHeadModel' is not supported"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type=.linear. is not"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling=.* is not expressible"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not expressible"),
+    ({"use_sliding_window": True, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "max_window_layers"),
+])
+def test_what_kvjax_cannot_express_is_refused_by_name(tmp_path, change, message):
+    _save("Llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(HFImportError, match=message):
+        load_hf_model(tmp_path)
+    with pytest.raises(HFImportError, match="not a Hugging Face checkpoint"):
+        load_hf_model(tmp_path / "missing")
+
+
+def test_a_checkpoint_directory_is_a_model_for_eval_generate_and_uptrain(make_model, tmp_path):
+    """With its tokenizer.json beside it, an exported kvjax model loads by directory like a run or a
+    GGUF file, and uptrains with its own tokenizer (`data.tokenizer=hf:<dir>`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from tests.training.conftest import SMALL_CORPUS
+    from training.loading import load_model
+    from training.uptrain import uptrain
+
+    _, model = make_model("gqa", "model.n_layers=2")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=262, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def f(x):\n    return {'a': [1, 2]}\n"] * 20, trainer)
+    export_llama(model, tmp_path / "hf", bos_id=0, eos_id=1)
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    loaded = load_model(str(tmp_path / "hf"))
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("return [1]")) == "return [1]"
+    assert (loaded.bos, loaded.context, loaded.tokenizer.bos_id) == (False, 8192, 0)
+    record = uptrain(str(tmp_path / "hf"), "mqa", tmp_path / "up", [
+        f"data.corpus={SMALL_CORPUS}", "data.seq_len=32", "data.val_fraction=0.3", "data.eval_windows=4",
+        "train.steps=2", "train.warmup_steps=0", "train.batch_size=2"], progress=False, log=lambda _: None)
+    assert record["after"]["step"] == 2
+    assert load_model(str(tmp_path / "up")).config.data.tokenizer == f"hf:{tmp_path / 'hf'}"

@@ -271,8 +271,14 @@ def _cmd_compare(args) -> None:
     if args.policies:
         return _compare_policies(args)
     from training.compare import load_experiment, run_compare
+    from training.uptrain_compare import UptrainExperiment, run_uptrain_compare
 
     exp = load_experiment(args.experiment)
+    if isinstance(exp, UptrainExperiment):
+        if args.variants:
+            raise ConfigError("--variants applies to model comparisons; an uptraining experiment lists conversions")
+        out = Path(args.out) if args.out else _compare_dir(args) / "uptrain"  # its runs apart from the variants'
+        return run_uptrain_compare(exp, out, quick=args.quick, name=Path(args.experiment).stem)
     if args.variants:
         exp = dataclasses.replace(exp, variants=tuple(args.variants))
     name = Path(args.experiment).stem if args.experiment else "compare"
@@ -388,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(run=_cmd_uptrain)
 
     cmp = sub.add_parser("compare", help="train every variant of an experiment and compare them")
-    cmp.add_argument("--experiment", help="experiment YAML or shipped name, e.g. sharing (default: compare)")
+    cmp.add_argument("--experiment", help="experiment YAML or shipped name, e.g. sharing, or uptrain (conversions "
+                     "of one source, uptrained and from scratch) (default: compare)")
     cmp.add_argument("--quick", action="store_true", help="a short run, for a smoke test")
     cmp.add_argument("--variants", nargs="+", help="model configs to compare (default: the experiment's list)")
     cmp.add_argument("--out", help="directory for the runs, tables and plot, used as given "

@@ -17,6 +17,7 @@ import yaml
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "pallas", "auto")  # kvjax.ops.attention's backends
+TRAINABLE = ("all", "kv")  # train.trainable: every parameter, or only the K/V projections and norms
 MIXER_KINDS = ("attention", "mla", "swa", "gret", "mamba", "rwkv")  # what a layer of the plan may be
 PATTERN_KINDS = ("attention", "mla", "mamba", "rwkv")  # what model.layer_pattern may name (YOCO places its own)
 RWKV_FORMS = ("scan", "associative")
@@ -411,6 +412,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     log_every: int = 10
     seed: int = 0
+    trainable: str = "all"  # all, or kv: only K/V projections and K/V norms (what uptraining converted)
 
     def __post_init__(self):
         p = "train"
@@ -434,6 +436,7 @@ class TrainConfig:
         _require(self.weight_decay >= 0, f"{p}.weight_decay", self.weight_decay, "must be >= 0")
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{p}.b1/b2", (self.b1, self.b2), "must be in [0, 1)")
         _positive(p, self, "grad_clip")
+        _require(self.trainable in TRAINABLE, f"{p}.trainable", self.trainable, f"must be one of {TRAINABLE}")
 
 
 @dataclasses.dataclass(frozen=True)

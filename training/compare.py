@@ -45,8 +45,11 @@ class CompareConfig:
             raise ConfigError(f"decode_tokens={self.decode_tokens} must be < decode_context={self.decode_context}")
 
 
-def load_experiment(name: str | Path | None = None) -> CompareConfig:
-    """An experiment YAML file, or a name under configs/experiments/ (default `compare`); `base:` inherits."""
+def load_experiment(name: str | Path | None = None):
+    """An experiment YAML file, or a name under configs/experiments/ (default `compare`); `base:` inherits.
+    A file naming `conversions` is an uptraining experiment (`training.uptrain_compare`)."""
+    from training.uptrain_compare import UptrainExperiment
+
     shipped = CONFIG_ROOT / "experiments"
     path = Path(name) if name else shipped / "compare.yaml"
     if not path.is_file() and (shipped / f"{name}.yaml").is_file():
@@ -54,7 +57,8 @@ def load_experiment(name: str | Path | None = None) -> CompareConfig:
     if not path.is_file():
         known = sorted(p.stem for p in shipped.glob("*.yaml"))
         raise ConfigError(f"experiment {name!r} is neither a file nor a shipped experiment (shipped: {known})")
-    return from_dict(CompareConfig, load_yaml_tree(path, shipped))
+    tree = load_yaml_tree(path, shipped)
+    return from_dict(UptrainExperiment if "conversions" in tree else CompareConfig, tree)
 
 
 @dataclasses.dataclass

@@ -107,13 +107,30 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
     )
 
 
+KV_PARAMS = ("k", "v", "kv_norm")  # module names of the K/V projections and norms (`train.trainable=kv`)
+
+
+def trainable_labels(params, trainable: str):
+    """'train' or 'freeze' per parameter: with trainable=kv only those under a K/V module are trained."""
+    def label(path, _):
+        names = {str(getattr(p, "key", "")) for p in path}
+        return "train" if trainable == "all" or names & set(KV_PARAMS) else "freeze"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW; weight decay only on matrices (not on norm scales or biases)."""
+    """Clip by global norm, then AdamW; weight decay only on matrices (not on norm scales or biases).
+    With train.trainable=kv every other parameter is frozen (no update, no optimizer state)."""
     decay = partial(jax.tree.map, lambda p: p.ndim >= 2)
-    return optax.chain(
+    train = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
         optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay),
     )
+    if cfg.trainable == "all":
+        return train
+    return optax.multi_transform({"train": train, "freeze": optax.set_to_zero()},
+                                 partial(trainable_labels, trainable=cfg.trainable))
 
 
 def token_losses(graphdef, params, windows: jax.Array) -> jax.Array:

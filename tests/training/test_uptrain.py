@@ -72,3 +72,43 @@ def test_the_command_prints_the_three_scores(source_run, tmp_path, capsys):
     assert "mqa, converted" in out and "mqa, after 6 steps" in out and "KV B/token" in out
     assert main(["uptrain", source_run, "mqa:pool=max", "--run-dir", str(tmp_path / "bad")]) == 2
     assert "pool='max' must be one of" in capsys.readouterr().err
+
+
+def test_training_only_the_converted_kv_parameters(source_run, tmp_path):
+    """train.trainable=kv: K/V projections and norms move, every other parameter stays the converted one."""
+    from flax import nnx
+
+    from training.convert import convert, parse_conversion
+
+    uptrain(source_run, "cla2", tmp_path / "kv", [*SHORT, "train.trainable=kv"], progress=False, log=lambda _: None)
+    start = nnx.state(convert(load_model(source_run).model, parse_conversion("cla2")))
+    end = nnx.state(load_trained(tmp_path / "kv")[1])
+    moved = {"/".join(map(str, path)): not np.array_equal(a, b)
+             for (path, a), (_, b) in zip(nnx.to_flat_state(start), nnx.to_flat_state(end))}
+    kv = {k for k in moved if {"k", "v", "kv_norm"} & set(k.split("/"))}
+    assert kv and all(moved[k] for k in kv)
+    assert not any(moved[k] for k in moved if k not in kv)
+
+
+@pytest.mark.slow
+def test_the_uptrain_experiment_compares_converted_uptrained_and_scratch(tmp_path, capsys):
+    """`kvjax compare --experiment FILE --quick` on a file naming conversions: source, and per
+    conversion the converted, uptrained and from-scratch rows (scratch on source + uptraining tokens)."""
+    from tests.training.conftest import SMALL_CORPUS
+
+    exp = tmp_path / "up.yaml"
+    exp.write_text(json.dumps({
+        "source": "mha", "conversions": ["mqa", "cla2"],
+        "source_overrides": ["model.n_layers=2", f"data.corpus={SMALL_CORPUS}", "data.seq_len=32",
+                             "data.val_fraction=0.3", "train.batch_size=4", "train.steps=6", "train.warmup_steps=1"],
+        "uptrain_overrides": ["train.steps=3", "train.warmup_steps=0"],
+        "quick": ["data.eval_windows=4"], "decode_batch": 2, "decode_context": 48, "decode_tokens": 8,
+    }))
+    assert main(["compare", "--experiment", str(exp), "--quick", "--out", str(tmp_path / "out")]) == 0
+    rows = json.loads((tmp_path / "out" / "up.json").read_text())["rows"]
+    assert [r["model"] for r in rows] == ["mha (source)", "mqa, converted", "mqa, uptrained", "mqa, from scratch",
+                                          "cla2, converted", "cla2, uptrained", "cla2, from scratch"]
+    assert rows[2]["tokens_trained"] == 3 * 4 * 32 and rows[3]["tokens_trained"] == (6 + 3) * 4 * 32
+    assert rows[1]["kv_bytes_per_token"] * 8 == rows[0]["kv_bytes_per_token"]  # 8 KV heads -> 1
+    assert all(r["decode_tokens_per_s"] > 0 and np.isfinite(r["val_nll"]) for r in rows)
+    assert "from scratch" in capsys.readouterr().out

@@ -108,6 +108,24 @@ def test_a_conversion_without_reduction_reproduces_smollm2(ours, text_ids):
     assert mqa.config.attention.n_kv_heads == 1 and np.abs(np.asarray(mqa(ids, pos)[0] - full)).max() > 1.0
 
 
+def test_an_mqa_smollm2_exports_to_a_llama_that_transformers_runs(ours, text_ids, tmp_path):
+    from training.convert import convert, parse_conversion
+    from training.hf_import import load_hf_model
+
+    mqa = convert(ours[1], parse_conversion("mqa"))
+    export_llama(mqa, tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert hf.config.num_key_value_heads == 1
+    ids = text_ids[:64]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    logits, _ = mqa(jnp.asarray([ids]), jnp.arange(64)[None])
+    # The untrained conversion amplifies float differences more than SmolLM2 does (logits up to ~12).
+    assert np.abs(np.asarray(logits[0]) - expected).max() < 5e-3
+    back = load_hf_model(tmp_path)[1]  # and reads back into kvjax by directory
+    np.testing.assert_allclose(back(jnp.asarray([ids]), jnp.arange(64)[None])[0], logits, atol=1e-5)
+
+
 def test_export_round_trip(ours, text_ids, tmp_path):
     _, model, tokenizer = ours
     export_llama(model, tmp_path, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)

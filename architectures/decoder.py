@@ -33,7 +33,8 @@ class Block(nnx.Module):
         self.mixer_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype)
         self.kv_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype) if cfg.uses_kv_norm(layer) else None
         if kind == "mla":
-            self.mixer = MLA(cfg.d_model, cfg.attention, cfg.mla, norm_eps=eps, std=std, dtype=dtype, rngs=rngs)
+            self.mixer = MLA(cfg.d_model, cfg.attention, cfg.mla, norm_eps=eps, std=std, dtype=dtype, rngs=rngs,
+                             layer=layer)
         elif kind == "rwkv":
             self.mixer = RWKVTimeMix(
                 cfg.d_model, cfg.rwkv, layer=layer, n_layers=cfg.n_layers, std=std, dtype=dtype, rngs=rngs

@@ -12,6 +12,10 @@ Two equal ways to attend (`mla.absorb`):
   values c_KV, so per-head K/V of cached tokens are never built (sec. 2.1.2, "absorbed into W_Q / W_O").
 W_UV is applied to the d_c-dim attention output per token rather than multiplied into W_O ahead of time:
 the same product, and cheaper per decode step than a fresh `[N, d_c, D]` fold.
+
+A model converted from MHA/GQA (MHA2MLA, `training.convert`) caches one RoPE key per source KV head
+(`mla.rope_heads`) on a subset of each head's original frequencies (`mla.rope_pairs`); its query heads
+read their group's key. Such a model attends through XLA (the Pallas kernels take one shared RoPE key).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from architectures.layers import RMSNorm, apply_rope, dense
+from kvjax.rope import frequencies, rotate
 from kvjax.cache import LatentCache, LatentView, heads_first
 from kvjax.config import AttentionConfig, MLAConfig
 from kvjax.ops import attend, attention, blocked_decode, decode_block, kernel_impl, masked_softmax
@@ -29,9 +34,10 @@ from pallas_kernels import flash_attention, latent_decode_attention
 
 class MLA(nnx.Module):
     def __init__(
-        self, d_model: int, att: AttentionConfig, cfg: MLAConfig, *, norm_eps: float, std: float, dtype, rngs: nnx.Rngs
+        self, d_model: int, att: AttentionConfig, cfg: MLAConfig, *, norm_eps: float, std: float, dtype, rngs: nnx.Rngs,
+        layer: int = 0,
     ):
-        self.att, self.cfg = att, cfg
+        self.att, self.cfg, self.layer = att, cfg, layer
         N, qk_dim = att.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         if cfg.q_lora_rank:
             self.q_down = dense(d_model, cfg.q_lora_rank, std=std, dtype=dtype, rngs=rngs)
@@ -41,7 +47,7 @@ class MLA(nnx.Module):
             self.q = dense(d_model, N * qk_dim, std=std, dtype=dtype, rngs=rngs)
         self.kv_down = dense(d_model, cfg.kv_lora_rank, std=std, dtype=dtype, rngs=rngs)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, eps=norm_eps, dtype=dtype) if cfg.latent_norm else None
-        self.k_rope = dense(d_model, cfg.qk_rope_head_dim, std=std, dtype=dtype, rngs=rngs)
+        self.k_rope = dense(d_model, cfg.rope_heads * cfg.qk_rope_head_dim, std=std, dtype=dtype, rngs=rngs)
         self.k_up = dense(cfg.kv_lora_rank, N * cfg.qk_nope_head_dim, std=std, dtype=dtype, rngs=rngs)
         self.v_up = dense(cfg.kv_lora_rank, N * cfg.v_head_dim, std=std, dtype=dtype, rngs=rngs)
         self.o = dense(N * cfg.v_head_dim, d_model, std=std, dtype=dtype, rngs=rngs)
@@ -60,7 +66,7 @@ class MLA(nnx.Module):
         q_nope, q_rope = self.queries(x, positions)
         c = self.kv_down(x)
         c = c if self.kv_norm is None else self.kv_norm(c)
-        k_rope = apply_rope(self.k_rope(x)[:, :, None, :], positions, att.rope_theta)[:, :, 0]
+        k_rope = self.rope(self.k_rope(x).reshape(B, T, cfg.rope_heads, -1), positions).reshape(B, T, -1)
         if cache is None:
             view = LatentView(c, k_rope, positions)
         else:
@@ -75,7 +81,18 @@ class MLA(nnx.Module):
         B, T, _ = x.shape
         q = self.q_up(self.q_norm(self.q_down(x))) if cfg.q_lora_rank else self.q(x)
         q_nope, q_rope = jnp.split(q.reshape(B, T, att.n_heads, -1), [cfg.qk_nope_head_dim], axis=-1)
-        return q_nope, apply_rope(q_rope, positions, att.rope_theta)
+        return q_nope, self.rope(q_rope, positions)
+
+    def rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """RoPE of x `[B,T,heads,d_R]`, query heads or RoPE key heads: the standard d_R-dim frequencies, or
+        (MHA2MLA) head h's own pairs of a head_dim-dim RoPE from `rope_pairs` (query head h those of key
+        head h // (heads / rope_heads))."""
+        pairs = self.cfg.rope_pairs
+        if pairs is None:
+            return apply_rope(x, positions, self.att.rope_theta)
+        per_head = jnp.repeat(jnp.asarray(pairs[self.layer]), x.shape[2] // self.cfg.rope_heads, axis=0)
+        inv_freq = frequencies(per_head, self.att.head_dim, self.att.rope_theta)[None, None]  # [1,1,heads,d_R/2]
+        return rotate(x, positions[:, :, None], self.att.rope_theta, inv_freq)
 
     def probs(self, x: jax.Array, positions: jax.Array, view: LatentView) -> jax.Array:
         """Attention probabilities `[B,1,T,N,S]` of the queries of x over the latent view (one shared
@@ -91,9 +108,11 @@ class MLA(nnx.Module):
     def _latent_probs(self, q_nope, q_rope, view: LatentView, positions) -> jax.Array:
         q_latent = self._latent_query(q_nope)
         f32 = jnp.float32
-        logits = jnp.einsum("BTNC,BSC->BTNS", q_latent, view.c, preferred_element_type=f32) + jnp.einsum(
-            "BTNR,BSR->BTNS", q_rope, view.k_rope, preferred_element_type=f32
-        )
+        B, T, N, R = (*q_rope.shape[:3], self.cfg.rope_heads)
+        rope_logits = jnp.einsum("BTrgD,BSrD->BTrgS", q_rope.reshape(B, T, R, N // R, -1),
+                                 view.k_rope.reshape(*view.k_rope.shape[:2], R, -1), preferred_element_type=f32)
+        logits = jnp.einsum("BTNC,BSC->BTNS", q_latent, view.c, preferred_element_type=f32) + rope_logits.reshape(
+            B, T, N, -1)
         # One shared "KV head": the [B,1,T,N,S] layout of the attention op with K = 1, G = N.
         return masked_softmax(logits[:, None] * self.scale, positions, view.pos)
 
@@ -103,7 +122,7 @@ class MLA(nnx.Module):
         B, S, _ = view.c.shape
         N = q_nope.shape[2]
         k_nope = self.k_up(view.c).reshape(B, S, N, cfg.qk_nope_head_dim)
-        k_rope = jnp.broadcast_to(view.k_rope[:, :, None, :], (B, S, N, cfg.qk_rope_head_dim))
+        k_rope = jnp.repeat(view.k_rope.reshape(B, S, cfg.rope_heads, -1), N // cfg.rope_heads, axis=2)  # [B,S,N,d_R]
         k = jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1)
         v = self.v_up(view.c).reshape(B, S, N, cfg.v_head_dim)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
@@ -116,10 +135,11 @@ class MLA(nnx.Module):
         cfg = self.cfg
         N = q_nope.shape[2]
         w_uv = self.v_up.kernel[...].reshape(cfg.kv_lora_rank, N, cfg.v_head_dim)
-        if kernel_impl(self.att.impl) == "pallas":  # the latent is one shared "KV head" of the kernels
+        shared_rope = cfg.rope_heads == 1  # one RoPE key for every head: the latent and it form one MQA head
+        if kernel_impl(self.att.impl) == "pallas" and shared_rope:  # the kernels' one shared "KV head"
             out_latent = self._absorbed_kernel(q_nope, q_rope, view, positions)
             return jnp.einsum("BTNC,CNd->BTNd", out_latent.astype(view.c.dtype), w_uv).astype(q_nope.dtype)
-        block = decode_block(view.c.shape[1]) if q_nope.shape[1] == 1 else None
+        block = decode_block(view.c.shape[1]) if q_nope.shape[1] == 1 and shared_rope else None
         if block is not None:  # a decode step: kvjax.ops' blocked path, latent and RoPE logits summed
             # With one query per row, [B,T=1,N,.] is also the [B,K=1,G=N,.] of one shared latent "head".
             latents = view.c[:, None]

@@ -332,7 +332,8 @@ class LatentView(NamedTuple):
 @struct.dataclass
 class LatentCache(_Positioned):
     """MLA cache (DeepSeek-V2, sec. 2.1.2): per token only the normalized latent c_KV `[B,S,Dc]` and the
-    RoPE key shared by all heads `[B,S,Dr]`, plus positions `[B,S]` (-1 empty) and lengths `[B]`."""
+    RoPE key shared by all heads `[B,S,Dr]` (MHA2MLA: one per source KV head, `[B,S,rope_heads*Dr]`),
+    plus positions `[B,S]` (-1 empty) and lengths `[B]`."""
 
     c: jax.Array
     k_rope: jax.Array
@@ -383,7 +384,7 @@ def init_caches(cfg: ModelConfig, batch: int, capacity: int, *, fresh: bool = Fa
 
     def init(kind: str):
         if kind == "mla":
-            return LatentCache.init(batch, capacity, mla.kv_lora_rank, mla.qk_rope_head_dim, dtype)
+            return LatentCache.init(batch, capacity, mla.kv_lora_rank, mla.rope_heads * mla.qk_rope_head_dim, dtype)
         if kind == "gret":
             return RetentionState.init(batch, cfg.attention.n_heads, cfg.attention.head_dim)
         if kind == "rwkv":

@@ -51,7 +51,8 @@ def _split_overrides(items: list[str]) -> tuple[list[str], list[str]]:
 def _kv_shape(cfg) -> tuple[str, str]:
     """(KV heads, head dim) columns: an MLA layer caches one latent plus one shared RoPE key."""
     if "mla" in cfg.mixers:
-        return "latent", f"{cfg.mla.kv_lora_rank}+{cfg.mla.qk_rope_head_dim}"
+        rope = cfg.mla.qk_rope_head_dim if cfg.mla.rope_heads == 1 else f"{cfg.mla.rope_heads}x{cfg.mla.qk_rope_head_dim}"
+        return "latent", f"{cfg.mla.kv_lora_rank}+{rope}"
     if not set(SHARABLE_KINDS) & set(cfg.mixers):
         return "-", "-"
     return str(cfg.attention.n_kv_heads), str(cfg.attention.head_dim)

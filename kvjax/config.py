@@ -87,7 +87,13 @@ class MLAConfig:
     `kv_lora_rank`-dim latent c_KV (RMSNormed when `latent_norm`) and one `qk_rope_head_dim` RoPE key shared
     by all heads. Heads come from model.attention.n_heads, RoPE theta from model.attention.rope_theta.
     `q_lora_rank` 0 projects queries directly (DeepSeek-V2-Lite); > 0 compresses them too. `absorb`
-    folds W_UK into the query and W_UV into the output and attends over the latent itself."""
+    folds W_UK into the query and W_UV into the output and attends over the latent itself.
+
+    A model converted from MHA/GQA (MHA2MLA, Ji et al. 2025, sec. 3.2) caches one RoPE key per source KV
+    head (`rope_heads`; query head h reads key h // (n_heads / rope_heads)) and keeps RoPE on a chosen
+    subset of each head's frequency pairs: `rope_pairs[layer][rope head]` lists the qk_rope_head_dim / 2
+    pairs k (of a model.attention.head_dim-dim RoPE, frequency theta^(-2k / head_dim)) its RoPE dims carry.
+    null: the standard frequencies of a qk_rope_head_dim-dim RoPE."""
 
     kv_lora_rank: int = 12
     q_lora_rank: int = 0
@@ -96,10 +102,19 @@ class MLAConfig:
     v_head_dim: int = 16
     latent_norm: bool = True
     absorb: bool = True
+    rope_heads: int = 1
+    rope_pairs: tuple[tuple[tuple[int, ...], ...], ...] | None = None
 
     def __post_init__(self):
         p = "model.mla"
-        _positive(p, self, "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
+        _positive(p, self, "kv_lora_rank", "v_head_dim", "rope_heads")
+        _require(self.qk_nope_head_dim >= 0, f"{p}.qk_nope_head_dim", self.qk_nope_head_dim,
+                 "must be >= 0 (0: every query/key dim carries RoPE)")
+        if self.rope_pairs is not None:
+            for layer, heads in enumerate(self.rope_pairs):
+                _require(len(heads) == self.rope_heads and all(len(k) * 2 == self.qk_rope_head_dim for k in heads),
+                         f"{p}.rope_pairs[{layer}]", heads,
+                         f"must list rope_heads={self.rope_heads} heads of qk_rope_head_dim/2 pair indices")
         _require(self.q_lora_rank >= 0, f"{p}.q_lora_rank", self.q_lora_rank, "must be >= 0 (0 turns it off)")
         _require(
             self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
@@ -289,6 +304,16 @@ class ModelConfig:
             ):
                 _require(value == default, f"model.{field}", value, f"must be {default!r} with model.yoco ({why})")
         if "mla" in self.layer_pattern:
+            mla, att = self.mla, self.attention
+            _require(att.n_heads % mla.rope_heads == 0, "model.mla.rope_heads", mla.rope_heads,
+                     f"must divide model.attention.n_heads={att.n_heads}")
+            _require(mla.rope_heads == 1 or att.impl != "pallas", "model.attention.impl", att.impl,
+                     "has no Pallas kernel for MLA with several RoPE key heads (model.mla.rope_heads); use xla or auto")
+            if mla.rope_pairs is not None:
+                _require(len(mla.rope_pairs) == self.n_layers, "model.mla.rope_pairs", len(mla.rope_pairs),
+                         f"must have one entry per layer (model.n_layers={self.n_layers})")
+                _require(all(0 <= k < att.head_dim // 2 for heads in mla.rope_pairs for ks in heads for k in ks),
+                         "model.mla.rope_pairs", "...", f"pair indices must be in [0, head_dim/2={att.head_dim // 2})")
             _require(
                 self.attention.window is None,
                 "model.attention.window",

@@ -5,7 +5,7 @@ the plan hold anything (CLA / MLKV consumers and YOCO's cross layers read anothe
 figures describe a model:
 - bytes per token of the caches that grow without bound: per attention producer K and V,
   `2 * n_kv_heads * head_dim * dtype bytes` (the figure papers report), plus an int32 position per slot;
-  per MLA layer the latent and shared RoPE key, `(kv_lora_rank + qk_rope_head_dim) * dtype bytes`
+  per MLA layer the latent and RoPE key(s), `(kv_lora_rank + rope_heads * qk_rope_head_dim) * dtype bytes`
   (DeepSeek-V2, sec. 2.1.2), plus the position;
 - fixed bytes per sequence: sliding-window rings at their full `window` slots, recurrent states (gated
   retention: an fp32 `n_heads x head_dim x head_dim` S; Mamba: `d_conv - 1` conv inputs of the inner
@@ -46,7 +46,7 @@ def layer_memory(cfg: ModelConfig) -> tuple[LayerMemory, ...]:
 
     def memory(kind: str) -> LayerMemory:
         if kind == "mla":
-            return LayerMemory((mla.kv_lora_rank + mla.qk_rope_head_dim) * item, _INT32, _INT32, None)
+            return LayerMemory((mla.kv_lora_rank + mla.rope_heads * mla.qk_rope_head_dim) * item, _INT32, _INT32, None)
         if kind == "gret":  # fp32 state S [N, H, H], nothing per token
             return LayerMemory(0, 0, cfg.attention.n_heads * cfg.attention.head_dim**2 * 4, 0)
         if kind == "rwkv":  # two token-shift inputs [D] in the model dtype + fp32 S [N, H, H]

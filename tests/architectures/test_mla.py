@@ -25,6 +25,8 @@ from tests.architectures.oracles import (
 TWO_LAYERS = "model.n_layers=2"
 NAIVE = "model.mla.absorb=false"
 Q_LORA = "model.mla.q_lora_rank=24"
+# MHA2MLA's layout: a RoPE key per (source) KV head, each on its own frequency pairs of a 16-dim head
+ROPE_HEADS = ("model.mla.rope_heads=2", "model.mla.rope_pairs=[[[0, 3], [1, 5]], [[7, 2], [4, 6]]]")
 
 
 def decode_all(model, cfg, tokens, pos, prefill):
@@ -38,7 +40,8 @@ def decode_all(model, cfg, tokens, pos, prefill):
     return jnp.concatenate(out, axis=1), caches
 
 
-@pytest.mark.parametrize("overrides", [[], [NAIVE], [Q_LORA]], ids=["absorbed", "naive", "q-lora"])
+@pytest.mark.parametrize("overrides", [[], [NAIVE], [Q_LORA], ROPE_HEADS, [*ROPE_HEADS, NAIVE]],
+                         ids=["absorbed", "naive", "q-lora", "rope-heads", "rope-heads-naive"])
 def test_cached_decode_equals_full_forward(make_model, overrides):
     caches = assert_cached_decode_equals_full_forward(*make_model("mla", TWO_LAYERS, *overrides), prefill=7)
     assert all(isinstance(c, LatentCache) for c in caches) and len(caches) == 2
@@ -52,7 +55,7 @@ def test_decode_over_key_blocks_equals_full_forward(make_model, overrides):
     assert_cached_decode_equals_full_forward(*make_model("mla", TWO_LAYERS, *overrides), prefill=30, length=40, capacity=64)
 
 
-@pytest.mark.parametrize("q_lora", [[], [Q_LORA]], ids=["direct-q", "q-lora"])
+@pytest.mark.parametrize("q_lora", [[], [Q_LORA], ROPE_HEADS], ids=["direct-q", "q-lora", "rope-heads"])
 def test_absorbed_equals_naive_for_prefill_and_decode(make_model, q_lora):
     cfg, absorbed = make_model("mla", TWO_LAYERS, *q_lora)
     _, naive = make_model("mla", TWO_LAYERS, NAIVE, *q_lora)  # same seed: the same weights
@@ -134,6 +137,22 @@ def test_measured_bytes_equal_analytic(make_model, capacity):
     assert memory.kv_bytes_per_token(cfg) == 4 * 16 * 4 == memory.kv_bytes_per_token(load_config("gqa").model) // 4
 
 
+def test_rope_heads_and_pairs_shape_the_cache_and_the_rotation(make_model):
+    """Two RoPE key heads of 4 dims per token; each head rotates with its pairs' frequencies: a key
+    head's RoPE part at position p equals the standard rotation by theta^(-2k/16) of its pairs k."""
+    from kvjax.rope import frequencies, rotate
+
+    cfg, model = make_model("mla", TWO_LAYERS, *ROPE_HEADS)
+    assert memory.kv_bytes_per_token(cfg) == 2 * (12 + 2 * 4) * 4
+    assert caches_nbytes(init_caches(cfg, 2, 9)) == memory.cache_bytes(cfg, 9, batch=2)
+    layer = model.blocks[1].mixer
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, 2, 4)), jnp.float32)
+    pos = jnp.asarray([[0, 5, 11]], jnp.int32)
+    for head, pairs in enumerate(((7, 2), (4, 6))):
+        inv = frequencies(jnp.asarray(pairs), 16, cfg.attention.rope_theta)[None, None]
+        np.testing.assert_allclose(layer.rope(x, pos)[:, :, head], rotate(x[:, :, head], pos, 0.0, inv), atol=1e-6)
+
+
 def test_gradient_causality(make_model):
     assert_gradient_causal(*make_model("mla", TWO_LAYERS))
 
@@ -149,6 +168,10 @@ def test_gradient_causality(make_model):
         (["model.kv_sharing.kind=cla", "model.kv_sharing.factor=2"], "model.kv_sharing.kind='cla' must be 'none'"),
         (["model.layer_pattern=[mla, lstm]"], "model.layer_pattern=['mla', 'lstm'] must be a non-empty list"),
         (["model.layer_pattern=[]"], "model.layer_pattern=[] must be a non-empty list"),
+        (["model.mla.rope_heads=3"], "model.mla.rope_heads=3 must divide model.attention.n_heads=8"),
+        ([*ROPE_HEADS, "model.n_layers=3"], "must have one entry per layer (model.n_layers=3)"),
+        (["model.mla.rope_pairs=[[[0]]]"], "must list rope_heads=1 heads of qk_rope_head_dim/2 pair indices"),
+        ([ROPE_HEADS[0], "model.attention.impl=pallas"], "has no Pallas kernel for MLA with several RoPE key heads"),
     ],
 )
 def test_invalid_settings_raise(overrides, message):

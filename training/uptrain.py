@@ -62,7 +62,13 @@ def uptrain(source_ref: str, conversion: str, run_dir: str | Path, overrides: li
 
     spec = parse_conversion(conversion)  # bad text fails before anything loads
     loaded = load_model(source_ref)
-    converted = convert(loaded.model, spec)
+    calibration = None
+    if spec.mla_rank is not None and spec.mla_select == "norm":  # MHA2MLA ranks RoPE pairs on the corpus
+        from training.compression_eval import calibration_tokens
+
+        spec.target(loaded.config.model)  # refusals before reading the corpus
+        calibration = calibration_tokens(loaded.tokenizer, loaded.corpus, rows=8, length=128)
+    converted = convert(loaded.model, spec, calibration)
     config = uptrain_config(source_ref, loaded, converted.config, list(overrides))
     run_dir = Path(run_dir)
     path = run_dir / RECORD

@@ -10,6 +10,7 @@ from flax import nnx
 from kvjax.cache import caches_nbytes, init_caches
 from kvjax.config import ConfigError
 from kvjax.memory import cache_bytes
+from kvjax.memory import kv_bytes_per_token as memory_per_token
 from tests.architectures.oracles import assert_cached_decode_equals_full_forward, tokens_and_positions
 from training.convert import convert, parse_conversion, pool_heads
 
@@ -91,7 +92,6 @@ def test_converted_models_decode_exactly_and_hold_the_analytic_bytes(make_model,
     ("mqa:pool=max", "pool='max' must be one of"),
     ("cla2:merge=sum", "merge='sum' must be one of"),
     ("cla2:window=3", "unknown option"),
-    ("mla:d_c=64", "MHA2MLA-style conversion to MLA is not implemented"),
     ("moe", "'moe' must be one of"),
     ("cla2+yoco-swa:window=8", "drop cla/mlkv"),
     ("", "is empty"),
@@ -119,3 +119,101 @@ def test_qkv_biases_are_kept_and_pooled_like_the_kernels(make_model):
     want = np.asarray(model.blocks[1].mixer.v.bias[...]).reshape(8, 16).mean(axis=0)
     np.testing.assert_allclose(mqa.blocks[1].mixer.v.bias[...], want, atol=1e-6)
     np.testing.assert_array_equal(mqa.blocks[1].mixer.q.bias[...], model.blocks[1].mixer.q.bias[...])
+
+
+MLA_SOURCE = ("gqa", "model.init_std=0.2")  # 8 query heads over 2 KV heads of 16 dims
+
+
+def _partial_rope_probs(model, layer, h, pos, pairs):
+    """Attention probabilities `[B,T,N,S]` of the source's layer `layer` for normed inputs h, computed
+    from its own weights with RoPE kept only on each KV head's `pairs` (angle 0 on the others):
+    MHA2MLA's partial RoPE."""
+    from kvjax.ops import visible
+    from kvjax.rope import frequencies, rotate
+
+    att = model.config.attention
+    B, T, N, G, d = *h.shape[:2], att.n_heads, att.n_kv_heads, att.head_dim
+    q = model.blocks[layer].mixer.q(h).reshape(B, T, N, d)
+    k = model.blocks[layer].mixer.k(h).reshape(B, T, G, d)
+    kept = np.zeros((G, d // 2), bool)
+    for j, ks in enumerate(pairs):
+        kept[j, list(ks)] = True
+    inv = np.where(kept, np.asarray(frequencies(np.arange(d // 2), d, att.rope_theta)), 0.0).astype(np.float32)
+    q = rotate(q, pos[:, :, None], 0.0, jnp.asarray(np.repeat(inv, N // G, axis=0))[None, None])
+    k = rotate(k, pos[:, :, None], 0.0, jnp.asarray(inv)[None, None])
+    logits = jnp.einsum("btnd,bsnd->btns", q, jnp.repeat(k, N // G, axis=2)) / np.sqrt(d)
+    mask = visible(pos, pos)[:, :, None, :]
+    return jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1)
+
+
+@pytest.mark.parametrize("select", ["high", "norm"])
+def test_mla_at_full_rank_with_every_rope_pair_is_the_source(make_model, select):
+    """MHA2MLA's first oracle: every pair kept (rope_dims = head_dim) and full rank (d_c = 2 KV heads x
+    16 value dims): the joint SVD reconstructs the values exactly."""
+    _, source = make_model(*MLA_SOURCE)
+    tokens, _ = tokens_and_positions(source.config.vocab_size)
+    converted = convert(source, parse_conversion(f"mla:d_c=32,rope_dims=16,select={select}"), np.asarray(tokens))
+    assert converted.config.mixers == ("mla",) * 4 and converted.config.mla.rope_heads == 2
+    np.testing.assert_allclose(_logits(converted), _logits(source), atol=1e-4)
+
+
+def test_mla_partial_rope_at_full_rank_equals_the_partial_rope_model(make_model):
+    """MHA2MLA's second oracle: with 2 of 8 pairs kept per KV head (by the 2-norm rule) and full rank
+    (d_c = 2 KV heads x (12 key + 16 value dims)), each converted layer's attention is the source
+    layer's with RoPE removed from the other pairs, on the same inputs."""
+    _, source = make_model(*MLA_SOURCE)
+    tokens, pos = tokens_and_positions(source.config.vocab_size)
+    converted = convert(source, parse_conversion("mla:d_c=56,rope_dims=4"), np.asarray(tokens))  # 2 x (12 + 16)
+    pairs = converted.config.mla.rope_pairs
+    for layer in (0, 1):
+        x = converted.embed(tokens)
+        for block in converted.blocks[:layer]:
+            x = block(x, pos)[0]
+        block = converted.blocks[layer]
+        h = block.mixer_norm(x)
+        _, _, view = block.mixer(h, pos)  # the latent view of the layer's own tokens
+        got = block.mixer.probs(h, pos, view)[:, 0]  # [B,T,N,S]
+        np.testing.assert_allclose(got, _partial_rope_probs(source, layer, h, pos, pairs[layer]), atol=2e-5)
+
+
+def test_the_two_norm_rule_ranks_pairs_by_query_times_key_norms(make_model):
+    """Layer 0's choice recomputed by hand: per KV head, the top pairs of (sum over its query heads of
+    the mean pair norm of q) x (mean pair norm of k)."""
+    from training.convert import rope_pairs
+
+    _, source = make_model(*MLA_SOURCE)
+    tokens, _ = tokens_and_positions(source.config.vocab_size)
+    h = np.asarray(source.blocks[0].mixer_norm(source.embed(tokens)))
+    q = (h @ np.asarray(source.blocks[0].mixer.q.kernel[...])).reshape(2, 24, 8, 2, 8)
+    k = (h @ np.asarray(source.blocks[0].mixer.k.kernel[...])).reshape(2, 24, 2, 2, 8)
+    qn = np.sqrt((q**2).sum(3)).mean((0, 1)).reshape(2, 4, 8).sum(1)
+    kn = np.sqrt((k**2).sum(3)).mean((0, 1))
+    want = tuple(tuple(sorted(np.argsort(-(qn * kn)[j])[:3].tolist())) for j in range(2))
+    assert rope_pairs(source, 3, "norm", np.asarray(tokens))[0] == want
+
+
+def test_a_reduced_mla_decodes_exactly_with_the_analytic_bytes(make_model):
+    _, source = make_model("gqa")
+    tokens, _ = tokens_and_positions(source.config.vocab_size)
+    converted = convert(source, parse_conversion("mla:d_c=12,rope_dims=4"), np.asarray(tokens))
+    cfg = converted.config
+    caches = assert_cached_decode_equals_full_forward(cfg, converted, length=20, prefill=12)
+    assert caches_nbytes(caches) == cache_bytes(cfg, 20, batch=2)
+    assert memory_per_token(cfg) == 4 * (12 + 2 * 4) * 4 < memory_per_token(source.config)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("mla:d_c=40,rope_dims=16", "d_c=40 must be <= 32"),
+    ("mla:d_c=8,rope_dims=3", "rope_dims=3 must be even"),
+    ("mla:d_c=8", "needs rope_dims=N"),
+    ("mla:d_c=8,rope_dims=4,select=low", "select='low' must be one of"),
+    ("mqa+mla:d_c=8,rope_dims=4", "drop the other stages"),
+])
+def test_bad_mla_conversions_are_refused(make_model, text, message):
+    with pytest.raises(ConfigError, match=message):
+        convert(make_model("gqa")[1], parse_conversion(text))
+
+
+def test_the_norm_rule_needs_calibration(make_model):
+    with pytest.raises(ConfigError, match="calibration"):
+        convert(make_model("gqa")[1], parse_conversion("mla:d_c=8,rope_dims=4"))

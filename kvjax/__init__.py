@@ -3,6 +3,7 @@
 from kvjax.cache import KVCache, RingKVCache, init_caches
 from kvjax.compress import Policy, parse_policy
 from kvjax.config import Config, ConfigError, DecodingConfig, ModelConfig, load_config
+from kvjax.engine import Engine, Request
 from kvjax.generate import GenerationResult, Generator, generate
 from kvjax.ops import attention
 
@@ -10,11 +11,13 @@ __all__ = [
     "Config",
     "ConfigError",
     "DecodingConfig",
+    "Engine",
     "GenerationResult",
     "Generator",
     "KVCache",
     "ModelConfig",
     "Policy",
+    "Request",
     "RingKVCache",
     "attention",
     "generate",

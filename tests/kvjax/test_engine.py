@@ -1,0 +1,67 @@
+"""The continuous-batching engine: every request gets what `Generator` gives it alone, whatever the
+batch mix, chunking, prefix hits and preemptions; pages all come back."""
+
+import numpy as np
+import pytest
+
+from kvjax import DecodingConfig, Generator
+from kvjax.config import ConfigError
+from kvjax.engine import Engine, Request
+
+PROMPT_LENGTHS, NEW = (5, 17, 3, 11, 9), (6, 3, 8, 2, 5)
+
+
+@pytest.fixture(scope="module")
+def gqa(make_model):
+    return make_model("gqa", "model.n_layers=2")[1]
+
+
+@pytest.fixture(scope="module")
+def requests(gqa):
+    rng = np.random.default_rng(0)
+    shared = list(rng.integers(0, gqa.config.vocab_size, 12))  # 3 pages of 4 that some prompts share
+    out = []
+    for i, (n, new) in enumerate(zip(PROMPT_LENGTHS, NEW)):
+        own = list(rng.integers(0, gqa.config.vocab_size, n))
+        out.append(Request(tuple(int(t) for t in (shared + own if i % 2 else own)), DecodingConfig(max_new_tokens=new)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(gqa, requests):
+    """Each request through Generator by itself."""
+    gen = Generator(gqa, capacity=40)
+    return [gen([list(r.prompt)], r.decoding) for r in requests]
+
+
+def _check(completions, alone):
+    for got, want in zip(completions, alone):
+        np.testing.assert_array_equal(got.tokens, want.tokens[0, : len(got.tokens)])
+        assert len(got.tokens) == want.tokens.shape[1]
+        np.testing.assert_allclose(got.logprobs, want.logprobs[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("slots, chunk, prefix", [(3, 8, True), (5, 32, False), (1, 4, True)])
+def test_every_request_gets_what_it_gets_alone(gqa, requests, alone, slots, chunk, prefix):
+    engine = Engine(gqa, n_pages=40, page_size=4, slots=slots, chunk=chunk, prefix_cache=prefix)
+    _check(engine.run(requests), alone)
+    assert engine.pool.used_pages == 0  # every page came back
+    assert (engine.stats.cached_tokens > 0) == prefix  # the shared 12-token prefix is reused
+    total = sum(len(r.prompt) for r in requests)
+    assert engine.stats.prefill_tokens + engine.stats.cached_tokens == total
+
+
+def test_preempted_requests_are_recomputed_to_the_same_tokens(gqa, requests, alone):
+    engine = Engine(gqa, n_pages=10, page_size=4, slots=4, chunk=8)  # 9 usable pages: too few for all at once
+    completions = engine.run(requests)
+    _check(completions, alone)
+    assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0
+    # Requests 0-2 run (3 and 4 wait for pages) when a page runs short: the newest, 2, yields.
+    assert [c.preempted for c in completions] == [0, 0, 1, 0, 0]
+
+
+def test_requests_that_cannot_fit_and_models_it_cannot_page_are_refused(gqa, make_model):
+    with pytest.raises(ConfigError, match="request 0: 30 tokens need 8 pages; a sequence may hold 4"):
+        Engine(gqa, n_pages=5, page_size=4).run([Request(tuple(range(20)), DecodingConfig(max_new_tokens=10))])
+    with pytest.raises(ConfigError, match="the engine pages full-attention K/V"):
+        Engine(make_model("swa", "model.n_layers=2")[1], n_pages=8)

@@ -112,3 +112,12 @@ def test_the_uptrain_experiment_compares_converted_uptrained_and_scratch(tmp_pat
     assert rows[1]["kv_bytes_per_token"] * 8 == rows[0]["kv_bytes_per_token"]  # 8 KV heads -> 1
     assert all(r["decode_tokens_per_s"] > 0 and np.isfinite(r["val_nll"]) for r in rows)
     assert "from scratch" in capsys.readouterr().out
+
+
+def test_an_mla_conversion_ranks_rope_pairs_on_the_runs_corpus_and_trains(source_run, tmp_path):
+    record = uptrain(source_run, "mla:d_c=16,rope_dims=4", tmp_path / "mla", SHORT, progress=False,
+                     log=lambda _: None, stop_at=2)
+    loaded = load_model(str(tmp_path / "mla"))
+    mla = loaded.config.model.mla
+    assert loaded.config.model.mixers == ("mla", "mla") and mla.rope_heads == 2 and len(mla.rope_pairs) == 2
+    assert record["kv_bytes_per_token"]["converted"] == 2 * (16 + 2 * 4) * 4 and record["after"]["step"] == 2

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.paged import PagedKVCache, PagePool, PoolExhausted
@@ -81,7 +83,9 @@ class Engine:
     `slots` sequences decoding together, prompts prefilled `chunk` tokens at a time."""
 
     def __init__(self, model: nnx.Module, *, n_pages: int, page_size: int = 16, slots: int = 8, chunk: int = 128,
-                 max_tokens: int | None = None, prefix_cache: bool = True):
+                 max_tokens: int | None = None, prefix_cache: bool = True, mesh: jax.sharding.Mesh | None = None):
+        """`mesh` (axes `data` and `tensor`) spreads the sequence slots over `data` and the pages' KV
+        heads over `tensor`, as training splits batch and heads; the parameters are replicated."""
         cfg = model.config
         if set(cfg.mixers) != {"attention"} or cfg.attention.window is not None:
             raise ConfigError(f"the engine pages full-attention K/V; model mixers {sorted(set(cfg.mixers))} "
@@ -96,6 +100,13 @@ class Engine:
         self.caches = tuple(PagedKVCache.init(n_pages, page_size, slots, self.width, att.n_kv_heads, att.head_dim,
                                               jnp.dtype(cfg.dtype)) for _ in range(producers))
         graphdef, self.params = nnx.split(model)
+        self.mesh = mesh
+        if mesh is not None:
+            if slots % mesh.shape["data"] or att.n_kv_heads % mesh.shape["tensor"]:
+                raise ConfigError(f"slots={slots} must divide over data={mesh.shape['data']} and "
+                                  f"n_kv_heads={att.n_kv_heads} over tensor={mesh.shape['tensor']}")
+            self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
+            self.caches = tuple(self._placed(c) for c in self.caches)
         self._chunk = jax.jit(functools.partial(_chunk_logits, graphdef), donate_argnums=(1,))
         self._step = jax.jit(functools.partial(_step_logits, graphdef), donate_argnums=(1,))
         self.stats = EngineStats()
@@ -105,12 +116,21 @@ class Engine:
         return sum(c.nbytes() for c in self.caches)
 
     # --- device state -----------------------------------------------------------------------------
+    def _placed(self, cache: PagedKVCache) -> PagedKVCache:
+        """A cache laid out on the mesh: pages' KV heads over `tensor`, slots' tables over `data`."""
+        if self.mesh is None:
+            return cache
+        put = lambda x, *spec: jax.device_put(x, NamedSharding(self.mesh, P(*spec)))  # noqa: E731
+        return cache.replace(k=put(cache.k, None, "tensor"), v=put(cache.v, None, "tensor"), pos=put(cache.pos),
+                             table=put(cache.table, "data"), length=put(cache.length, "data"))
+
     def _sync(self, seqs) -> None:
         """Push the host's block tables and lengths (one row per slot, None: empty) to every layer."""
         table = self.pool.table(seqs, self.width)
         length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
         # a device copy per layer: the steps donate the caches, and a buffer may be donated once
-        self.caches = tuple(c.replace(table=jnp.asarray(table), length=jnp.asarray(length)) for c in self.caches)
+        self.caches = tuple(self._placed(c.replace(table=jnp.asarray(table), length=jnp.asarray(length)))
+                            for c in self.caches)
 
     def _pick(self, logits, running: _Running, step: int) -> int:
         d = running.done

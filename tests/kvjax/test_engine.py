@@ -1,6 +1,12 @@
 """The continuous-batching engine: every request gets what `Generator` gives it alone, whatever the
 batch mix, chunking, prefix hits and preemptions; pages all come back."""
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -65,3 +71,40 @@ def test_requests_that_cannot_fit_and_models_it_cannot_page_are_refused(gqa, mak
         Engine(gqa, n_pages=5, page_size=4).run([Request(tuple(range(20)), DecodingConfig(max_new_tokens=10))])
     with pytest.raises(ConfigError, match="the engine pages full-attention K/V"):
         Engine(make_model("swa", "model.n_layers=2")[1], n_pages=8)
+
+
+SHARDED = textwrap.dedent(
+    """
+    import json
+    import jax, numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh
+    from kvjax import DecodingConfig, Engine, Request
+    from kvjax.config import load_config
+    from architectures import Decoder
+
+    model = Decoder(load_config("gqa", ["model.n_layers=2"]).model, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    requests = [Request(tuple(int(t) for t in rng.integers(0, 258, n)), DecodingConfig(max_new_tokens=m))
+                for n, m in [(5, 6), (17, 3), (3, 8), (11, 2), (9, 5)]]
+    out = {}
+    for name, mesh in [("one", None), ("eight", Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "tensor")))]:
+        engine = Engine(model, n_pages=12, page_size=4, slots=4, chunk=8, mesh=mesh)
+        done = engine.run(requests)
+        out[name] = {"tokens": [d.tokens for d in done], "logprobs": [d.logprobs for d in done],
+                     "pool_devices": len(engine.caches[0].k.sharding.device_set), "preemptions": engine.stats.preemptions}
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_eight_devices_serve_what_one_device_serves():
+    """Slots over data (4) and KV heads over tensor (2) on 8 simulated CPU devices: the same tokens."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, check=True)
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["eight"]["pool_devices"] == 8 and out["one"]["pool_devices"] == 1 and out["one"]["preemptions"] > 0
+    assert out["eight"]["tokens"] == out["one"]["tokens"]
+    for a, b in zip(out["eight"]["logprobs"], out["one"]["logprobs"]):
+        np.testing.assert_allclose(a, b, atol=1e-5)

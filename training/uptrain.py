@@ -46,6 +46,17 @@ def uptrain_config(source_ref: str, loaded, target_model, overrides: list[str]) 
     return from_dict(Config, apply_overrides(base, given))
 
 
+def converted_model(loaded, spec):
+    """`loaded.model` converted by `spec`; MHA2MLA's 2-norm rule calibrates on the source's corpus."""
+    calibration = None
+    if spec.mla_rank is not None and spec.mla_select == "norm":
+        from training.compression_eval import calibration_tokens
+
+        spec.target(loaded.config.model)  # refusals before reading the corpus
+        calibration = calibration_tokens(loaded.tokenizer, loaded.corpus, rows=8, length=128)
+    return convert(loaded.model, spec, calibration)
+
+
 def _write(path: Path, record: dict) -> None:
     """Atomically: a crash leaves the old record or the new one, never half of one."""
     tmp = path.with_suffix(".tmp")
@@ -62,13 +73,7 @@ def uptrain(source_ref: str, conversion: str, run_dir: str | Path, overrides: li
 
     spec = parse_conversion(conversion)  # bad text fails before anything loads
     loaded = load_model(source_ref)
-    calibration = None
-    if spec.mla_rank is not None and spec.mla_select == "norm":  # MHA2MLA ranks RoPE pairs on the corpus
-        from training.compression_eval import calibration_tokens
-
-        spec.target(loaded.config.model)  # refusals before reading the corpus
-        calibration = calibration_tokens(loaded.tokenizer, loaded.corpus, rows=8, length=128)
-    converted = convert(loaded.model, spec, calibration)
+    converted = converted_model(loaded, spec)
     config = uptrain_config(source_ref, loaded, converted.config, list(overrides))
     run_dir = Path(run_dir)
     path = run_dir / RECORD

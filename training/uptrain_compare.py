@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,8 +23,8 @@ from kvjax import memory
 from kvjax.config import CONFIG_ROOT, ConfigError, load_config
 from kvjax.report import format_table
 from training.compare import generation_times
-from training.convert import convert, parse_conversion
-from training.uptrain import uptrain
+from training.convert import parse_conversion
+from training.uptrain import converted_model, uptrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ def run_uptrain_compare(exp: UptrainExperiment, out_dir: str | Path, *, quick: b
     loaded = load_model(source_ref)
     runs = {}
     for conversion in exp.conversions:
-        run_dir = out_dir / conversion.replace(":", "_").replace("+", "-")
+        run_dir = out_dir / re.sub(r"[^A-Za-z0-9.-]+", "_", conversion)
         log(f"{conversion}: uptraining in {run_dir}")
         runs[conversion] = (run_dir, uptrain(source_ref, conversion, run_dir, [*exp.uptrain_overrides, *extra], log=log))
     first = load_model(str(next(iter(runs.values()))[0]))
@@ -95,7 +96,7 @@ def run_uptrain_compare(exp: UptrainExperiment, out_dir: str | Path, *, quick: b
     for conversion, (run_dir, record) in runs.items():
         up = load_model(str(run_dir))
         kv = memory.kv_bytes_per_token(up.config.model)
-        rows.append(scored(f"{conversion}, converted", convert(loaded.model, parse_conversion(conversion)), kv, 0))
+        rows.append(scored(f"{conversion}, converted", converted_model(loaded, parse_conversion(conversion)), kv, 0))
         rows.append(scored(f"{conversion}, uptrained", up.model, kv, record["tokens"]))
         if exp.scratch and from_config:  # the target from scratch, on the source's plus the uptraining's tokens
             src, per_step = loaded.config, up.config.train.batch_size * up.config.data.seq_len

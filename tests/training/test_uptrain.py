@@ -98,7 +98,7 @@ def test_the_uptrain_experiment_compares_converted_uptrained_and_scratch(tmp_pat
 
     exp = tmp_path / "up.yaml"
     exp.write_text(json.dumps({
-        "source": "mha", "conversions": ["mqa", "cla2"],
+        "source": "mha", "conversions": ["mqa", "mla:d_c=16,rope_dims=4"],
         "source_overrides": ["model.n_layers=2", f"data.corpus={SMALL_CORPUS}", "data.seq_len=32",
                              "data.val_fraction=0.3", "train.batch_size=4", "train.steps=6", "train.warmup_steps=1"],
         "uptrain_overrides": ["train.steps=3", "train.warmup_steps=0"],
@@ -107,7 +107,7 @@ def test_the_uptrain_experiment_compares_converted_uptrained_and_scratch(tmp_pat
     assert main(["compare", "--experiment", str(exp), "--quick", "--out", str(tmp_path / "out")]) == 0
     rows = json.loads((tmp_path / "out" / "up.json").read_text())["rows"]
     assert [r["model"] for r in rows] == ["mha (source)", "mqa, converted", "mqa, uptrained", "mqa, from scratch",
-                                          "cla2, converted", "cla2, uptrained", "cla2, from scratch"]
+                                          *(f"mla:d_c=16,rope_dims=4, {k}" for k in ("converted", "uptrained", "from scratch"))]
     assert rows[2]["tokens_trained"] == 3 * 4 * 32 and rows[3]["tokens_trained"] == (6 + 3) * 4 * 32
     assert rows[1]["kv_bytes_per_token"] * 8 == rows[0]["kv_bytes_per_token"]  # 8 KV heads -> 1
     assert all(r["decode_tokens_per_s"] > 0 and np.isfinite(r["val_nll"]) for r in rows)

@@ -387,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("uptrain", help="convert a pretrained model to another KV architecture and train it briefly")
     up.add_argument("source", help=model_help)
     up.add_argument("conversion", help="mqa, gqa:kv_heads=K, cla2, cla:factor=F, mlkv:layers=M, swa:window=W, "
-                    "yoco-swa:window=W, joined by + (options pool=mean|first, merge=mean|keep)")
+                    "yoco-swa:window=W, mla:d_c=R,rope_dims=D, joined by + (options pool=mean|first, "
+                    "merge=mean|keep, select=norm|high); or a model config of the source's shape")
     up.add_argument("overrides", nargs="*", help="data.* and train.* overrides (an imported source starts from "
                     "seq_len 256, 100 steps of batch 4 at lr 1e-4)")
     up.add_argument("--run-dir", help="where the run goes; an existing one resumes "

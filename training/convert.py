@@ -170,6 +170,31 @@ def parse_conversion(text: str) -> Conversion:
     return Conversion(**fields)
 
 
+def conversion_for(source: ModelConfig, target: ModelConfig, name: str) -> Conversion:
+    """The conversion that turns `source` into a model config `target` of the same shape (d_model,
+    layers, heads, head_dim, vocabulary, MLP): its KV heads, layer sharing, window, YOCO or MLA (d_c and
+    RoPE dims; the rest of an MLA target's layout is MHA2MLA's). Refuses, naming them, other differences."""
+    sa, ta = source.attention, target.attention
+    shape = {"vocab_size": (source.vocab_size, target.vocab_size), "d_model": (source.d_model, target.d_model),
+             "n_layers": (source.n_layers, target.n_layers), "ffn_dim": (source.ffn_dim, target.ffn_dim),
+             "attention.n_heads": (sa.n_heads, ta.n_heads), "attention.head_dim": (sa.head_dim, ta.head_dim)}
+    if differ := [f"model.{k} {a} -> {b}" for k, (a, b) in shape.items() if a != b]:
+        raise ConfigError(f"target config {name!r} differs from the source in {', '.join(differ)}; a conversion "
+                          "keeps the shape (give a conversion spec such as mqa or cla2 instead)")
+    fields: dict = {"text": name}
+    if "mla" in target.mixers:
+        return Conversion(mla_rank=target.mla.kv_lora_rank, mla_rope_dims=target.mla.qk_rope_head_dim, text=name)
+    if ta.n_kv_heads != sa.n_kv_heads:
+        fields["kv_heads"] = ta.n_kv_heads
+    if target.kv_sharing.kind != "none":
+        fields["sharing"] = target.kv_sharing
+    if ta.window is not None:
+        fields["window"] = ta.window
+    if target.yoco is not None:
+        fields["yoco_window"] = target.yoco.window
+    return Conversion(**fields)
+
+
 def pool_heads(kernel, n_kv_heads: int, head_dim: int, pool: str):
     """A K or V projection kernel `[D, K_s*H]` with its K_s heads pooled in contiguous groups down to
     n_kv_heads: the group mean (the GQA paper's choice) or the group's first head."""

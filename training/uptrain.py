@@ -19,7 +19,7 @@ from typing import Callable
 
 from kvjax import memory
 from kvjax.config import Config, ConfigError, apply_overrides, from_dict
-from training.convert import convert, parse_conversion
+from training.convert import Conversion, conversion_for, convert, parse_conversion
 from training.hf_import import is_hf_dir
 from training.loading import is_gguf, load_model
 from training.tokenizer import GGUF_PREFIX, HF_PREFIX
@@ -44,6 +44,20 @@ def uptrain_config(source_ref: str, loaded, target_model, overrides: list[str]) 
         base["data"]["corpus"] = loaded.corpus
         given = [*IMPORTED_DEFAULTS, *given]
     return from_dict(Config, apply_overrides(base, given))
+
+
+def _conversion_or_config(text: str):
+    """A conversion spec, or else the model config a YAML path or shipped name gives (a ModelConfig)."""
+    from kvjax.config import load_config, resolve_config_path
+
+    try:
+        return parse_conversion(text)
+    except ConfigError as bad_spec:
+        try:
+            resolve_config_path(text)
+        except ConfigError:
+            raise bad_spec from None
+        return load_config(text).model
 
 
 def converted_model(loaded, spec):
@@ -71,8 +85,10 @@ def uptrain(source_ref: str, conversion: str, run_dir: str | Path, overrides: li
     and return the run's record (see the module docstring)."""
     from training.trainer import Trainer, evaluate_model
 
-    spec = parse_conversion(conversion)  # bad text fails before anything loads
+    spec = _conversion_or_config(conversion)  # bad text fails before anything loads
     loaded = load_model(source_ref)
+    if not isinstance(spec, Conversion):  # a target model config: the conversion that reaches it
+        spec = conversion_for(loaded.config.model, spec, conversion)
     converted = converted_model(loaded, spec)
     config = uptrain_config(source_ref, loaded, converted.config, list(overrides))
     run_dir = Path(run_dir)

@@ -121,3 +121,14 @@ def test_an_mla_conversion_ranks_rope_pairs_on_the_runs_corpus_and_trains(source
     mla = loaded.config.model.mla
     assert loaded.config.model.mixers == ("mla", "mla") and mla.rope_heads == 2 and len(mla.rope_pairs) == 2
     assert record["kv_bytes_per_token"]["converted"] == 2 * (16 + 2 * 4) * 4 and record["after"]["step"] == 2
+
+
+def test_a_target_model_config_names_the_conversion(source_run, tmp_path):
+    """TARGET may be a model config of the source's shape: its KV sharing becomes the conversion."""
+    target = tmp_path / "cla.yaml"
+    target.write_text("base: gqa.yaml\nmodel:\n  n_layers: 2\n  kv_sharing: {kind: cla, factor: 2}\n")
+    record = uptrain(source_run, str(target), tmp_path / "up", SHORT, progress=False, log=lambda _: None, stop_at=1)
+    assert load_model(str(tmp_path / "up")).config.model.kv_source == (0, 0)
+    assert record["kv_bytes_per_token"]["converted"] * 2 == record["kv_bytes_per_token"]["source"]
+    with pytest.raises(ConfigError, match="differs from the source in model.n_layers 2 -> 4"):
+        uptrain(source_run, "mqa-cla2", tmp_path / "x", SHORT, progress=False)

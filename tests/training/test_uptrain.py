@@ -98,7 +98,7 @@ def test_the_uptrain_experiment_compares_converted_uptrained_and_scratch(tmp_pat
 
     exp = tmp_path / "up.yaml"
     exp.write_text(json.dumps({
-        "source": "mha", "conversions": ["mqa", "mla:d_c=16,rope_dims=4"],
+        "source": "mha", "conversions": ["mla:d_c=16,rope_dims=4"],
         "source_overrides": ["model.n_layers=2", f"data.corpus={SMALL_CORPUS}", "data.seq_len=32",
                              "data.val_fraction=0.3", "train.batch_size=4", "train.steps=6", "train.warmup_steps=1"],
         "uptrain_overrides": ["train.steps=3", "train.warmup_steps=0"],
@@ -106,21 +106,15 @@ def test_the_uptrain_experiment_compares_converted_uptrained_and_scratch(tmp_pat
     }))
     assert main(["compare", "--experiment", str(exp), "--quick", "--out", str(tmp_path / "out")]) == 0
     rows = json.loads((tmp_path / "out" / "up.json").read_text())["rows"]
-    assert [r["model"] for r in rows] == ["mha (source)", "mqa, converted", "mqa, uptrained", "mqa, from scratch",
-                                          *(f"mla:d_c=16,rope_dims=4, {k}" for k in ("converted", "uptrained", "from scratch"))]
+    assert [r["model"] for r in rows] == ["mha (source)", *(f"mla:d_c=16,rope_dims=4, {k}"
+                                                           for k in ("converted", "uptrained", "from scratch"))]
     assert rows[2]["tokens_trained"] == 3 * 4 * 32 and rows[3]["tokens_trained"] == (6 + 3) * 4 * 32
-    assert rows[1]["kv_bytes_per_token"] * 8 == rows[0]["kv_bytes_per_token"]  # 8 KV heads -> 1
+    # 2 layers x (16-dim latent + 8 KV heads x 4 RoPE dims) x fp32, against 2 x 2 x 8 x 16 x 4 for MHA
+    assert (rows[1]["kv_bytes_per_token"], rows[0]["kv_bytes_per_token"]) == (2 * (16 + 8 * 4) * 4, 2 * 2 * 8 * 16 * 4)
+    mla = load_model(str(tmp_path / "out" / "mla_d_c_16_rope_dims_4")).config.model.mla  # calibrated on the corpus
+    assert mla.rope_heads == 8 and len(mla.rope_pairs) == 2
     assert all(r["decode_tokens_per_s"] > 0 and np.isfinite(r["val_nll"]) for r in rows)
     assert "from scratch" in capsys.readouterr().out
-
-
-def test_an_mla_conversion_ranks_rope_pairs_on_the_runs_corpus_and_trains(source_run, tmp_path):
-    record = uptrain(source_run, "mla:d_c=16,rope_dims=4", tmp_path / "mla", SHORT, progress=False,
-                     log=lambda _: None, stop_at=2)
-    loaded = load_model(str(tmp_path / "mla"))
-    mla = loaded.config.model.mla
-    assert loaded.config.model.mixers == ("mla", "mla") and mla.rope_heads == 2 and len(mla.rope_pairs) == 2
-    assert record["kv_bytes_per_token"]["converted"] == 2 * (16 + 2 * 4) * 4 and record["after"]["step"] == 2
 
 
 def test_a_target_model_config_names_the_conversion(source_run, tmp_path):

@@ -63,19 +63,19 @@ class _Running:
 
 def _chunk_logits(graphdef, params, caches, tokens, pos, row, last):
     """Prefill a chunk `[1,C]` of sequence slot `row` (its table row as a batch of one); returns the
-    logits at chunk index `last` and the caches with the written pages and the row's new length."""
+    log-probabilities at chunk index `last` and the caches with the written pages and the row's new length."""
     model = nnx.merge(graphdef, params)
     one = tuple(c.replace(table=c.table[row][None], length=c.length[row][None]) for c in caches)
     hidden, one = model.hidden(tokens, pos, one)
-    logits = model.logits(hidden[0, last])
+    logits = jax.nn.log_softmax(model.logits(hidden[0, last]))
     return logits, tuple(c.replace(k=o.k, v=o.v, pos=o.pos, length=c.length.at[row].set(o.length[0]))
                          for c, o in zip(caches, one))
 
 
 def _step_logits(graphdef, params, caches, tokens, pos):
-    """One decode step over every slot (empty slots have position -1): logits `[B,V]` and caches."""
+    """One decode step over every slot (empty slots have position -1): log-probabilities `[B,V]` and caches."""
     logits, caches = nnx.merge(graphdef, params)(tokens, pos, caches)
-    return logits[:, 0], caches
+    return jax.nn.log_softmax(logits[:, 0]), caches
 
 
 class Engine:
@@ -132,14 +132,18 @@ class Engine:
         self.caches = tuple(self._placed(c.replace(table=jnp.asarray(table), length=jnp.asarray(length)))
                             for c in self.caches)
 
-    def _pick(self, logits, running: _Running, step: int) -> int:
-        d = running.done
+    def _pick(self, logp: np.ndarray, running: _Running, step: int) -> int:
+        """The next token from log-probabilities `[V]` (host): argmax when greedy, else drawn with the
+        request's own key (sampling a shifted copy of the logits is the same distribution)."""
         decoding = self.requests[running.index].decoding
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(decoding.seed), running.index), step)
-        tok = int(sample(logits[None], key, temperature=decoding.temperature, top_k=decoding.top_k,
-                         top_p=decoding.top_p)[0])
-        d.tokens.append(tok)
-        d.logprobs.append(float(jax.nn.log_softmax(logits)[tok]))
+        if decoding.temperature == 0:
+            tok = int(np.argmax(logp))
+        else:
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(decoding.seed), running.index), step)
+            tok = int(sample(jnp.asarray(logp)[None], key, temperature=decoding.temperature, top_k=decoding.top_k,
+                             top_p=decoding.top_p)[0])
+        running.done.tokens.append(tok)
+        running.done.logprobs.append(float(logp[tok]))
         running.tokens.append(tok)
         return tok
 
@@ -163,9 +167,9 @@ class Engine:
         self.stats.cached_tokens += hit
         self.stats.prefill_tokens += len(tokens) - hit
         running = _Running(index, slot, tokens, done)
+        self._sync(slots)  # the table holds every page the prompt needs; each chunk advances the row's length
         for start in range(hit, len(tokens), self.chunk):
             piece = tokens[start:start + self.chunk]
-            self._sync(slots)
             ids = np.zeros((1, self.chunk), np.int32)
             ids[0, : len(piece)] = piece
             pos = np.full((1, self.chunk), -1, np.int32)
@@ -175,7 +179,7 @@ class Engine:
             self.pool.advance(index, len(piece))
         if self.prefix_cache:
             self.pool.register(index, tokens)
-        self._pick(logits, running, len(done.tokens))
+        self._pick(np.asarray(logits), running, len(done.tokens))
         return running
 
     def run(self, requests: list[Request]) -> list[Completion]:
@@ -214,7 +218,7 @@ class Engine:
             logits = np.asarray(logits)
             for r in list(running.values()):
                 self.pool.advance(r.index, 1)
-                self._pick(jnp.asarray(logits[r.slot]), r, len(r.done.tokens))
+                self._pick(logits[r.slot], r, len(r.done.tokens))
                 self._retire(r, running, slots)
         return self.done
 

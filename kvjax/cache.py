@@ -26,7 +26,8 @@ class KVView(NamedTuple):
     """What a chunk of queries attends to: keys and values `[B,K,S,H]` and their positions `[B,S]` (or
     `[B,K,S]` once heads hold different tokens). A pooled view has k, v `[B,P,H]`, pos `[B,P]` and each
     entry's KV head `head` `[B,P]`. A quantized cache's view also carries its codes (`quant`) for the
-    fused decode kernel; whatever reads k and v instead lets XLA drop the other."""
+    fused decode kernel, a paged cache's its pages and block tables (`paged`) for the paged kernel;
+    whatever reads k and v instead lets XLA drop the other."""
 
     k: jax.Array
     v: jax.Array
@@ -36,6 +37,7 @@ class KVView(NamedTuple):
     fresh: int | None = None  # T when slots [0, T) hold the attending chunk's own tokens, in order, and
     # no other slot holds a token (a chunk written to an empty cache, or no cache): `kvjax.ops.attention`
     # then reads only those slots and skips the key blocks causality hides
+    paged: object | None = None  # the same K/V as pages of a pool (`kvjax.paged.PagedKVCache`), if paged
 
 
 def _check_chunk(cache, k, v, pos) -> None:

@@ -24,7 +24,8 @@ backward; flash-decoding for one), compiled by Mosaic on TPU, Triton on GPU, and
 (AdaKV) cache has no kernel: `pallas` refuses it, `auto` runs XLA. A decode step over an int or KIVI
 cache (`quant`, the codes a `QuantKVCache` stores) runs the fused dequantize-attend kernel under Pallas
 (KIVI's full-precision residual through the decode kernel, merged by `combine`); XLA attends to the
-dequantized K/V.
+dequantized K/V. Likewise a decode step over a paged cache (`paged`, a `kvjax.paged.PagedKVCache`)
+runs the paged kernel, reading pages through the block tables; XLA attends to the gathered pages.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import decode_attention, flash_attention
 from pallas_kernels.decode_attention import combine, decode_partials
+from pallas_kernels.paged_decode_attention import paged_decode_attention
 from pallas_kernels.quant_decode_attention import check as check_quant_kernel
 from pallas_kernels.quant_decode_attention import quant_decode_partials
 
@@ -114,6 +116,7 @@ def attention(
     k_head: jax.Array | None = None,
     n_kv_heads: int | None = None,
     quant=None,
+    paged=None,
     fresh: int | None = None,
 ) -> jax.Array:
     """softmax(q k^T * scale, masked by positions) v, for q `[B,T,N,H]`, k `[B,K,S,H]`, v `[B,K,S,Hv]`.
@@ -121,10 +124,11 @@ def attention(
     Returns `[B,T,N,Hv]` in q's dtype; a query that sees no key (padding) gets zeros. `scale` defaults
     to 1/sqrt(H). k_pos is `[B,S]`, or `[B,K,S]` when each KV head holds different tokens. A pooled
     cache passes k `[B,P,H]`, v `[B,P,Hv]`, k_pos `[B,P]`, each entry's KV head `k_head` `[B,P]` and
-    `n_kv_heads`. `quant` (a `kvjax.quant.QuantizedKV`) is the same K/V as stored codes: a decode step
-    under Pallas reads those instead of k and v. `fresh=T` (T, the number of queries) promises that key
-    slot t holds query t's own token for t < T, in order, and that later slots are empty (`KVView.fresh`):
-    only those T slots are read, and (XLA) `causal_blocks` skips what causality hides.
+    `n_kv_heads`. `quant` (a `kvjax.quant.QuantizedKV`) is the same K/V as stored codes, `paged` (a
+    `kvjax.paged.PagedKVCache`) as pages of a pool: a decode step under Pallas reads those instead of
+    k and v. `fresh=T` (T, the number of queries) promises that key slot t holds query t's own token for
+    t < T, in order, and that later slots are empty (`KVView.fresh`): only those T slots are read, and
+    (XLA) `causal_blocks` skips what causality hides.
     """
     K = _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads)
     backend = kernel_impl(impl, pooled=k_head is not None)
@@ -135,6 +139,8 @@ def attention(
             return causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl)
     if backend == "pallas" and quant is not None and q.shape[1] == 1 and _fused_quant(quant, impl):
         return _quant_decode(q, quant, q_pos, window, scale, K)
+    if backend == "pallas" and paged is not None and T == 1:
+        return _paged_decode(q, paged, q_pos, window, scale, K)
     if backend == "pallas":
         return _pallas_attention(q, k, v, q_pos, k_pos, window, scale, K)
     block = decode_block(k.shape[2]) if q.shape[1] == 1 and k_head is None else None
@@ -211,6 +217,15 @@ def _quant_decode(q, quant, q_pos, window, scale, K: int) -> jax.Array:
         parts.append(decode_partials(((q4, quant.res_k),), quant.res_v, qp, quant.res_pos, scale=scale, window=window))
     o, m, l = (jnp.concatenate(x, axis=2) for x in zip(*parts))
     return combine(o, m, l)[:, :, : N // K].reshape(B, 1, N, H).astype(q.dtype)
+
+
+def _paged_decode(q, paged, q_pos, window, scale, K: int) -> jax.Array:
+    """One query per row over a paged cache: the paged kernel reads the pages through the block tables."""
+    B, _, N, H = q.shape
+    scale = H**-0.5 if scale is None else scale
+    out = paged_decode_attention(q.reshape(B, K, N // K, H), paged.k, paged.v, paged.pos, paged.table, paged.length,
+                                 q_pos[:, 0], scale=scale, window=window)
+    return out.reshape(B, 1, N, paged.v.shape[-1]).astype(q.dtype)
 
 
 def decode_block(n_slots: int) -> int | None:

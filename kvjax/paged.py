@@ -12,6 +12,8 @@ time as sequences grow and returned the moment they finish.
   (head-major, as the other caches), a position per pool slot, and per sequence slot its block table and
   length. `update` writes a chunk at slots computed from the table and returns the gathered view, so
   attention, masks and the decoder need nothing new (the XLA reference path; the pages are gathered).
+  The view also carries the cache itself (`KVView.paged`): under `impl=pallas` a decode step reads the
+  pages through the block tables in `pallas_kernels.paged_decode_attention` and XLA drops the gather.
 """
 
 from __future__ import annotations
@@ -218,7 +220,8 @@ class PagedKVCache(_Arrays):
         _, K, ps, H = self.k.shape
         gather = lambda pool: pool[self.table].transpose(0, 2, 1, 3, 4).reshape(B, K, M * ps, H)  # noqa: E731
         mine = jnp.arange(M * ps, dtype=jnp.int32)[None, :] < self.length[:, None]
-        return KVView(gather(self.k), gather(self.v), jnp.where(mine, self.pos[self.table].reshape(B, M * ps), -1))
+        return KVView(gather(self.k), gather(self.v), jnp.where(mine, self.pos[self.table].reshape(B, M * ps), -1),
+                      paged=self)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> PagedKVCache:
         """Run the allocator's copy-on-write copies (src -> dst pages)."""

@@ -39,6 +39,7 @@ def _number(kind: type, rule: str, ok):
 POSITIVE = _number(int, "must be >= 1", lambda v: v >= 1)
 NON_NEGATIVE = _number(int, "must be >= 0", lambda v: v >= 0)
 NON_NEGATIVE_FLOAT = _number(float, "must be >= 0", lambda v: v >= 0)
+POSITIVE_FLOAT = _number(float, "must be > 0", lambda v: v > 0)
 UNIT = _number(float, "must be in [0, 1]", lambda v: 0 <= v <= 1)
 OPEN_UNIT = _number(float, "must be in (0, 1]", lambda v: 0 < v <= 1)
 
@@ -322,6 +323,40 @@ def _compare_policies(args) -> None:
     print(f"wrote {out}")
 
 
+def _cmd_serve_bench(args) -> None:
+    from kvjax.compress import parse_policy
+    from kvjax.serve_bench import Workload, render, serve_bench
+
+    for policy in args.policies:
+        parse_policy(policy)  # before compute
+    workload = Workload(requests=args.requests, prompt=tuple(args.prompt), new=tuple(args.new),
+                        shared_prefix=args.shared_prefix, seed=args.seed)
+    model = _bench_model(args.model)
+    figures = serve_bench(model, workload, memory_mib=args.memory_mib, page_size=args.page_size, slots=args.slots,
+                          chunk=args.chunk, policies=tuple(args.policies))
+    print(render(figures))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+        print(f"wrote {args.json}")
+
+
+def _bench_model(ref: str):
+    """A model config (shipped name or YAML: random weights, as throughput does not depend on them), or
+    anything `load_model` takes (a run directory, a GGUF name or file, a transformers directory)."""
+    from training.loading import load_model
+
+    from kvjax.config import CONFIG_ROOT
+
+    if ref.endswith((".yaml", ".yml")) or (CONFIG_ROOT / "models" / f"{ref}.yaml").is_file():
+        from flax import nnx
+
+        from architectures import Decoder
+
+        return Decoder(load_config(ref).model, rngs=nnx.Rngs(0))
+    return load_model(ref).model
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -417,6 +452,24 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--passkey-length", type=POSITIVE, help="also passkey accuracy at this prompt length")
     pol.add_argument("--allow-long-context", action="store_true", help=long_help)
     cmp.set_defaults(run=_cmd_compare)
+
+    sb = sub.add_parser("serve-bench", help="serving throughput at a fixed KV memory: paged engine vs static batches")
+    sb.add_argument("model", help="a model config (random weights), " + model_help)
+    sb.add_argument("--requests", type=POSITIVE, default=32, help="requests in the workload (default: 32)")
+    sb.add_argument("--prompt", type=POSITIVE, nargs=2, default=[32, 256], metavar=("LO", "HI"),
+                    help="prompt lengths, drawn uniformly (default: 32 256)")
+    sb.add_argument("--new", type=POSITIVE, nargs=2, default=[8, 128], metavar=("LO", "HI"),
+                    help="output lengths, drawn uniformly (default: 8 128)")
+    sb.add_argument("--shared-prefix", type=NON_NEGATIVE, default=0, help="tokens every prompt starts with (default: 0)")
+    sb.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    sb.add_argument("--memory-mib", type=POSITIVE_FLOAT, default=4.0, help="K/V memory of every server (default: 4)")
+    sb.add_argument("--page-size", type=POSITIVE, default=16, help="tokens per page (default: 16)")
+    sb.add_argument("--slots", type=POSITIVE, default=16, help="engine sequences decoding together (default: 16)")
+    sb.add_argument("--chunk", type=POSITIVE, default=128, help="engine prefill chunk (default: 128)")
+    sb.add_argument("--policies", nargs="*", default=[], help="also the engine with each policy: token eviction "
+                    "applied after the prefill, optionally ending in int:8 (e.g. snapkv:0.5 int:8)")
+    sb.add_argument("--json", help="also write the figures to this file")
+    sb.set_defaults(run=_cmd_serve_bench)
     return parser
 
 

@@ -10,6 +10,13 @@ newest running request is preempted: its pages are released and it waits again, 
 its prompt and the tokens it has generated (vLLM V1's only preemption mode).
 
 Works for attention models whose layers produce or share full-attention K/V (MHA/GQA/MQA, CLA, MLKV).
+
+A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Generator` does (one prefill
+of the whole prompt, then eviction and/or `int:8` quantization), and only what is kept goes into pages:
+`snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token, so
+more requests fit in the same memory. Decoding then appends every new token (no decode-time eviction).
+With a policy, pages hold compressed prompts, so the prefix cache is off; a preempted request is
+recomputed by compressing its prompt again and re-appending the tokens it generated.
 """
 
 from __future__ import annotations
@@ -25,9 +32,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kvjax.compress import Policy, parse_policy
 from kvjax.config import ConfigError, DecodingConfig
+from kvjax.generate import Generator
 from kvjax.paged import PagedKVCache, PagePool, PoolExhausted
 from kvjax.plan import LayerPlan
+from kvjax.quant.cache import QuantKVCache
 from kvjax.sampling import sample
 
 
@@ -50,6 +60,7 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt tokens computed (prefix-cache hits are not)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     peak_pages: int = 0
+    peak_running: int = 0  # most sequences decoding together
     preemptions: int = 0
 
 
@@ -68,14 +79,53 @@ def _chunk_logits(graphdef, params, caches, tokens, pos, row, last):
     one = tuple(c.replace(table=c.table[row][None], length=c.length[row][None]) for c in caches)
     hidden, one = model.hidden(tokens, pos, one)
     logits = jax.nn.log_softmax(model.logits(hidden[0, last]))
-    return logits, tuple(c.replace(k=o.k, v=o.v, pos=o.pos, length=c.length.at[row].set(o.length[0]))
-                         for c, o in zip(caches, one))
+    return logits, tuple(c.replace(**o._pools(), length=c.length.at[row].set(o.length[0])) for c, o in zip(caches, one))
 
 
 def _step_logits(graphdef, params, caches, tokens, pos):
-    """One decode step over every slot (empty slots have position -1): log-probabilities `[B,V]` and caches."""
+    """One decode step over every slot (empty slots have position -1): log-probabilities `[B,V]`, each
+    row's greedy token and its log-probability `[B]` (all a greedy batch reads back), and the caches."""
     logits, caches = nnx.merge(graphdef, params)(tokens, pos, caches)
-    return jax.nn.log_softmax(logits[:, 0]), caches
+    logp = jax.nn.log_softmax(logits[:, 0])
+    best = jnp.argmax(logp, axis=-1)
+    return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted(graphdef) -> tuple:
+    """The chunk and step functions jitted for one model structure, shared by every Engine over it (so
+    a second engine on the same model compiles nothing)."""
+    return (jax.jit(functools.partial(_chunk_logits, graphdef), donate_argnums=(1,)),
+            jax.jit(functools.partial(_step_logits, graphdef), donate_argnums=(1,)))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _load_row(caches, dense, row):
+    """Load row 0 of each layer's dense (compressed) prefill cache into sequence slot `row`'s pages."""
+    out = []
+    for paged, d in zip(caches, dense):
+        if isinstance(d, QuantKVCache):
+            values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
+        else:
+            values = dict(k=d.k[0], v=d.v[0])
+        out.append(paged.load(row, d.length[0], d.pos[0], **values))
+    return tuple(out)
+
+
+def _check_engine_policy(policy: Policy) -> tuple[bool, bool]:
+    """What the engine's pages need for `policy` (positions per head, int8 codes); a policy it cannot
+    page is a ConfigError naming the stage."""
+    for i, stage in enumerate(policy.stages):
+        where = f"engine policy stage {stage.method!r}"
+        if stage.quantizes:
+            if stage.method != "int" or stage.bits != 8 or stage.asym:
+                raise ConfigError(f"{where}:{stage.bits}: quantized pages are int:8 (symmetric) only")
+        elif stage.method in ("quest", "palu"):
+            raise ConfigError(f"{where}: the engine pages token eviction and int:8; {stage.method} is not supported")
+        elif stage.every or stage.allocator != "uniform":
+            raise ConfigError(f"{where}: the engine compresses once after the prefill with one budget for every "
+                              f"layer and head (every={stage.every}, allocator={stage.allocator!r} are not supported)")
+    return any(s.per_head for s in policy.stages if not s.quantizes), policy.stages[-1].quantizes
 
 
 class Engine:
@@ -83,23 +133,35 @@ class Engine:
     `slots` sequences decoding together, prompts prefilled `chunk` tokens at a time."""
 
     def __init__(self, model: nnx.Module, *, n_pages: int, page_size: int = 16, slots: int = 8, chunk: int = 128,
-                 max_tokens: int | None = None, prefix_cache: bool = True, mesh: jax.sharding.Mesh | None = None):
+                 max_tokens: int | None = None, prefix_cache: bool = True, mesh: jax.sharding.Mesh | None = None,
+                 policy: str | Policy | None = None):
         """`mesh` (axes `data` and `tensor`) spreads the sequence slots over `data` and the pages' KV
-        heads over `tensor`, as training splits batch and heads; the parameters are replicated."""
+        heads over `tensor`, as training splits batch and heads; the parameters are replicated.
+        `policy`: token eviction applied once after the prefill, optionally ending in `int:8` (see the
+        module docstring)."""
         cfg = model.config
         if set(cfg.mixers) != {"attention"} or cfg.attention.window is not None:
             raise ConfigError(f"the engine pages full-attention K/V; model mixers {sorted(set(cfg.mixers))} "
                               f"(window {cfg.attention.window}) are not supported yet")
         if slots < 1 or chunk < 1:
             raise ConfigError(f"slots={slots} and chunk={chunk} must be >= 1")
+        self.policy = parse_policy(policy) if isinstance(policy, str) else policy
         self.model, self.pool = model, PagePool(n_pages, page_size)
-        self.slots, self.chunk, self.prefix_cache = slots, chunk, prefix_cache
+        self.slots, self.chunk = slots, chunk
+        self.prefix_cache = prefix_cache and self.policy is None
         self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
         att = cfg.attention
         producers = len(LayerPlan.from_config(cfg).producers)
+        self.gen = None
+        per_head = int8 = False
+        if self.policy is not None:
+            per_head, int8 = _check_engine_policy(self.policy)
+            self._prefill_capacity(self.width * page_size)
         self.caches = tuple(PagedKVCache.init(n_pages, page_size, slots, self.width, att.n_kv_heads, att.head_dim,
-                                              jnp.dtype(cfg.dtype)) for _ in range(producers))
+                                              jnp.dtype(cfg.dtype), per_head_positions=per_head, int8=int8)
+                            for _ in range(producers))
         graphdef, self.params = nnx.split(model)
+        self._chunk, self._step = _jitted(graphdef)
         self.mesh = mesh
         if mesh is not None:
             if slots % mesh.shape["data"] or att.n_kv_heads % mesh.shape["tensor"]:
@@ -107,13 +169,15 @@ class Engine:
                                   f"n_kv_heads={att.n_kv_heads} over tensor={mesh.shape['tensor']}")
             self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
             self.caches = tuple(self._placed(c) for c in self.caches)
-        self._chunk = jax.jit(functools.partial(_chunk_logits, graphdef), donate_argnums=(1,))
-        self._step = jax.jit(functools.partial(_step_logits, graphdef), donate_argnums=(1,))
         self.stats = EngineStats()
 
     def nbytes(self) -> int:
         """Exact bytes of the page pools, positions, block tables and lengths of every layer."""
         return sum(c.nbytes() for c in self.caches)
+
+    def page_nbytes(self) -> int:
+        """Bytes one page takes over every K/V-producing layer."""
+        return sum(c.page_nbytes for c in self.caches)
 
     # --- device state -----------------------------------------------------------------------------
     def _placed(self, cache: PagedKVCache) -> PagedKVCache:
@@ -121,7 +185,8 @@ class Engine:
         if self.mesh is None:
             return cache
         put = lambda x, *spec: jax.device_put(x, NamedSharding(self.mesh, P(*spec)))  # noqa: E731
-        return cache.replace(k=put(cache.k, None, "tensor"), v=put(cache.v, None, "tensor"), pos=put(cache.pos),
+        heads = {name: put(x, None, "tensor") for name, x in cache._pools().items() if name != "pos"}
+        return cache.replace(**heads, pos=put(cache.pos, None, "tensor" if cache.pos.shape[1] > 1 else None),
                              table=put(cache.table, "data"), length=put(cache.length, "data"))
 
     def _sync(self, seqs) -> None:
@@ -132,18 +197,23 @@ class Engine:
         self.caches = tuple(self._placed(c.replace(table=jnp.asarray(table), length=jnp.asarray(length)))
                             for c in self.caches)
 
-    def _pick(self, logp: np.ndarray, running: _Running, step: int) -> int:
-        """The next token from log-probabilities `[V]` (host): argmax when greedy, else drawn with the
-        request's own key (sampling a shifted copy of the logits is the same distribution)."""
+    def _pick(self, logp, running: _Running, step: int, greedy: tuple[int, float] | None = None) -> int:
+        """The next token from log-probabilities `[V]`: argmax when greedy (`greedy`, the (token,
+        log-probability) the device already chose, saves reading the row), else drawn with the request's
+        own key (sampling a shifted copy of the logits is the same distribution)."""
         decoding = self.requests[running.index].decoding
         if decoding.temperature == 0:
-            tok = int(np.argmax(logp))
+            if greedy is None:
+                logp = np.asarray(logp)
+                greedy = int(np.argmax(logp)), float(logp[np.argmax(logp)])
+            tok, lp = greedy
         else:
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(decoding.seed), running.index), step)
             tok = int(sample(jnp.asarray(logp)[None], key, temperature=decoding.temperature, top_k=decoding.top_k,
                              top_p=decoding.top_p)[0])
+            lp = float(logp[tok])
         running.done.tokens.append(tok)
-        running.done.logprobs.append(float(logp[tok]))
+        running.done.logprobs.append(lp)
         running.tokens.append(tok)
         return tok
 
@@ -157,7 +227,9 @@ class Engine:
         """Prefill request `index` into `slot` (None, taking nothing, when its pages are not free)."""
         request, done = self.requests[index], self.done[index]
         tokens = [*request.prompt, *done.tokens]  # a preempted request recomputes what it generated
-        hit = self.pool.admit(index, tokens)  # full pages found in the prefix cache (none when it is off)
+        hit = self.pool.admit(index, tokens if self.prefix_cache else None)  # full pages in the prefix cache
+        if self.policy is not None:
+            return self._admit_compressed(index, slot, slots, tokens)
         try:
             self.pool.reserve(index, len(tokens) - hit)
         except PoolExhausted:
@@ -166,32 +238,77 @@ class Engine:
         slots[slot] = index
         self.stats.cached_tokens += hit
         self.stats.prefill_tokens += len(tokens) - hit
-        running = _Running(index, slot, tokens, done)
         self._sync(slots)  # the table holds every page the prompt needs; each chunk advances the row's length
-        for start in range(hit, len(tokens), self.chunk):
-            piece = tokens[start:start + self.chunk]
+        logits = self._chunks(index, slot, tokens, hit)
+        if self.prefix_cache:
+            self.pool.register(index, tokens)
+        return self._started(index, slot, tokens, logits)
+
+    def _admit_compressed(self, index: int, slot: int, slots: list, tokens: list[int]) -> _Running | None:
+        """Prefill the prompt whole and compress it as `Generator` does, load the kept tokens into pages,
+        then append what the request generated before a preemption (if anything)."""
+        prompt = self.requests[index].prompt
+        padded, lengths = self.gen.pad([prompt], 0)
+        kept = self._kept(prompt)
+        try:
+            self.pool.reserve(index, kept + len(tokens) - len(prompt))
+        except PoolExhausted:
+            self.pool.release(index)
+            return None
+        slots[slot] = index
+        self.stats.prefill_tokens += len(tokens)
+        logits, dense, _ = self.gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
+        self._sync(slots)
+        self.caches = _load_row(self.caches, dense, slot)
+        self.pool.advance(index, kept)
+        logits = jax.nn.log_softmax(logits[0])
+        if len(tokens) > len(prompt):
+            logits = self._chunks(index, slot, tokens, len(prompt))
+        return self._started(index, slot, tokens, logits)
+
+    def _prefill_capacity(self, tokens: int) -> None:
+        """With a policy: a Generator whose dense prefill cache holds prompts of `tokens` (a prompt may
+        take more slots before compression than its pages hold after)."""
+        if self.policy is not None and (self.gen is None or self.gen.capacity < tokens):
+            self.gen = Generator(self.model, capacity=tokens, policy=self.policy)
+
+    def _kept(self, prompt) -> int:
+        """The slots a prompt takes in pages: all its tokens, or what the policy keeps (the same in every
+        layer: budgets are uniform); an impossible budget is a ConfigError here, before any compute."""
+        if self.policy is None:
+            return len(prompt)
+        return int(self.gen.compression_plan(np.array([len(prompt)]), 0)[-1].counts.max())
+
+    def _chunks(self, index: int, slot: int, tokens: list[int], start: int) -> jax.Array:
+        """Prefill tokens[start:] (at positions start...) into `slot`, `chunk` at a time; the last
+        token's log-probabilities."""
+        for at in range(start, len(tokens), self.chunk):
+            piece = tokens[at:at + self.chunk]
             ids = np.zeros((1, self.chunk), np.int32)
             ids[0, : len(piece)] = piece
             pos = np.full((1, self.chunk), -1, np.int32)
-            pos[0, : len(piece)] = np.arange(start, start + len(piece))
+            pos[0, : len(piece)] = np.arange(at, at + len(piece))
             logits, self.caches = self._chunk(self.params, self.caches, jnp.asarray(ids), jnp.asarray(pos), slot,
                                               len(piece) - 1)
             self.pool.advance(index, len(piece))
-        if self.prefix_cache:
-            self.pool.register(index, tokens)
-        self._pick(np.asarray(logits), running, len(done.tokens))
+        return logits
+
+    def _started(self, index: int, slot: int, tokens: list[int], logits: jax.Array) -> _Running:
+        running = _Running(index, slot, tokens, self.done[index])
+        self._pick(np.asarray(logits), running, len(running.done.tokens))
         return running
 
     def run(self, requests: list[Request]) -> list[Completion]:
         """Serve `requests` (in arrival order) to completion; returns one Completion per request."""
         for i, r in enumerate(requests):
-            total = len(r.prompt) + r.decoding.max_new_tokens
             if not r.prompt:
                 raise ConfigError(f"request {i}: the prompt is empty")
+            total = self._kept(r.prompt) + r.decoding.max_new_tokens
             if self.pool.pages_for(total) > min(self.width, self.pool.n_pages - 1):
                 raise ConfigError(f"request {i}: {total} tokens need {self.pool.pages_for(total)} pages; a sequence "
                                   f"may hold {min(self.width, self.pool.n_pages - 1)}")
         self.requests = list(requests)
+        self._prefill_capacity(max((len(r.prompt) for r in requests), default=0))
         self.done = [Completion([], []) for _ in requests]
         waiting = collections.deque(range(len(requests)))
         slots: list[int | None] = [None] * self.slots
@@ -208,17 +325,21 @@ class Engine:
                 raise RuntimeError("no request fits the free pages")  # cannot happen: sizes are checked above
             self._grow(running, slots, waiting)
             self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)
+            self.stats.peak_running = max(self.stats.peak_running, len(running))
             self._sync(slots)
             ids = np.zeros((self.slots, 1), np.int32)
             pos = np.full((self.slots, 1), -1, np.int32)
             for r in running.values():
                 ids[r.slot, 0], pos[r.slot, 0] = r.tokens[-1], len(r.tokens) - 1
-            logits, self.caches = self._step(self.params, self.caches, jnp.asarray(ids), jnp.asarray(pos))
+            logp, best, best_lp, self.caches = self._step(self.params, self.caches, jnp.asarray(ids), jnp.asarray(pos))
             self.stats.steps += 1
-            logits = np.asarray(logits)
+            best, best_lp = np.asarray(best), np.asarray(best_lp)
+            sampling = any(self.requests[r.index].decoding.temperature > 0 for r in running.values())
+            logp = np.asarray(logp) if sampling else None  # the whole distribution only when some request samples
             for r in list(running.values()):
                 self.pool.advance(r.index, 1)
-                self._pick(logits[r.slot], r, len(r.done.tokens))
+                self._pick(None if logp is None else logp[r.slot], r, len(r.done.tokens),
+                           (int(best[r.slot]), float(best_lp[r.slot])))
                 self._retire(r, running, slots)
         return self.done
 

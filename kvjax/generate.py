@@ -252,16 +252,23 @@ class Generator:
         """Padded prompts `[B,T]` -> next-token logits `[B,V]` and caches holding the prompts."""
         return self._prefill(self.params, tokens, lengths, capacity=self.capacity)
 
-    def compression_plan(self, lengths: np.ndarray, max_new_tokens: int):
-        """The policy's budgets for prompts of `lengths` (checked here, before any compute)."""
+    def compression_plan(self, lengths: np.ndarray, max_new_tokens: int, sized_for: int | None = None):
+        """The policy's budgets for prompts of `lengths` (checked here, before any compute). `sized_for`:
+        size the compressed caches' slots for prompts of that many tokens (>= every length; the unused
+        slots stay empty), so that prompts of one bucket share a compile."""
         decode = self.policy.decode_stage
         headroom = decode.every if decode is not None else max_new_tokens
-        return plan_stages(self.config, self.policy.stages, lengths, headroom, self._bases)
+        plans = plan_stages(self.config, self.policy.stages, lengths, headroom, self._bases)
+        if sized_for is None:
+            return plans
+        sized = plan_stages(self.config, self.policy.stages, [sized_for], headroom, self._bases)
+        return tuple(dataclasses.replace(p, keep_caps=s.keep_caps, capacities=s.capacities) for p, s in zip(plans, sized))
 
-    def prefill_compressed(self, tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int):
+    def prefill_compressed(self, tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int,
+                           sized_for: int | None = None):
         """Prefill, then compress with the policy: (logits `[B,V]`, compressed caches, scorer statistics
         for decode-time eviction). The caches leave room for max_new_tokens (or the policy's `every`)."""
-        plans = self.compression_plan(lengths, max_new_tokens)
+        plans = self.compression_plan(lengths, max_new_tokens, sized_for)
         window = max(observed_queries(st, tokens.shape[1]) for st in self.policy.stages)
         obs_index = np.asarray(lengths)[:, None] - max(window, 1) + np.arange(max(window, 1))[None, :]
         return self._prefill_compressed(

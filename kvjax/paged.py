@@ -27,6 +27,8 @@ import numpy as np
 from flax import struct
 
 from kvjax.cache import KVView, _Arrays
+from kvjax.quant.packing import pack, unpack
+from kvjax.quant.quantizers import dequantize, quantize
 
 NULL_PAGE = 0
 
@@ -65,16 +67,20 @@ class PagePool:
         return -(-tokens // self.page_size)
 
     # --- sequences --------------------------------------------------------------------------------
-    def admit(self, seq, prompt) -> int:
-        """Start `seq`: reuse the cached full pages its prompt begins with (at most all but its last
-        token, which must be computed to predict the next). Returns the prompt tokens already cached."""
+    def admit(self, seq, prompt=None) -> int:
+        """Start `seq` with no pages; given its `prompt`, reuse the cached full pages the prompt begins
+        with (at most all but its last token, which must be computed to predict the next) and count
+        the hits and misses. Returns the prompt tokens already cached."""
         if seq in self.tables:
             raise ValueError(f"sequence {seq!r} is already admitted")
+        self.tables[seq], self.lengths[seq] = [], 0
+        if prompt is None:
+            return 0
         prompt = np.asarray(prompt)
         if self.pages_for(len(prompt)) > self.n_pages - 1:
+            del self.tables[seq], self.lengths[seq]
             raise ValueError(f"a prompt of {len(prompt)} tokens needs {self.pages_for(len(prompt))} pages of "
                              f"{self.page_size}; the whole pool has {self.n_pages - 1}")
-        self.tables[seq], self.lengths[seq] = [], 0
         key = b""
         for i in range((len(prompt) - 1) // self.page_size):
             key = page_hash(key, prompt[i * self.page_size:(i + 1) * self.page_size])
@@ -166,67 +172,129 @@ class PagePool:
 
 @struct.dataclass
 class PagedKVCache(_Arrays):
-    """One layer's pages: k, v `[P,K,page_size,H]`, pos `[P,page_size]` (-1 empty), and per sequence
-    slot its block table `[B,M]` (page ids, the null page as padding) and length `[B]`."""
+    """One layer's pages: k, v `[P,K,page_size,H]`, pos `[P,Kp,page_size]` (-1 empty; Kp = 1, or K once
+    a head-wise policy keeps different tokens per head), and per sequence slot its block table `[B,M]`
+    (page ids, the null page as padding) and length `[B]` (slots filled: a compressed row's slots hold
+    fewer tokens than its positions count). Quantized pages (`int:8`, as `QuantKVCache`'s int codes)
+    hold per-token symmetric 8-bit codes in k, v (uint8 `[P,K,page_size,H]`) and their scales in
+    k_scale, v_scale `[P,K,page_size,1]`; the view dequantizes the gathered pages."""
 
     k: jax.Array
     v: jax.Array
     pos: jax.Array
     table: jax.Array
     length: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
     @classmethod
-    def init(cls, n_pages: int, page_size: int, batch: int, max_pages: int, n_kv_heads: int, head_dim: int, dtype):
+    def init(cls, n_pages: int, page_size: int, batch: int, max_pages: int, n_kv_heads: int, head_dim: int, dtype,
+             *, per_head_positions: bool = False, int8: bool = False):
         shape = (n_pages, n_kv_heads, page_size, head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), pos=jnp.full((n_pages, page_size), -1, jnp.int32),
-                   table=jnp.zeros((batch, max_pages), jnp.int32), length=jnp.zeros((batch,), jnp.int32))
+        pos_heads = n_kv_heads if per_head_positions else 1
+        scales = {}
+        if int8:
+            scales = dict(k_scale=jnp.zeros((*shape[:3], 1), dtype), v_scale=jnp.zeros((*shape[:3], 1), dtype))
+        return cls(k=jnp.zeros(shape, jnp.uint8 if int8 else dtype), v=jnp.zeros(shape, jnp.uint8 if int8 else dtype),
+                   pos=jnp.full((n_pages, pos_heads, page_size), -1, jnp.int32),
+                   table=jnp.zeros((batch, max_pages), jnp.int32), length=jnp.zeros((batch,), jnp.int32), **scales)
 
     @property
     def page_size(self) -> int:
         return self.k.shape[2]
 
-    def slots(self, pos: jax.Array) -> jax.Array:
-        """Flat pool slots `[B,T]` (page * page_size + offset) of a chunk appended after each row's
-        length; padding (pos < 0) and tokens past the table's pages (the null page) go nowhere."""
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes one page takes: its K, V, positions (and int8 scales)."""
+        return sum(pool[0].nbytes for pool in self._pools().values())
+
+    def _pools(self) -> dict[str, jax.Array]:
+        """The per-slot arrays `[P,X,page_size,...]` a write fills and a page copy moves."""
+        pools = dict(k=self.k, v=self.v, pos=self.pos)
+        return pools | (dict(k_scale=self.k_scale, v_scale=self.v_scale) if self.quantized else {})
+
+    def _flat_slots(self, index: jax.Array, ok: jax.Array) -> jax.Array:
+        """Pool slots (page * page_size + offset) of the rows' slot indices `[B,T]`; not `ok`, past the
+        table, or on the null page: one past the pool (dropped by the writes)."""
         ps = self.page_size
-        index = self.length[:, None] + jnp.arange(pos.shape[1], dtype=jnp.int32)[None, :]
         column = jnp.minimum(index // ps, self.table.shape[1] - 1)
         page = jnp.take_along_axis(self.table, column, axis=1)
-        ok = (pos >= 0) & (page != NULL_PAGE) & (index // ps < self.table.shape[1])
+        ok = ok & (page != NULL_PAGE) & (index // ps < self.table.shape[1])
         return jnp.where(ok, page * ps + index % ps, self.k.shape[0] * ps)
+
+    def slots(self, pos: jax.Array) -> jax.Array:
+        """Flat pool slots `[B,T]` of a chunk appended after each row's length (padding, pos < 0, goes nowhere)."""
+        index = self.length[:, None] + jnp.arange(pos.shape[1], dtype=jnp.int32)[None, :]
+        return self._flat_slots(index, pos >= 0)
+
+    def _write(self, flat: jax.Array, **values: jax.Array) -> PagedKVCache:
+        """Per-slot values `[N,X,...]` (k, v `[N,K,H]`, pos `[N,Kp]`, scales) into the flat pool slots `[N]`;
+        full-precision k, v are quantized first when the pages hold codes."""
+        if self.quantized and "k_scale" not in values:
+            for name in ("k", "v"):
+                codes, scale, _ = quantize(values[name], 8, values[name].shape[-1], symmetric=True)
+                values[name], values[f"{name}_scale"] = pack(codes, 8), scale  # scale [N,K,1]
+
+        def write(pool, new):  # pool [P,X,ps,...] as [P*ps] slots of [X,...]
+            P, ps = pool.shape[0], pool.shape[2]
+            slots = jnp.moveaxis(pool, 2, 1).reshape(P * ps, *pool.shape[1:2], *pool.shape[3:])
+            slots = slots.at[flat].set(new.astype(pool.dtype), mode="drop")
+            return jnp.moveaxis(slots.reshape(P, ps, *slots.shape[1:]), 1, 2)
+
+        pools = self._pools()
+        return self.replace(**{name: write(pools[name], new) for name, new in values.items()})
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[PagedKVCache, KVView]:
         """Write a chunk k, v `[B,T,K,H]` at positions `[B,T]` and return the view of every row's pages."""
-        P, K, ps, H = self.k.shape
-        if k.ndim != 4 or k.shape[2:] != (K, H) or v.shape != k.shape or pos.shape != k.shape[:2] or k.shape[0] != self.table.shape[0]:
-            raise ValueError(f"new k {k.shape} / v {v.shape} / pos {pos.shape} must be [B={self.table.shape[0]}, T, K={K}, H={H}]")
-        flat = self.slots(pos).reshape(-1)
-
-        def write(pool, values):  # pool [P,K,ps,H] as [P*ps] slots of [K,H]
-            slots = pool.transpose(0, 2, 1, 3).reshape(P * ps, K, H)
-            slots = slots.at[flat].set(values.reshape(-1, K, H).astype(pool.dtype), mode="drop")
-            return slots.reshape(P, ps, K, H).transpose(0, 2, 1, 3)
-
-        new = self.replace(k=write(self.k, k), v=write(self.v, v),
-                           pos=self.pos.reshape(-1).at[flat].set(pos.reshape(-1), mode="drop").reshape(P, ps),
-                           length=self.length + (pos >= 0).sum(axis=1, dtype=jnp.int32))
+        P, K, ps, _ = self.k.shape
+        B, H = self.table.shape[0], k.shape[-1]
+        if k.ndim != 4 or k.shape[0] != B or k.shape[2] != K or v.shape != k.shape or pos.shape != k.shape[:2]:
+            raise ValueError(f"new k {k.shape} / v {v.shape} / pos {pos.shape} must be [B={B}, T, K={K}, H]")
+        Kp = self.pos.shape[1]
+        new = self._write(self.slots(pos).reshape(-1), k=k.reshape(-1, K, H), v=v.reshape(-1, K, H),
+                          pos=jnp.broadcast_to(pos[..., None], (*pos.shape, Kp)).reshape(-1, Kp))
+        new = new.replace(length=self.length + (pos >= 0).sum(axis=1, dtype=jnp.int32))
         return new, new.view()
 
+    def load(self, row: int, n: jax.Array, pos: jax.Array, **values: jax.Array) -> PagedKVCache:
+        """Fill slots [0, n) of sequence slot `row` (its table set) from one row of a dense head-major
+        cache: positions `[S]` or per head `[K,S]`, and k, v `[K,S,H]` (full precision; or, for quantized
+        pages, int:8 codes with k_scale, v_scale `[K,S,1]`, as `QuantKVCache` stores them)."""
+        Kp = self.pos.shape[1]
+        pos = pos[None] if pos.ndim == 1 else pos
+        if pos.shape[0] not in (1, Kp):
+            raise ValueError(f"positions for {pos.shape[0]} heads; the pool keeps {Kp} per slot")
+        S = pos.shape[1]
+        index = jnp.arange(S, dtype=jnp.int32)[None]
+        flat = self.replace(table=self.table[row][None])._flat_slots(index, index < n)[0]
+        slot_major = {name: jnp.moveaxis(x, 1, 0) for name, x in values.items()}  # [K,S,...] -> [S,K,...]
+        new = self._write(flat, pos=jnp.broadcast_to(pos, (Kp, S)).T, **slot_major)
+        return new.replace(length=new.length.at[row].set(n))
+
     def view(self) -> KVView:
-        """Every row's pages gathered in table order: k, v `[B,K,M*page_size,H]`, pos `[B,M*page_size]`.
-        Slots at or past a row's length hold no token of it (a reused page keeps its old contents until
-        overwritten): their positions read -1, so attention masks them."""
+        """Every row's pages gathered in table order: k, v `[B,K,M*page_size,H]`, pos `[B,M*page_size]`
+        (`[B,K,M*page_size]` per head). Slots at or past a row's length hold no token of it (a reused
+        page keeps its old contents until overwritten): their positions read -1, so attention masks them.
+        Quantized pages are dequantized after the gather (only the rows' pages)."""
         B, M = self.table.shape
-        _, K, ps, H = self.k.shape
-        gather = lambda pool: pool[self.table].transpose(0, 2, 1, 3, 4).reshape(B, K, M * ps, H)  # noqa: E731
-        mine = jnp.arange(M * ps, dtype=jnp.int32)[None, :] < self.length[:, None]
-        return KVView(gather(self.k), gather(self.v), jnp.where(mine, self.pos[self.table].reshape(B, M * ps), -1),
-                      paged=self)
+        ps = self.page_size
+        gather = lambda pool: pool[self.table].transpose(0, 2, 1, 3, 4).reshape(B, pool.shape[1], M * ps, -1)  # noqa: E731
+        mine = jnp.arange(M * ps, dtype=jnp.int32)[None, None, :] < self.length[:, None, None]
+        pos = jnp.where(mine, gather(self.pos[..., None])[..., 0], -1)  # [B,Kp,M*ps]
+        pos = pos[:, 0] if pos.shape[1] == 1 else pos
+        if not self.quantized:
+            return KVView(gather(self.k), gather(self.v), pos, paged=self)
+        k, v = (dequantize(unpack(gather(c), 8), gather(s), None, 8, c.shape[-1]) for c, s in
+                ((self.k, self.k_scale), (self.v, self.v_scale)))
+        return KVView(k, v, pos)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> PagedKVCache:
         """Run the allocator's copy-on-write copies (src -> dst pages)."""
         if not copies:
             return self
         src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
-        return self.replace(k=self.k.at[dst].set(self.k[src]), v=self.v.at[dst].set(self.v[src]),
-                            pos=self.pos.at[dst].set(self.pos[src]))
+        return self.replace(**{name: pool.at[dst].set(pool[src]) for name, pool in self._pools().items()})

@@ -2,7 +2,7 @@
 in a shared pool of pages, read through each row's block table, never gathered into a dense copy.
 
 The pools are `[P,K,page_size,H]` (head-major pages, `kvjax.paged.PagedKVCache`), a position per pool
-slot `[P,page_size]`, and per row a block table `[B,M]` of page ids and a length: slot j of row b is
+slot `[P,page_size]` (or per head and slot, `[P,K,page_size]`), and per row a block table `[B,M]` of page ids and a length: slot j of row b is
 page `table[b, j // page_size]`, offset `j % page_size`, and holds a token of the row when j < length[b]
 and its position is visible from the query's (as in `kvjax.ops.visible`). The query heads of one KV
 head go through together (GQA), and the online softmax of FlashAttention-2 folds in one page at a time.
@@ -46,7 +46,7 @@ def _fold_page(carry, q, k, v, kpos, first_slot, length, q_pos, window):
 
 def _gather_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, pos_ref, o_ref, m_ref, l_ref, *, scale, window):
     """One (row, KV head, split): meta `[1,2]` (query position, row length), the split's table columns
-    `[1,Mc]`, the query group `[Gp,H]`, the head's whole pools `[P,ps,H]` and positions `[P,1,ps]`."""
+    `[1,Mc]`, the query group `[Gp,H]`, the head's whole pools `[P,ps,H]` and its positions `[P,1,ps]`."""
     q = q_ref[...].astype(jnp.float32) * scale
     q_pos, length = meta_ref[0, 0], meta_ref[0, 1]
     ps, n_cols = k_ref.shape[1], table_ref.shape[1]
@@ -83,6 +83,7 @@ def _grid_kernel(table_ref, length_ref, qpos_ref, q_ref, k_ref, v_ref, pos_ref, 
 def _gather_call(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale, window, backend):
     (B, K, Gp, H), Hv, M = q.shape, v_pages.shape[-1], table.shape[1]
     P, _, ps, _ = k_pages.shape
+    per_head = pos_pages.shape[1] > 1
     C = max(1, min(MAX_SPLITS, M // 8))  # about 8 pages (128 slots at 16 a page) or more per split
     Mc = 1 << (-(-M // C) - 1).bit_length()  # a power of two of table columns per split (Triton's blocks)
     C = -(-M // Mc)
@@ -98,18 +99,18 @@ def _gather_call(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale,
             pl.BlockSpec((None, None, Gp, H), lambda b, h, c: (b, h, 0, 0)),
             pl.BlockSpec((P, None, ps, H), lambda b, h, c: (0, h, 0, 0)),
             pl.BlockSpec((P, None, ps, Hv), lambda b, h, c: (0, h, 0, 0)),
-            pl.BlockSpec((P, 1, ps), lambda b, h, c: (0, 0, 0)),
+            pl.BlockSpec((P, None, 1, ps), lambda b, h, c: (0, h if per_head else 0, 0, 0)),
         ],
         out_specs=[pl.BlockSpec((None, None, None, Gp, w), lambda b, h, c: (b, h, c, 0, 0)) for w in (Hv, 1, 1)],
         out_shape=[jax.ShapeDtypeStruct((B, K, C, Gp, w), jnp.float32) for w in (Hv, 1, 1)],
         name="kvjax_paged_decode_attention",
         **call_options(backend),
-    )(meta, table[:, None].astype(jnp.int32), q, k_pages, v_pages, pos_pages[:, None])
+    )(meta, table[:, None].astype(jnp.int32), q, k_pages, v_pages, pos_pages[:, :, None])
 
 
 def _grid_call(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale, window, backend):
     (B, K, Gp, H), Hv, M = q.shape, v_pages.shape[-1], table.shape[1]
-    ps = k_pages.shape[2]
+    ps, per_head = k_pages.shape[2], pos_pages.shape[1] > 1
 
     def page(b, h, col, table, length, q_pos):  # past the length, the row's last page again: no new DMA
         last = jnp.maximum(jax.lax.div(length[b] + ps - 1, ps) - 1, 0)  # lax.div: Mosaic lowers no floor division
@@ -125,7 +126,7 @@ def _grid_call(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale, w
             pl.BlockSpec((None, None, Gp, H), lambda b, h, c, *_: (b, h, 0, 0)),
             pl.BlockSpec((None, None, ps, H), lambda b, h, c, *s: (page(b, h, c, *s), h, 0, 0)),
             pl.BlockSpec((None, None, ps, Hv), lambda b, h, c, *s: (page(b, h, c, *s), h, 0, 0)),
-            pl.BlockSpec((None, 1, ps), lambda b, h, c, *s: (page(b, h, c, *s), 0, 0)),
+            pl.BlockSpec((None, None, 1, ps), lambda b, h, c, *s: (page(b, h, c, *s), h if per_head else 0, 0, 0)),
         ],
         out_specs=[pl.BlockSpec((None, None, None, Gp, w), lambda b, h, c, *_: (b, h, 0, 0, 0)) for w in (Hv, 1, 1)],
     )
@@ -137,22 +138,24 @@ def _grid_call(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale, w
         name="kvjax_paged_decode_attention",
         **options,
     )(table.astype(jnp.int32), length.astype(jnp.int32), q_pos.astype(jnp.int32), q, k_pages, v_pages,
-      pos_pages[:, None])
+      pos_pages[:, :, None])
 
 
 def paged_decode_partials(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale: float,
                           window: int | None = None, backend: str | None = None, design: str | None = None):
     """Split partials (o `[B,K,C,Gp,Hv]`, m and l `[B,K,C,Gp,1]`, fp32; merge with `combine`) of one query
     per row q `[B,K,G,H]` over pages k_pages `[P,K,ps,H]`, v_pages `[P,K,ps,Hv]`, positions pos_pages
-    `[P,ps]`, through table `[B,M]` and length `[B]`; q_pos `[B]`. `design` defaults to `grid` on TPU and
+    `[P,ps]` or per head `[P,K,ps]`, through table `[B,M]` and length `[B]`; q_pos `[B]`. `design` defaults to `grid` on TPU and
     `gather` elsewhere (see the module docstring)."""
     design = design or ("grid" if resolve(backend) == "tpu" else "gather")
     if design not in DESIGNS:
         raise ValueError(f"paged decode design={design!r} must be one of {DESIGNS}")
     P, K, ps, H = k_pages.shape
-    if q.ndim != 4 or q.shape[1] != K or q.shape[3] != H or v_pages.shape[:3] != (P, K, ps) or pos_pages.shape != (P, ps):
+    pos_pages = pos_pages[:, None] if pos_pages.ndim == 2 else pos_pages
+    if (q.ndim != 4 or q.shape[1] != K or q.shape[3] != H or v_pages.shape[:3] != (P, K, ps)
+            or pos_pages.shape not in ((P, 1, ps), (P, K, ps))):
         raise ValueError(f"q {q.shape} must be [B,K={K},G,H={H}] and v_pages {v_pages.shape} / pos_pages "
-                         f"{pos_pages.shape} match k_pages {k_pages.shape} ([P,K,page_size,H] / [P,page_size])")
+                         f"{pos_pages.shape} match k_pages {k_pages.shape} ([P,K,page_size,H] / [P,(K,)page_size])")
     if resolve(backend) == "triton" and (ps < 16 or ps & (ps - 1)):
         raise ValueError(f"page_size={ps}: the Triton paged kernel needs a power of two >= 16 (its dot operands)")
     G = q.shape[2]
@@ -178,7 +181,8 @@ def paged_decode_reference(q, k_pages, v_pages, pos_pages, table, length, q_pos,
     """The same attention over the rows' pages gathered into dense `[B,K,M*ps,H]` K/V, in plain jnp."""
     B, M = table.shape
     _, K, ps, _ = k_pages.shape
-    dense = lambda pool: pool[table].transpose(0, 2, 1, 3, 4).reshape(B, K, M * ps, pool.shape[-1])  # noqa: E731
-    mine = jnp.arange(M * ps)[None] < length[:, None]
-    k_pos = jnp.where(mine, pos_pages[table].reshape(B, M * ps), -1)
+    dense = lambda pool: pool[table].transpose(0, 2, 1, 3, 4).reshape(B, pool.shape[1], M * ps, -1)  # noqa: E731
+    pos_pages = pos_pages[:, None] if pos_pages.ndim == 2 else pos_pages
+    mine = jnp.arange(M * ps)[None, None] < length[:, None, None]
+    k_pos = jnp.where(mine, dense(pos_pages[..., None])[..., 0], -1)  # [B,1|K,M*ps]
     return decode_attention_reference(q, dense(k_pages), dense(v_pages), q_pos, k_pos, scale=scale, window=window)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvjax import DecodingConfig, Generator
+from kvjax.compress import parse_policy
 from kvjax.config import ConfigError
 from kvjax.engine import Engine, Request
 
@@ -71,6 +72,44 @@ def test_requests_that_cannot_fit_and_models_it_cannot_page_are_refused(gqa, mak
         Engine(gqa, n_pages=5, page_size=4).run([Request(tuple(range(20)), DecodingConfig(max_new_tokens=10))])
     with pytest.raises(ConfigError, match="the engine pages full-attention K/V"):
         Engine(make_model("swa", "model.n_layers=2")[1], n_pages=8)
+
+
+@pytest.mark.parametrize("policy, n_pages", [("snapkv:0.5:obs_window=1", 7), ("streaming:0.5:sinks=1+int:8", 40)])
+def test_a_policy_engine_gives_each_request_what_generator_gives_it_alone(gqa, requests, policy, n_pages):
+    """Compressed prompts in pages (SnapKV's per-head positions; int8 codes) decode exactly as the
+    Generator's dense compressed cache; with 6 usable pages requests are preempted and recomputed."""
+    gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
+    alone = [gen([list(r.prompt)], r.decoding) for r in requests]
+    engine = Engine(gqa, n_pages=n_pages, page_size=4, slots=4, chunk=8, policy=policy)
+    _check(engine.run(requests), alone)
+    assert engine.pool.used_pages == 0 and (engine.stats.preemptions > 0) == (n_pages == 7)
+
+
+def test_a_policy_takes_the_pages_its_budget_says(gqa):
+    """A 40-token prompt and one decoded token: 41 slots are 11 pages of 4; SnapKV at 0.5 keeps 20, so
+    21 slots take 6; int:8 keeps every token in 11 pages of codes, each page a third of the fp32 bytes
+    (codes, plus a scale per token and head)."""
+    request = Request(tuple(range(1, 41)), DecodingConfig(max_new_tokens=2))
+    peaks, engines = {}, {}
+    for policy in (None, "snapkv:0.5:obs_window=1", "int:8"):
+        engines[policy] = Engine(gqa, n_pages=20, page_size=4, slots=1, policy=policy)
+        engines[policy].run([request])
+        peaks[policy] = engines[policy].stats.peak_pages
+    assert peaks == {None: 11, "snapkv:0.5:obs_window=1": 6, "int:8": 11}
+    att, producers = gqa.config.attention, 2
+    K, H, ps, P = att.n_kv_heads, att.head_dim, 4, 20
+    tables = 19 * 4 + 4  # one sequence slot: its block table (a column per usable page) and length
+    fp32 = producers * (P * K * ps * H * 4 * 2 + P * ps * 4 + tables)
+    int8 = producers * (P * K * ps * (H + 4) * 2 + P * ps * 4 + tables)
+    assert engines[None].nbytes() == fp32 and engines["int:8"].nbytes() == int8
+
+
+def test_policies_the_engine_cannot_page_are_refused(gqa):
+    for policy, match in [("kivi:2", "quantized pages are int:8"), ("int:4", "quantized pages are int:8"),
+                          ("h2o:0.5:every=2", "every=2"), ("snapkv:0.5:allocator=adakv", "allocator='adakv'"),
+                          ("palu:0.5", "palu is not supported")]:
+        with pytest.raises(ConfigError, match=match):
+            Engine(gqa, n_pages=8, policy=policy)
 
 
 SHARDED = textwrap.dedent(

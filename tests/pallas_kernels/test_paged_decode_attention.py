@@ -15,24 +15,26 @@ from tests.pallas_kernels.lowering import TARGETS, assert_lowers
 P, PS = 12, 4  # pool pages, page size
 
 
-def _pages(seed, K=2, N=4, H=8, Hv=None):
+def _pages(seed, K=2, N=4, H=8, Hv=None, per_head=False):
     """Three rows over a shared pool: row 0 holds 10 tokens in pages 3, 7, 1; row 1 holds 19 in 5 pages,
     sharing page 7 with row 0 (a prefix-cache hit); row 2 is padding (length 0, null pages). Every
     pool slot has a position, so slots past a row's length (old tokens of a reused page) would be
-    visible if the length did not mask them."""
+    visible if the length did not mask them. `per_head`: positions per KV head (after head-wise eviction)."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(3, K, N // K, H)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(P, K, PS, H)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(P, K, PS, Hv or H)), jnp.float32)
-    pos = jnp.asarray(rng.permutation(P * PS).reshape(P, PS) % 24, jnp.int32)
+    pos = jnp.asarray(np.stack([rng.permutation(P * PS).reshape(P, PS) % 24 for _ in range(K if per_head else 1)], 1),
+                      jnp.int32)
     table = jnp.asarray([[3, 7, 1, 0, 0], [5, 7, 9, 11, 4], [0, 0, 0, 0, 0]], jnp.int32)
     return q, k, v, pos, table, jnp.asarray([10, 19, 0], jnp.int32), jnp.asarray([23, 21, -1], jnp.int32)
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-@pytest.mark.parametrize("N, K, window", [(4, 2, None), (4, 1, 6), (2, 2, None)])  # GQA, MQA + window, MHA
-def test_interpret_equals_dense_attention_over_the_gathered_pages(design, N, K, window):
-    q, k, v, pos, table, length, q_pos = _pages(0, K=K, N=N)
+@pytest.mark.parametrize("N, K, window, per_head", [(4, 2, None, False), (4, 1, 6, False), (2, 2, None, True)])
+def test_interpret_equals_dense_attention_over_the_gathered_pages(design, N, K, window, per_head):
+    """GQA; MQA with a window; MHA with positions per head."""
+    q, k, v, pos, table, length, q_pos = _pages(0, K=K, N=N, per_head=per_head)
     kw = dict(scale=0.3, window=window)
     out = paged_decode_attention(q, k, v, pos, table, length, q_pos, backend="interpret", design=design, **kw)
     np.testing.assert_allclose(out, paged_decode_reference(q, k, v, pos, table, length, q_pos, **kw), atol=1e-5)
@@ -56,7 +58,7 @@ def test_the_cache_view_and_the_kernel_agree():
     """`PagedKVCache.view()` (the XLA path's gathered keys) through kvjax.ops equals the kernel."""
     from kvjax.ops import attention
 
-    q, k, v, pos, table, length, q_pos = _pages(2)
+    q, k, v, pos, table, length, q_pos = _pages(2, per_head=True)
     cache = PagedKVCache(k=k, v=v, pos=pos, table=table, length=length)
     view = cache.view()
     B, K, G, H = q.shape

@@ -48,6 +48,12 @@ def text_ids(ours):
     return ours[2].encode(load_corpus("kjv")[18].text)[:256]  # the Psalms
 
 
+@pytest.fixture(scope="module")
+def full(ours, text_ids):
+    """Our logits `[256,V]` over text_ids, computed once (causal: a prefix's logits are its rows)."""
+    return np.asarray(ours[1](jnp.asarray([text_ids]), jnp.arange(256)[None])[0][0])
+
+
 def test_config_comes_from_the_metadata(ours):
     cfg = ours[0].model
     att = cfg.attention
@@ -64,12 +70,11 @@ def test_token_ids_match(ours, reference):
     assert tokenizer.encode("hi")[0] != tokenizer.bos_id  # nothing special is added to raw text
 
 
-def test_logits_match_over_256_tokens(ours, reference, text_ids):
+def test_logits_match_over_256_tokens(full, reference, text_ids):
     assert len(text_ids) == 256
-    logits, _ = ours[1](jnp.asarray([text_ids]), jnp.arange(256)[None])
     with torch.no_grad():
         expected = reference[0](torch.tensor([text_ids])).logits[0].numpy()
-    assert np.abs(np.asarray(logits[0]) - expected).max() < 1e-3
+    assert np.abs(full - expected).max() < 1e-3
 
 
 def test_greedy_continuations_match(ours, reference, text_ids):
@@ -82,31 +87,28 @@ def test_greedy_continuations_match(ours, reference, text_ids):
     np.testing.assert_array_equal(got, out[0, 64:].numpy())
 
 
-def test_cached_decode_equals_full_forward(ours, text_ids):
+def test_cached_decode_equals_full_forward(ours, text_ids, full):
     config, model, _ = ours
     ids = jnp.asarray([text_ids[:48]])
     pos = jnp.arange(48)[None]
-    full, _ = model(ids, pos)
     logits, caches = model(ids[:, :40], pos[:, :40], init_caches(config.model, 1, 48))
-    np.testing.assert_allclose(logits, full[:, :40], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits[0], full[:40], atol=1e-4, rtol=1e-4)
     for t in range(40, 48):
         logits, caches = model(ids[:, t : t + 1], pos[:, t : t + 1], caches)
-        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(logits[0, 0], full[t], atol=1e-4, rtol=1e-4)
 
 
-def test_a_conversion_without_reduction_reproduces_smollm2(ours, text_ids):
+def test_a_conversion_without_reduction_reproduces_smollm2(ours, text_ids, full):
     """Keeping all 3 KV heads (first of each group of one) and a K/V layer for each of the 30 layers is
     SmolLM2 itself."""
     from training.convert import convert, parse_conversion
 
-    _, model, _ = ours
     ids, pos = jnp.asarray([text_ids[:32]]), jnp.arange(32)[None]
-    full, _ = model(ids, pos)
-    same = convert(model, parse_conversion("gqa:kv_heads=3,pool=first+mlkv:layers=30"))
-    np.testing.assert_allclose(same(ids, pos)[0], full, atol=1e-4)
+    same = convert(ours[1], parse_conversion("gqa:kv_heads=3,pool=first+mlkv:layers=30"))
+    np.testing.assert_allclose(same(ids, pos)[0][0], full[:32], atol=1e-4)
 
 
-def test_an_mqa_smollm2_exports_to_a_llama_that_transformers_runs(ours, text_ids, tmp_path):
+def test_an_mqa_smollm2_exports_to_a_llama_that_transformers_runs(ours, text_ids, full, tmp_path):
     from training.convert import convert, parse_conversion
     from training.hf_import import load_hf_model
 
@@ -120,21 +122,18 @@ def test_an_mqa_smollm2_exports_to_a_llama_that_transformers_runs(ours, text_ids
     logits, _ = mqa(jnp.asarray([ids]), jnp.arange(64)[None])
     # The untrained conversion amplifies float differences more than SmolLM2 does (logits up to ~12).
     assert np.abs(np.asarray(logits[0]) - expected).max() < 5e-3
-    reference = ours[1](jnp.asarray([ids]), jnp.arange(64)[None])[0]
-    assert np.abs(np.asarray(logits - reference)).max() > 1.0  # 3 heads pooled into 1 is not SmolLM2
+    assert np.abs(np.asarray(logits[0]) - full[:64]).max() > 1.0  # 3 heads pooled into 1 is not SmolLM2
     back = load_hf_model(tmp_path)[1]  # and reads back into kvjax by directory
     np.testing.assert_allclose(back(jnp.asarray([ids]), jnp.arange(64)[None])[0], logits, atol=1e-5)
 
 
-def test_export_round_trip(ours, text_ids, tmp_path):
+def test_export_round_trip(ours, text_ids, full, tmp_path):
     _, model, tokenizer = ours
     export_llama(model, tmp_path, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    ids = text_ids[:128]
     with torch.no_grad():
-        expected = hf(torch.tensor([ids])).logits[0].numpy()
-    logits, _ = model(jnp.asarray([ids]), jnp.arange(128)[None])
-    assert np.abs(np.asarray(logits[0]) - expected).max() < 1e-3
+        expected = hf(torch.tensor([text_ids[:128]])).logits[0].numpy()
+    assert np.abs(full[:128] - expected).max() < 1e-3
 
 
 def test_bad_files_are_clear_errors(tmp_path):

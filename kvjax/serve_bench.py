@@ -1,0 +1,150 @@
+"""`kvjax serve-bench`: serving throughput at a fixed KV memory budget, on a synthetic workload, in one run.
+
+Servers compared at the same bytes of K/V memory:
+- **static batches** (`Generator`): requests in arrival order, `rows` at a time, each batch decoded to
+  its longest output; without paging every row must reserve the workload's longest prompt plus its
+  longest output, so rows = budget / (bytes per token x that reservation).
+- **engine** (`kvjax.Engine`): paged memory, continuous batching, chunked prefill, prefix cache; the
+  budget buys pages.
+- **engine + policy** for each `--policies` entry (e.g. `snapkv:0.5`, `int:8`): the same budget buys
+  pages of the policy's layout (int8 pages are smaller, so there are more), and compressed prompts take
+  fewer of them, so more requests run at once.
+
+Prompt and output lengths are drawn uniformly from their ranges (numpy seed `seed`); an optional shared
+prefix starts every prompt; every request decodes greedily to its own length. Each server serves the
+whole workload once untimed (all its compiles) and is timed on the second pass, so neither side's
+figures include compiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from kvjax import memory
+from kvjax.config import ConfigError, DecodingConfig
+from kvjax.engine import Engine, Request
+from kvjax.generate import Generator
+from kvjax.report import format_table
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    requests: int = 32
+    prompt: tuple[int, int] = (32, 256)
+    new: tuple[int, int] = (8, 128)
+    shared_prefix: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("prompt", "new"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ConfigError(f"--{name} {lo} {hi}: need 1 <= low <= high")
+        if self.requests < 1 or self.shared_prefix < 0:
+            raise ConfigError(f"--requests={self.requests} must be >= 1 and --shared-prefix={self.shared_prefix} >= 0")
+
+    def sample(self, vocab: int) -> list[Request]:
+        rng = np.random.default_rng(self.seed)
+        shared = [int(t) for t in rng.integers(0, vocab, self.shared_prefix)]
+        out = []
+        for _ in range(self.requests):
+            own = rng.integers(0, vocab, rng.integers(self.prompt[0], self.prompt[1] + 1))
+            new = int(rng.integers(self.new[0], self.new[1] + 1))
+            out.append(Request(tuple(shared + [int(t) for t in own]), DecodingConfig(max_new_tokens=new)))
+        return out
+
+
+def page_bytes(model, page_size: int, policy: str | None) -> int:
+    """Bytes one page takes over every K/V-producing layer under `policy` (K, V, positions, int8 scales)."""
+    return Engine(model, n_pages=2, page_size=page_size, slots=1, policy=policy).page_nbytes()
+
+
+def _timed_engine(model, requests, *, n_pages, page_size, slots, chunk, policy, longest) -> tuple[Engine, float]:
+    def make():
+        return Engine(model, n_pages=n_pages, page_size=page_size, slots=slots, chunk=chunk, max_tokens=longest,
+                      policy=policy)
+
+    make().run(requests)  # warm-up: every compile (chunk, step, a policy's prefill per prompt bucket)
+    engine = make()
+    start = time.perf_counter()
+    engine.run(requests)
+    return engine, time.perf_counter() - start
+
+
+def _timed_static(model, requests, rows: int, capacity: int) -> float:
+    gen = Generator(model, capacity=capacity)
+
+    def serve(reqs):
+        for i in range(0, len(reqs), rows):
+            batch = reqs[i:i + rows]
+            longest = max(r.decoding.max_new_tokens for r in batch)
+            jax.block_until_ready(gen([list(r.prompt) for r in batch], DecodingConfig(max_new_tokens=longest)).tokens)
+
+    serve(requests)  # warm-up: every compile (one per prompt bucket and output length)
+    start = time.perf_counter()
+    serve(requests)
+    return time.perf_counter() - start
+
+
+def serve_bench(model, workload: Workload, *, memory_mib: float, page_size: int = 16, slots: int = 16,
+                chunk: int = 128, policies: tuple[str, ...] = ()) -> dict:
+    """Run every server on the workload at `memory_mib` MiB of K/V and return the figures (see the module
+    docstring); a budget too small for the longest request is a ConfigError before any compute."""
+    cfg = model.config
+    requests = workload.sample(cfg.vocab_size)
+    budget = int(memory_mib * 2**20)
+    longest = max(len(r.prompt) + r.decoding.max_new_tokens for r in requests)
+    reserve = max(len(r.prompt) for r in requests) + max(r.decoding.max_new_tokens for r in requests)
+    rows = budget // (memory.cache_bytes_per_token(cfg) * reserve)
+    if rows < 1:
+        raise ConfigError(f"--memory-mib={memory_mib}: {budget:,} bytes hold no static row of {reserve} tokens "
+                          f"({memory.cache_bytes_per_token(cfg)} bytes each); raise it")
+    new_tokens = sum(r.decoding.max_new_tokens for r in requests)
+    out = {"model": cfg.name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "workload": dataclasses.asdict(workload), "kv_budget_bytes": budget, "new_tokens": new_tokens,
+           "prompt_tokens": sum(len(r.prompt) for r in requests), "servers": []}
+    static_s = _timed_static(model, requests, rows, reserve)
+    out["servers"].append({"server": "static batches", "policy": None, "seconds": static_s, "concurrent": rows,
+                           "tokens_per_s": new_tokens / static_s, "requests_per_s": len(requests) / static_s,
+                           "bytes_allocated": rows * reserve * memory.cache_bytes_per_token(cfg),
+                           "prefill_tokens": out["prompt_tokens"]})
+    for policy in (None, *policies):
+        per_page = page_bytes(model, page_size, policy)
+        n_pages = budget // per_page + 1  # + the null page
+        engine, seconds = _timed_engine(model, requests, n_pages=n_pages, page_size=page_size, slots=slots,
+                                        chunk=chunk, policy=policy, longest=longest)
+        s, pool = engine.stats, engine.pool
+        lookups = pool.hits + pool.misses
+        out["servers"].append({
+            "server": "engine", "policy": policy, "seconds": seconds, "concurrent": s.peak_running,
+            "tokens_per_s": new_tokens / seconds, "requests_per_s": len(requests) / seconds,
+            "pages": n_pages - 1, "peak_pages": s.peak_pages, "page_bytes": per_page,
+            "bytes_allocated": engine.nbytes(), "peak_bytes_used": s.peak_pages * per_page,
+            "prefill_tokens": s.prefill_tokens, "cached_tokens": s.cached_tokens,
+            "prefix_hit_rate": pool.hits / lookups if lookups else 0.0, "steps": s.steps, "preemptions": s.preemptions,
+        })
+    return out
+
+
+def render(figures: dict) -> str:
+    """The figures as a table, with each server's speed relative to static batching."""
+    w = figures["workload"]
+    base = figures["servers"][0]["tokens_per_s"]
+    rows = []
+    for s in figures["servers"]:
+        name = s["server"] + (f" + {s['policy']}" if s["policy"] else "")
+        pages = f"{s['peak_pages']}/{s['pages']}" if "pages" in s else "-"
+        hit = f"{s['prefix_hit_rate']:.0%}" if "prefix_hit_rate" in s else "-"
+        rows.append([name, s["concurrent"], f"{s['tokens_per_s']:,.1f}", f"{s['tokens_per_s'] / base:.2f}x",
+                     f"{s['requests_per_s']:.2f}", f"{s['seconds']:.1f}", f"{s['prefill_tokens']:,}", hit, pages,
+                     s.get("preemptions", "-")])
+    head = (f"{figures['model']}: {w['requests']} requests, prompts {w['prompt'][0]}-{w['prompt'][1]} (+{w['shared_prefix']} "
+            f"shared), outputs {w['new'][0]}-{w['new'][1]}, seed {w['seed']}; K/V budget "
+            f"{figures['kv_budget_bytes'] / 2**20:g} MiB ({figures['device']}, jax {figures['jax']})")
+    table = format_table(["server", "concurrent", "tokens/s", "vs static", "requests/s", "seconds", "prefill tokens",
+                          "prefix hits", "peak pages", "preemptions"], rows)
+    return f"{head}\n{table}"

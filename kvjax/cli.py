@@ -325,13 +325,14 @@ def _compare_policies(args) -> None:
 
 def _cmd_serve_bench(args) -> None:
     from kvjax.compress import parse_policy
+    from kvjax.engine import check_engine_policy
     from kvjax.serve_bench import Workload, render, serve_bench
 
     for policy in args.policies:
-        parse_policy(policy)  # before compute
+        check_engine_policy(parse_policy(policy))  # before any compute
     workload = Workload(requests=args.requests, prompt=tuple(args.prompt), new=tuple(args.new),
                         shared_prefix=args.shared_prefix, seed=args.seed)
-    model = _bench_model(args.model)
+    model = _bench_model(args.model, args.overrides)
     figures = serve_bench(model, workload, memory_mib=args.memory_mib, page_size=args.page_size, slots=args.slots,
                           chunk=args.chunk, policies=tuple(args.policies))
     print(render(figures))
@@ -341,19 +342,20 @@ def _cmd_serve_bench(args) -> None:
         print(f"wrote {args.json}")
 
 
-def _bench_model(ref: str):
-    """A model config (shipped name or YAML: random weights, as throughput does not depend on them), or
-    anything `load_model` takes (a run directory, a GGUF name or file, a transformers directory)."""
-    from training.loading import load_model
-
+def _bench_model(ref: str, overrides: list[str]):
+    """A model config with overrides (shipped name or YAML: random weights, as throughput does not depend
+    on them), or anything `load_model` takes (a run directory, a GGUF name or file, a transformers directory)."""
     from kvjax.config import CONFIG_ROOT
+    from training.loading import load_model
 
     if ref.endswith((".yaml", ".yml")) or (CONFIG_ROOT / "models" / f"{ref}.yaml").is_file():
         from flax import nnx
 
         from architectures import Decoder
 
-        return Decoder(load_config(ref).model, rngs=nnx.Rngs(0))
+        return Decoder(load_config(ref, overrides).model, rngs=nnx.Rngs(0))
+    if overrides:
+        raise ConfigError(f"overrides {overrides} apply to a model config; {ref!r} is a trained or imported model")
     return load_model(ref).model
 
 
@@ -455,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sb = sub.add_parser("serve-bench", help="serving throughput at a fixed KV memory: paged engine vs static batches")
     sb.add_argument("model", help="a model config (random weights), " + model_help)
+    sb.add_argument("overrides", nargs="*", help="key.sub=value overrides of a model config")
     sb.add_argument("--requests", type=POSITIVE, default=32, help="requests in the workload (default: 32)")
     sb.add_argument("--prompt", type=POSITIVE, nargs=2, default=[32, 256], metavar=("LO", "HI"),
                     help="prompt lengths, drawn uniformly (default: 32 256)")

@@ -9,7 +9,8 @@ that finishes frees its pages at once. When a running sequence needs a page and 
 newest running request is preempted: its pages are released and it waits again, to be recomputed from
 its prompt and the tokens it has generated (vLLM V1's only preemption mode).
 
-Works for attention models whose layers produce or share full-attention K/V (MHA/GQA/MQA, CLA, MLKV).
+Works for attention models whose layers produce or share full-attention K/V (MHA/GQA/MQA, CLA, MLKV)
+or MLA latents (`PagedLatentCache`).
 
 A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Generator` does (one prefill
 of the whole prompt, then eviction and/or `int:8` quantization), and only what is kept goes into pages:
@@ -32,10 +33,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kvjax.cache import LatentCache
 from kvjax.compress import Policy, parse_policy
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import Generator
-from kvjax.paged import PagedKVCache, PagePool, PoolExhausted
+from kvjax.paged import PagedKVCache, PagedLatentCache, PagePool, PoolExhausted
 from kvjax.plan import LayerPlan
 from kvjax.quant.cache import QuantKVCache
 from kvjax.sampling import sample
@@ -83,9 +85,13 @@ def _chunk_logits(graphdef, params, caches, tokens, pos, row, last):
 
 
 def _step_logits(graphdef, params, caches, tokens, pos):
-    """One decode step over every slot (empty slots have position -1): log-probabilities `[B,V]`, each
-    row's greedy token and its log-probability `[B]` (all a greedy batch reads back), and the caches."""
-    logits, caches = nnx.merge(graphdef, params)(tokens, pos, caches)
+    """One decode step over the first n sequence slots (tokens, pos `[n,1]`; empty slots have position
+    -1): log-probabilities `[n,V]`, each row's greedy token and its log-probability `[n]` (all a greedy
+    batch reads back), and the caches."""
+    n = tokens.shape[0]
+    rows = tuple(c.replace(table=c.table[:n], length=c.length[:n]) for c in caches)
+    logits, rows = nnx.merge(graphdef, params)(tokens, pos, rows)
+    caches = tuple(c.replace(**r._pools(), length=c.length.at[:n].set(r.length)) for c, r in zip(caches, rows))
     logp = jax.nn.log_softmax(logits[:, 0])
     best = jnp.argmax(logp, axis=-1)
     return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches
@@ -106,16 +112,18 @@ def _load_row(caches, dense, row):
     for paged, d in zip(caches, dense):
         if isinstance(d, QuantKVCache):
             values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
+        elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
+            values = dict(k=d.c[0][None], v=d.k_rope[0][None])
         else:
             values = dict(k=d.k[0], v=d.v[0])
         out.append(paged.load(row, d.length[0], d.pos[0], **values))
     return tuple(out)
 
 
-def _check_engine_policy(policy: Policy) -> tuple[bool, bool]:
+def check_engine_policy(policy: Policy) -> tuple[bool, bool]:
     """What the engine's pages need for `policy` (positions per head, int8 codes); a policy it cannot
     page is a ConfigError naming the stage."""
-    for i, stage in enumerate(policy.stages):
+    for stage in policy.stages:
         where = f"engine policy stage {stage.method!r}"
         if stage.quantizes:
             if stage.method != "int" or stage.bits != 8 or stage.asym:
@@ -140,9 +148,9 @@ class Engine:
         `policy`: token eviction applied once after the prefill, optionally ending in `int:8` (see the
         module docstring)."""
         cfg = model.config
-        if set(cfg.mixers) != {"attention"} or cfg.attention.window is not None:
-            raise ConfigError(f"the engine pages full-attention K/V; model mixers {sorted(set(cfg.mixers))} "
-                              f"(window {cfg.attention.window}) are not supported yet")
+        if not set(cfg.mixers) <= {"attention", "mla"} or cfg.attention.window is not None:
+            raise ConfigError(f"the engine pages full-attention K/V and MLA latents; model mixers "
+                              f"{sorted(set(cfg.mixers))} (window {cfg.attention.window}) are not supported yet")
         if slots < 1 or chunk < 1:
             raise ConfigError(f"slots={slots} and chunk={chunk} must be >= 1")
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
@@ -151,15 +159,21 @@ class Engine:
         self.prefix_cache = prefix_cache and self.policy is None
         self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
         att = cfg.attention
-        producers = len(LayerPlan.from_config(cfg).producers)
         self.gen = None
         per_head = int8 = False
         if self.policy is not None:
-            per_head, int8 = _check_engine_policy(self.policy)
+            per_head, int8 = check_engine_policy(self.policy)
+            if int8 and "mla" in cfg.mixers:
+                raise ConfigError("engine policy int:8 quantizes K/V pages; MLA's latent pages are not quantized")
             self._prefill_capacity(self.width * page_size)
-        self.caches = tuple(PagedKVCache.init(n_pages, page_size, slots, self.width, att.n_kv_heads, att.head_dim,
-                                              jnp.dtype(cfg.dtype), per_head_positions=per_head, int8=int8)
-                            for _ in range(producers))
+        plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
+        self.caches = tuple(
+            PagedLatentCache.init(n_pages, page_size, slots, self.width, 1, mla.kv_lora_rank, dtype,
+                                  value_dim=mla.rope_heads * mla.qk_rope_head_dim)
+            if plan.mixers[i] == "mla" else
+            PagedKVCache.init(n_pages, page_size, slots, self.width, att.n_kv_heads, att.head_dim, dtype,
+                              per_head_positions=per_head, int8=int8)
+            for i in plan.producers)
         graphdef, self.params = nnx.split(model)
         self._chunk, self._step = _jitted(graphdef)
         self.mesh = mesh
@@ -185,9 +199,9 @@ class Engine:
         if self.mesh is None:
             return cache
         put = lambda x, *spec: jax.device_put(x, NamedSharding(self.mesh, P(*spec)))  # noqa: E731
-        heads = {name: put(x, None, "tensor") for name, x in cache._pools().items() if name != "pos"}
-        return cache.replace(**heads, pos=put(cache.pos, None, "tensor" if cache.pos.shape[1] > 1 else None),
-                             table=put(cache.table, "data"), length=put(cache.length, "data"))
+        split = lambda n: "tensor" if n > 1 and n % self.mesh.shape["tensor"] == 0 else None  # noqa: E731
+        heads = {name: put(x, None, split(x.shape[1])) for name, x in cache._pools().items()}
+        return cache.replace(**heads, table=put(cache.table, "data"), length=put(cache.length, "data"))
 
     def _sync(self, seqs) -> None:
         """Push the host's block tables and lengths (one row per slot, None: empty) to every layer."""
@@ -327,8 +341,8 @@ class Engine:
             self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)
             self.stats.peak_running = max(self.stats.peak_running, len(running))
             self._sync(slots)
-            ids = np.zeros((self.slots, 1), np.int32)
-            pos = np.full((self.slots, 1), -1, np.int32)
+            ids = np.zeros((self._rows(running), 1), np.int32)  # the slots in use, in a power-of-two bucket
+            pos = np.full((len(ids), 1), -1, np.int32)
             for r in running.values():
                 ids[r.slot, 0], pos[r.slot, 0] = r.tokens[-1], len(r.tokens) - 1
             logp, best, best_lp, self.caches = self._step(self.params, self.caches, jnp.asarray(ids), jnp.asarray(pos))
@@ -342,6 +356,14 @@ class Engine:
                            (int(best[r.slot]), float(best_lp[r.slot])))
                 self._retire(r, running, slots)
         return self.done
+
+    def _rows(self, running: dict) -> int:
+        """Rows the decode step runs: the first slots up to the highest in use, rounded up to a power of
+        two (one compile each; all slots under a mesh, whose data axis splits them)."""
+        if self.mesh is not None:
+            return self.slots
+        used = max(r.slot for r in running.values()) + 1
+        return min(self.slots, 1 << (used - 1).bit_length())
 
     def _retire(self, r: _Running, running: dict, slots: list) -> None:
         if r.index in running and self._finished(r):

@@ -14,6 +14,7 @@ time as sequences grow and returned the moment they finish.
   attention, masks and the decoder need nothing new (the XLA reference path; the pages are gathered).
   The view also carries the cache itself (`KVView.paged`): under `impl=pallas` a decode step reads the
   pages through the block tables in `pallas_kernels.paged_decode_attention` and XLA drops the gather.
+  `PagedLatentCache` holds MLA's latents and RoPE keys in pages the same way (gathered for attention).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.cache import KVView, _Arrays
+from kvjax.cache import KVView, LatentView, _Arrays
 from kvjax.quant.packing import pack, unpack
 from kvjax.quant.quantizers import dequantize, quantize
 
@@ -189,13 +190,14 @@ class PagedKVCache(_Arrays):
 
     @classmethod
     def init(cls, n_pages: int, page_size: int, batch: int, max_pages: int, n_kv_heads: int, head_dim: int, dtype,
-             *, per_head_positions: bool = False, int8: bool = False):
+             *, value_dim: int | None = None, per_head_positions: bool = False, int8: bool = False):
         shape = (n_pages, n_kv_heads, page_size, head_dim)
+        v_shape = (*shape[:3], value_dim or head_dim)
         pos_heads = n_kv_heads if per_head_positions else 1
         scales = {}
         if int8:
             scales = dict(k_scale=jnp.zeros((*shape[:3], 1), dtype), v_scale=jnp.zeros((*shape[:3], 1), dtype))
-        return cls(k=jnp.zeros(shape, jnp.uint8 if int8 else dtype), v=jnp.zeros(shape, jnp.uint8 if int8 else dtype),
+        return cls(k=jnp.zeros(shape, jnp.uint8 if int8 else dtype), v=jnp.zeros(v_shape, jnp.uint8 if int8 else dtype),
                    pos=jnp.full((n_pages, pos_heads, page_size), -1, jnp.int32),
                    table=jnp.zeros((batch, max_pages), jnp.int32), length=jnp.zeros((batch,), jnp.int32), **scales)
 
@@ -239,23 +241,23 @@ class PagedKVCache(_Arrays):
                 codes, scale, _ = quantize(values[name], 8, values[name].shape[-1], symmetric=True)
                 values[name], values[f"{name}_scale"] = pack(codes, 8), scale  # scale [N,K,1]
 
-        def write(pool, new):  # pool [P,X,ps,...] as [P*ps] slots of [X,...]
-            P, ps = pool.shape[0], pool.shape[2]
-            slots = jnp.moveaxis(pool, 2, 1).reshape(P * ps, *pool.shape[1:2], *pool.shape[3:])
-            slots = slots.at[flat].set(new.astype(pool.dtype), mode="drop")
-            return jnp.moveaxis(slots.reshape(P, ps, *slots.shape[1:]), 1, 2)
+        page, offset = flat // self.page_size, flat % self.page_size  # dropped slots: page P, out of range
+
+        def write(pool, new):  # pool [P,X,ps,...]: slot (page, offset) of every head gets new [N,X,...]
+            return pool.at[page, :, offset].set(new.astype(pool.dtype), mode="drop")
 
         pools = self._pools()
         return self.replace(**{name: write(pools[name], new) for name, new in values.items()})
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[PagedKVCache, KVView]:
-        """Write a chunk k, v `[B,T,K,H]` at positions `[B,T]` and return the view of every row's pages."""
+        """Write a chunk k `[B,T,K,H]`, v `[B,T,K,Hv]` at positions `[B,T]` and return the view of every
+        row's pages."""
         P, K, ps, _ = self.k.shape
-        B, H = self.table.shape[0], k.shape[-1]
-        if k.ndim != 4 or k.shape[0] != B or k.shape[2] != K or v.shape != k.shape or pos.shape != k.shape[:2]:
+        B = self.table.shape[0]
+        if k.ndim != 4 or k.shape[0] != B or k.shape[2] != K or v.shape[:3] != k.shape[:3] or pos.shape != k.shape[:2]:
             raise ValueError(f"new k {k.shape} / v {v.shape} / pos {pos.shape} must be [B={B}, T, K={K}, H]")
         Kp = self.pos.shape[1]
-        new = self._write(self.slots(pos).reshape(-1), k=k.reshape(-1, K, H), v=v.reshape(-1, K, H),
+        new = self._write(self.slots(pos).reshape(-1), k=k.reshape(-1, K, k.shape[-1]), v=v.reshape(-1, K, v.shape[-1]),
                           pos=jnp.broadcast_to(pos[..., None], (*pos.shape, Kp)).reshape(-1, Kp))
         new = new.replace(length=self.length + (pos >= 0).sum(axis=1, dtype=jnp.int32))
         return new, new.view()
@@ -298,3 +300,14 @@ class PagedKVCache(_Arrays):
             return self
         src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
         return self.replace(**{name: pool.at[dst].set(pool[src]) for name, pool in self._pools().items()})
+
+
+@struct.dataclass
+class PagedLatentCache(PagedKVCache):
+    """MLA's latent cache in pages (`kvjax.cache.LatentCache`'s contract): one "KV head" whose keys are
+    the latents c `[P,1,page_size,Dc]` and whose values are the RoPE keys `[P,1,page_size,Dr]`."""
+
+    def update(self, c: jax.Array, k_rope: jax.Array, pos: jax.Array) -> tuple[PagedLatentCache, LatentView]:
+        """Append c `[B,T,Dc]`, k_rope `[B,T,Dr]` at positions `[B,T]`; the view gathers each row's pages."""
+        new, view = super().update(c[:, :, None], k_rope[:, :, None], pos)
+        return new, LatentView(view.k[:, 0], view.v[:, 0], view.pos)

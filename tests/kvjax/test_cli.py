@@ -36,3 +36,38 @@ def test_memory_applies_overrides_and_reports_errors(capsys):
     with pytest.raises(SystemExit, match="2"):
         main(["memory", "gqa", "--batch", "0"])
     assert "argument --batch: 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
+    """`kvjax serve-bench`: static batches, the engine and the engine with int:8 at the same K/V bytes;
+    the JSON has every figure, and the budget buys more int8 pages."""
+    import json
+
+    from kvjax.serve_bench import Workload
+
+    out = tmp_path / "serve.json"
+    args = ["serve-bench", "gqa", "model.n_layers=2", "--requests", "5", "--prompt", "8", "24", "--new", "2", "6",
+            "--memory-mib", "0.05", "--page-size", "4", "--slots", "3", "--chunk", "16", "--policies", "int:8",
+            "--json", str(out)]
+    assert main(args) == 0
+    figures = json.loads(out.read_text())
+    static, engine, int8 = figures["servers"]
+    assert [s["server"] for s in figures["servers"]] == ["static batches", "engine", "engine"]
+    assert int8["policy"] == "int:8" and int8["pages"] > 3 * engine["pages"]  # codes + scales: < 1/3 the bytes
+    budget = figures["kv_budget_bytes"]
+    for s in (engine, int8):
+        assert s["pages"] * s["page_bytes"] <= budget < (s["pages"] + 1) * s["page_bytes"]
+        assert s["peak_pages"] <= s["pages"] and s["prefill_tokens"] >= figures["prompt_tokens"]
+    requests = Workload(requests=5, prompt=(8, 24), new=(2, 6)).sample(258)
+    assert figures["new_tokens"] == sum(r.decoding.max_new_tokens for r in requests)
+    assert static["bytes_allocated"] <= budget and static["concurrent"] >= 1
+    assert "| engine + int:8 " in capsys.readouterr().out
+
+
+def test_serve_bench_checks_its_arguments(capsys):
+    assert main(["serve-bench", "gqa", "--prompt", "9", "3"]) == 2
+    assert "--prompt 9 3: need 1 <= low <= high" in capsys.readouterr().err
+    assert main(["serve-bench", "gqa", "--policies", "kivi:2", "--memory-mib", "1"]) == 2
+    assert "quantized pages are int:8" in capsys.readouterr().err
+    assert main(["serve-bench", "gqa", "--memory-mib", "0.001"]) == 2
+    assert "hold no static row" in capsys.readouterr().err

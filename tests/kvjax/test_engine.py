@@ -67,10 +67,20 @@ def test_preempted_requests_are_recomputed_to_the_same_tokens(gqa, requests, alo
     assert [c.preempted for c in completions] == [0, 0, 1, 0, 0]
 
 
+def test_mla_latents_in_pages_with_prefix_hits_and_preemptions(make_model, requests):
+    """MLA's latents and RoPE keys in pages (`PagedLatentCache`): each request as Generator gives it alone."""
+    mla = make_model("mla", "model.n_layers=2")[1]
+    gen = Generator(mla, capacity=40)
+    engine = Engine(mla, n_pages=10, page_size=4, slots=4, chunk=8)
+    _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
+    assert engine.stats.preemptions > 0 and engine.stats.cached_tokens > 0 and engine.pool.used_pages == 0
+    assert engine.caches[0].k.shape[1:] == (1, 4, mla.config.mla.kv_lora_rank)
+
+
 def test_requests_that_cannot_fit_and_models_it_cannot_page_are_refused(gqa, make_model):
     with pytest.raises(ConfigError, match="request 0: 30 tokens need 8 pages; a sequence may hold 4"):
         Engine(gqa, n_pages=5, page_size=4).run([Request(tuple(range(20)), DecodingConfig(max_new_tokens=10))])
-    with pytest.raises(ConfigError, match="the engine pages full-attention K/V"):
+    with pytest.raises(ConfigError, match="the engine pages full-attention K/V and MLA latents"):
         Engine(make_model("swa", "model.n_layers=2")[1], n_pages=8)
 
 

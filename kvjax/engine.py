@@ -185,6 +185,12 @@ class Engine:
             self.caches = tuple(self._placed(c) for c in self.caches)
         self.stats = EngineStats()
 
+    def reset(self) -> None:
+        """Forget every sequence, the prefix cache and the statistics, keeping the compiled functions (a
+        page's stale contents are never read: a row sees only the slots below its length)."""
+        self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
+        self.stats = EngineStats()
+
     def nbytes(self) -> int:
         """Exact bytes of the page pools, positions, block tables and lengths of every layer."""
         return sum(c.nbytes() for c in self.caches)

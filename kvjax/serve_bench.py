@@ -64,12 +64,10 @@ def page_bytes(model, page_size: int, policy: str | None) -> int:
 
 
 def _timed_engine(model, requests, *, n_pages, page_size, slots, chunk, policy, longest) -> tuple[Engine, float]:
-    def make():
-        return Engine(model, n_pages=n_pages, page_size=page_size, slots=slots, chunk=chunk, max_tokens=longest,
-                      policy=policy)
-
-    make().run(requests)  # warm-up: every compile (chunk, step, a policy's prefill per prompt bucket)
-    engine = make()
+    engine = Engine(model, n_pages=n_pages, page_size=page_size, slots=slots, chunk=chunk, max_tokens=longest,
+                    policy=policy)
+    engine.run(requests)  # warm-up: every compile (chunk, step buckets, a policy's prefill per prompt bucket)
+    engine.reset()
     start = time.perf_counter()
     engine.run(requests)
     return engine, time.perf_counter() - start

@@ -1,6 +1,7 @@
 """The continuous-batching engine: every request gets what `Generator` gives it alone, whatever the
 batch mix, chunking, prefix hits and preemptions; pages all come back."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -65,6 +66,20 @@ def test_preempted_requests_are_recomputed_to_the_same_tokens(gqa, requests, alo
     assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0
     # Requests 0-2 run (3 and 4 wait for pages) when a page runs short: the newest, 2, yields.
     assert [c.preempted for c in completions] == [0, 0, 1, 0, 0]
+
+
+def test_sampled_tokens_depend_on_the_request_not_on_the_batch(gqa, requests):
+    """Sampling draws with each request's own key (its seed, index and step): the same tokens whatever
+    the slots, chunking and preemptions, and other tokens under another seed."""
+    sampled = [Request(r.prompt, DecodingConfig(max_new_tokens=r.decoding.max_new_tokens, temperature=1.0, seed=3))
+               for r in requests]
+    a = Engine(gqa, n_pages=40, page_size=4, slots=5, chunk=32).run(sampled)
+    b = Engine(gqa, n_pages=10, page_size=4, slots=2, chunk=4).run(sampled)
+    assert [x.tokens for x in a] == [x.tokens for x in b] and sum(x.preempted for x in b) > 0
+    np.testing.assert_allclose(np.concatenate([x.logprobs for x in a]), np.concatenate([x.logprobs for x in b]),
+                               atol=1e-5)
+    other = [Request(r.prompt, dataclasses.replace(r.decoding, seed=4)) for r in sampled]
+    assert [x.tokens for x in Engine(gqa, n_pages=40, page_size=4, slots=5).run(other)] != [x.tokens for x in a]
 
 
 def test_mla_latents_in_pages_with_prefix_hits_and_preemptions(make_model, requests):

@@ -469,8 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--page-size", type=POSITIVE, default=16, help="tokens per page (default: 16)")
     sb.add_argument("--slots", type=POSITIVE, default=16, help="engine sequences decoding together (default: 16)")
     sb.add_argument("--chunk", type=POSITIVE, default=128, help="engine prefill chunk (default: 128)")
-    sb.add_argument("--policies", nargs="*", default=[], help="also the engine with each policy: token eviction "
-                    "applied after the prefill, optionally ending in int:8 (e.g. snapkv:0.5 int:8)")
+    sb.add_argument("--policies", nargs="+", default=[], help="also the engine with each policy: token eviction "
+                    "applied after the prefill, optionally ending in int:8, e.g. snapkv:0.5 int:8 (default: none)")
     sb.add_argument("--json", help="also write the figures to this file")
     sb.set_defaults(run=_cmd_serve_bench)
     return parser

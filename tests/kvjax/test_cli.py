@@ -46,7 +46,7 @@ def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
     from kvjax.serve_bench import Workload
 
     out = tmp_path / "serve.json"
-    args = ["serve-bench", "gqa", "model.n_layers=2", "--requests", "5", "--prompt", "8", "24", "--new", "2", "6",
+    args = ["serve-bench", "gqa", "model.n_layers=2", "--requests", "5", "--prompt", "9", "16", "--new", "2", "6",
             "--memory-mib", "0.05", "--page-size", "4", "--slots", "3", "--chunk", "16", "--policies", "int:8",
             "--json", str(out)]
     assert main(args) == 0
@@ -58,7 +58,7 @@ def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
     for s in (engine, int8):
         assert s["pages"] * s["page_bytes"] <= budget < (s["pages"] + 1) * s["page_bytes"]
         assert s["peak_pages"] <= s["pages"] and s["prefill_tokens"] >= figures["prompt_tokens"]
-    requests = Workload(requests=5, prompt=(8, 24), new=(2, 6)).sample(258)
+    requests = Workload(requests=5, prompt=(9, 16), new=(2, 6)).sample(258)
     assert figures["new_tokens"] == sum(r.decoding.max_new_tokens for r in requests)
     assert static["bytes_allocated"] <= budget and static["concurrent"] >= 1
     assert "| engine + int:8 " in capsys.readouterr().out

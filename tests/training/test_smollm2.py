@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 
 from kvjax import DecodingConfig, generate  # noqa: E402
-from kvjax.cache import init_caches  # noqa: E402
 from training.data import load_corpus  # noqa: E402
 from training.gguf_import import GGUFError, load_gguf_model, load_gguf_tokenizer, resolve_gguf  # noqa: E402
 from training.hf_export import export_llama  # noqa: E402
@@ -78,24 +77,15 @@ def test_logits_match_over_256_tokens(full, reference, text_ids):
 
 
 def test_greedy_continuations_match(ours, reference, text_ids):
+    """Our cached decode of SmolLM2 (prefill, then one token a step) continues as transformers does; the
+    cached-decode == full-forward oracle itself runs on every architecture in tests/architectures/."""
     prompt = text_ids[:64]
-    got = generate(ours[1], [prompt], DecodingConfig(max_new_tokens=32)).tokens[0]
+    got = generate(ours[1], [prompt], DecodingConfig(max_new_tokens=24)).tokens[0]
     with torch.no_grad():
         out = reference[0].generate(
-            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, attention_mask=torch.ones(1, 64, dtype=torch.long)
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, attention_mask=torch.ones(1, 64, dtype=torch.long)
         )
     np.testing.assert_array_equal(got, out[0, 64:].numpy())
-
-
-def test_cached_decode_equals_full_forward(ours, text_ids, full):
-    config, model, _ = ours
-    ids = jnp.asarray([text_ids[:48]])
-    pos = jnp.arange(48)[None]
-    logits, caches = model(ids[:, :40], pos[:, :40], init_caches(config.model, 1, 48))
-    np.testing.assert_allclose(logits[0], full[:40], atol=1e-4, rtol=1e-4)
-    for t in range(40, 48):
-        logits, caches = model(ids[:, t : t + 1], pos[:, t : t + 1], caches)
-        np.testing.assert_allclose(logits[0, 0], full[t], atol=1e-4, rtol=1e-4)
 
 
 def test_a_conversion_without_reduction_reproduces_smollm2(ours, text_ids, full):

@@ -74,24 +74,31 @@ class _Running:
     done: Completion
 
 
-def _chunk_logits(graphdef, params, caches, tokens, pos, row, last):
+# The block tables `[slots,M]` and lengths `[slots]` live once on the device, pushed from the host
+# (`Engine._sync`), and every jitted function sets them into each layer's cache: one transfer per step,
+# not one per layer.
+def _with_rows(caches, table, length):
+    return tuple(c.replace(table=table, length=length) for c in caches)
+
+
+def _chunk_logits(graphdef, params, caches, table, length, tokens, pos, row, last):
     """Prefill a chunk `[1,C]` of sequence slot `row` (its table row as a batch of one); returns the
-    log-probabilities at chunk index `last` and the caches with the written pages and the row's new length."""
+    log-probabilities at chunk index `last`, the caches with the written pages, and the lengths with
+    the row's new one."""
     model = nnx.merge(graphdef, params)
-    one = tuple(c.replace(table=c.table[row][None], length=c.length[row][None]) for c in caches)
-    hidden, one = model.hidden(tokens, pos, one)
+    hidden, one = model.hidden(tokens, pos, _with_rows(caches, table[row][None], length[row][None]))
     logits = jax.nn.log_softmax(model.logits(hidden[0, last]))
-    return logits, tuple(c.replace(**o._pools(), length=c.length.at[row].set(o.length[0])) for c, o in zip(caches, one))
+    length = length.at[row].set(one[0].length[0])
+    return logits, tuple(c.replace(**o._pools(), table=table, length=length) for c, o in zip(caches, one)), length
 
 
-def _step_logits(graphdef, params, caches, tokens, pos):
+def _step_logits(graphdef, params, caches, table, length, tokens, pos):
     """One decode step over the first n sequence slots (tokens, pos `[n,1]`; empty slots have position
     -1): log-probabilities `[n,V]`, each row's greedy token and its log-probability `[n]` (all a greedy
     batch reads back), and the caches."""
     n = tokens.shape[0]
-    rows = tuple(c.replace(table=c.table[:n], length=c.length[:n]) for c in caches)
-    logits, rows = nnx.merge(graphdef, params)(tokens, pos, rows)
-    caches = tuple(c.replace(**r._pools(), length=c.length.at[:n].set(r.length)) for c, r in zip(caches, rows))
+    logits, rows = nnx.merge(graphdef, params)(tokens, pos, _with_rows(caches, table[:n], length[:n]))
+    caches = tuple(c.replace(**r._pools(), table=table, length=length) for c, r in zip(caches, rows))
     logp = jax.nn.log_softmax(logits[:, 0])
     best = jnp.argmax(logp, axis=-1)
     return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches
@@ -106,10 +113,11 @@ def _jitted(graphdef) -> tuple:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _load_row(caches, dense, row):
-    """Load row 0 of each layer's dense (compressed) prefill cache into sequence slot `row`'s pages."""
+def _load_row(caches, table, length, dense, row):
+    """Load row 0 of each layer's dense (compressed) prefill cache into sequence slot `row`'s pages;
+    the caches and the lengths with the row's new one."""
     out = []
-    for paged, d in zip(caches, dense):
+    for paged, d in zip(_with_rows(caches, table, length), dense):
         if isinstance(d, QuantKVCache):
             values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
         elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
@@ -117,7 +125,7 @@ def _load_row(caches, dense, row):
         else:
             values = dict(k=d.k[0], v=d.v[0])
         out.append(paged.load(row, d.length[0], d.pos[0], **values))
-    return tuple(out)
+    return tuple(out), out[0].length
 
 
 def check_engine_policy(policy: Policy) -> tuple[bool, bool]:
@@ -183,6 +191,7 @@ class Engine:
                                   f"n_kv_heads={att.n_kv_heads} over tensor={mesh.shape['tensor']}")
             self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
             self.caches = tuple(self._placed(c) for c in self.caches)
+        self._sync([None] * slots)
         self.stats = EngineStats()
 
     def reset(self) -> None:
@@ -207,15 +216,18 @@ class Engine:
         put = lambda x, *spec: jax.device_put(x, NamedSharding(self.mesh, P(*spec)))  # noqa: E731
         split = lambda n: "tensor" if n > 1 and n % self.mesh.shape["tensor"] == 0 else None  # noqa: E731
         heads = {name: put(x, None, split(x.shape[1])) for name, x in cache._pools().items()}
-        return cache.replace(**heads, table=put(cache.table, "data"), length=put(cache.length, "data"))
+        return cache.replace(**heads, table=self._rows_placed(cache.table), length=self._rows_placed(cache.length))
+
+    def _rows_placed(self, x: jax.Array) -> jax.Array:
+        """Per-slot rows (tables, lengths) split over the mesh's `data` axis (as they are without a mesh)."""
+        return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, P("data")))
 
     def _sync(self, seqs) -> None:
-        """Push the host's block tables and lengths (one row per slot, None: empty) to every layer."""
+        """Push the host's block tables and lengths (one row per slot, None: empty) to the device, once
+        for all layers (the jitted functions set them into every layer's cache)."""
         table = self.pool.table(seqs, self.width)
         length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
-        # a device copy per layer: the steps donate the caches, and a buffer may be donated once
-        self.caches = tuple(self._placed(c.replace(table=jnp.asarray(table), length=jnp.asarray(length)))
-                            for c in self.caches)
+        self._table, self._length = self._rows_placed(jnp.asarray(table)), self._rows_placed(jnp.asarray(length))
 
     def _pick(self, logp, running: _Running, step: int, greedy: tuple[int, float] | None = None) -> int:
         """The next token from log-probabilities `[V]`: argmax when greedy (`greedy`, the (token,
@@ -223,10 +235,8 @@ class Engine:
         own key (sampling a shifted copy of the logits is the same distribution)."""
         decoding = self.requests[running.index].decoding
         if decoding.temperature == 0:
-            if greedy is None:
-                logp = np.asarray(logp)
-                greedy = int(np.argmax(logp)), float(logp[np.argmax(logp)])
-            tok, lp = greedy
+            tok = greedy[0] if greedy else int(np.argmax(logp))
+            lp = greedy[1] if greedy else float(logp[tok])
         else:
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(decoding.seed), running.index), step)
             tok = int(sample(jnp.asarray(logp)[None], key, temperature=decoding.temperature, top_k=decoding.top_k,
@@ -279,7 +289,7 @@ class Engine:
         self.stats.prefill_tokens += len(tokens)
         logits, dense, _ = self.gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
         self._sync(slots)
-        self.caches = _load_row(self.caches, dense, slot)
+        self.caches, self._length = _load_row(self.caches, self._table, self._length, dense, slot)
         self.pool.advance(index, kept)
         logits = jax.nn.log_softmax(logits[0])
         if len(tokens) > len(prompt):
@@ -308,8 +318,8 @@ class Engine:
             ids[0, : len(piece)] = piece
             pos = np.full((1, self.chunk), -1, np.int32)
             pos[0, : len(piece)] = np.arange(at, at + len(piece))
-            logits, self.caches = self._chunk(self.params, self.caches, jnp.asarray(ids), jnp.asarray(pos), slot,
-                                              len(piece) - 1)
+            logits, self.caches, self._length = self._chunk(self.params, self.caches, self._table, self._length,
+                                                            jnp.asarray(ids), jnp.asarray(pos), slot, len(piece) - 1)
             self.pool.advance(index, len(piece))
         return logits
 
@@ -318,8 +328,9 @@ class Engine:
         self._pick(np.asarray(logits), running, len(running.done.tokens))
         return running
 
-    def run(self, requests: list[Request]) -> list[Completion]:
-        """Serve `requests` (in arrival order) to completion; returns one Completion per request."""
+    def check(self, requests: list[Request]) -> None:
+        """Refuse, before any compute, a request this engine can never serve (an empty prompt, an
+        impossible policy budget, more pages than a sequence may hold)."""
         for i, r in enumerate(requests):
             if not r.prompt:
                 raise ConfigError(f"request {i}: the prompt is empty")
@@ -327,6 +338,10 @@ class Engine:
             if self.pool.pages_for(total) > min(self.width, self.pool.n_pages - 1):
                 raise ConfigError(f"request {i}: {total} tokens need {self.pool.pages_for(total)} pages; a sequence "
                                   f"may hold {min(self.width, self.pool.n_pages - 1)}")
+
+    def run(self, requests: list[Request]) -> list[Completion]:
+        """Serve `requests` (in arrival order) to completion; returns one Completion per request."""
+        self.check(requests)
         self.requests = list(requests)
         self._prefill_capacity(max((len(r.prompt) for r in requests), default=0))
         self.done = [Completion([], []) for _ in requests]
@@ -351,7 +366,8 @@ class Engine:
             pos = np.full((len(ids), 1), -1, np.int32)
             for r in running.values():
                 ids[r.slot, 0], pos[r.slot, 0] = r.tokens[-1], len(r.tokens) - 1
-            logp, best, best_lp, self.caches = self._step(self.params, self.caches, jnp.asarray(ids), jnp.asarray(pos))
+            logp, best, best_lp, self.caches = self._step(self.params, self.caches, self._table, self._length,
+                                                          jnp.asarray(ids), jnp.asarray(pos))
             self.stats.steps += 1
             best, best_lp = np.asarray(best), np.asarray(best_lp)
             sampling = any(self.requests[r.index].decoding.temperature > 0 for r in running.values())

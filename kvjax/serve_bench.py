@@ -63,14 +63,14 @@ def page_bytes(model, page_size: int, policy: str | None) -> int:
     return Engine(model, n_pages=2, page_size=page_size, slots=1, policy=policy).page_nbytes()
 
 
-def _timed_engine(model, requests, *, n_pages, page_size, slots, chunk, policy, longest) -> tuple[Engine, float]:
-    engine = Engine(model, n_pages=n_pages, page_size=page_size, slots=slots, chunk=chunk, max_tokens=longest,
-                    policy=policy)
-    engine.run(requests)  # warm-up: every compile (chunk, step buckets, a policy's prefill per prompt bucket)
+def _timed(engine: Engine, requests) -> float:
+    """Seconds the engine takes to serve the requests, after a first untimed pass (every compile: chunk,
+    step buckets, a policy's prefill per prompt bucket)."""
+    engine.run(requests)
     engine.reset()
     start = time.perf_counter()
     engine.run(requests)
-    return engine, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 def _timed_static(model, requests, rows: int, capacity: int) -> float:
@@ -91,7 +91,8 @@ def _timed_static(model, requests, rows: int, capacity: int) -> float:
 def serve_bench(model, workload: Workload, *, memory_mib: float, page_size: int = 16, slots: int = 16,
                 chunk: int = 128, policies: tuple[str, ...] = ()) -> dict:
     """Run every server on the workload at `memory_mib` MiB of K/V and return the figures (see the module
-    docstring); a budget too small for the longest request is a ConfigError before any compute."""
+    docstring); a budget too small for the longest request, or a policy budget a prompt cannot meet, is
+    a ConfigError before any compute."""
     cfg = model.config
     requests = workload.sample(cfg.vocab_size)
     budget = int(memory_mib * 2**20)
@@ -101,6 +102,12 @@ def serve_bench(model, workload: Workload, *, memory_mib: float, page_size: int 
     if rows < 1:
         raise ConfigError(f"--memory-mib={memory_mib}: {budget:,} bytes hold no static row of {reserve} tokens "
                           f"({memory.cache_bytes_per_token(cfg)} bytes each); raise it")
+    engines = {}
+    for policy in (None, *policies):  # each layout's pages in the budget; every request checked before compute
+        n_pages = budget // page_bytes(model, page_size, policy) + 1  # + the null page
+        engines[policy] = Engine(model, n_pages=n_pages, page_size=page_size, slots=slots, chunk=chunk,
+                                 max_tokens=longest, policy=policy)
+        engines[policy].check(requests)
     new_tokens = sum(r.decoding.max_new_tokens for r in requests)
     out = {"model": cfg.name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "workload": dataclasses.asdict(workload), "kv_budget_bytes": budget, "new_tokens": new_tokens,
@@ -110,17 +117,14 @@ def serve_bench(model, workload: Workload, *, memory_mib: float, page_size: int 
                            "tokens_per_s": new_tokens / static_s, "requests_per_s": len(requests) / static_s,
                            "bytes_allocated": rows * reserve * memory.cache_bytes_per_token(cfg),
                            "prefill_tokens": out["prompt_tokens"]})
-    for policy in (None, *policies):
-        per_page = page_bytes(model, page_size, policy)
-        n_pages = budget // per_page + 1  # + the null page
-        engine, seconds = _timed_engine(model, requests, n_pages=n_pages, page_size=page_size, slots=slots,
-                                        chunk=chunk, policy=policy, longest=longest)
-        s, pool = engine.stats, engine.pool
+    for policy, engine in engines.items():
+        seconds = _timed(engine, requests)
+        s, pool, per_page = engine.stats, engine.pool, engine.page_nbytes()
         lookups = pool.hits + pool.misses
         out["servers"].append({
             "server": "engine", "policy": policy, "seconds": seconds, "concurrent": s.peak_running,
             "tokens_per_s": new_tokens / seconds, "requests_per_s": len(requests) / seconds,
-            "pages": n_pages - 1, "peak_pages": s.peak_pages, "page_bytes": per_page,
+            "pages": pool.n_pages - 1, "peak_pages": s.peak_pages, "page_bytes": per_page,
             "bytes_allocated": engine.nbytes(), "peak_bytes_used": s.peak_pages * per_page,
             "prefill_tokens": s.prefill_tokens, "cached_tokens": s.cached_tokens,
             "prefix_hit_rate": pool.hits / lookups if lookups else 0.0, "steps": s.steps, "preemptions": s.preemptions,

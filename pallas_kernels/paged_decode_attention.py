@@ -162,8 +162,7 @@ def paged_decode_partials(q, k_pages, v_pages, pos_pages, table, length, q_pos, 
     q = padded_features(pad_to(q, 2, padded_group(G)), backend)
     k_pages, v_pages = padded_features(k_pages, backend), padded_features(v_pages, backend)
     call = _grid_call if design == "grid" else _gather_call
-    o, m, l = call(q, k_pages, v_pages, pos_pages, table, length, q_pos, scale=scale, window=window, backend=backend)
-    return o, m, l
+    return call(q, k_pages, v_pages, pos_pages, table, length, q_pos, scale=scale, window=window, backend=backend)
 
 
 def paged_decode_attention(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale: float,

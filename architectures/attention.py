@@ -65,9 +65,11 @@ class Attention(nnx.Module):
             cache, shared = self.kv(x if kv_x is None else kv_x, positions, cache)
             if isinstance(cache, QuestKVCache) and T == 1:  # Quest: a decode query reads its best pages
                 shared = cache.select(q, shared)
-        out = attention(q, shared.k, shared.v, positions, shared.pos, quant=shared.quant, paged=shared.paged,
-                        fresh=shared.fresh,
-                        **self._view_args(shared))
+        if shared.mix is not None:  # DuoAttention: heads attend in different ways (kvjax.duo)
+            out = shared.mix.attend(q, positions, self.cfg.impl)
+        else:
+            out = attention(q, shared.k, shared.v, positions, shared.pos, quant=shared.quant, paged=shared.paged,
+                            fresh=shared.fresh, **self._view_args(shared))
         return self.o(out.reshape(B, T, cfg.n_heads * cfg.head_dim)), cache, shared
 
     def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:

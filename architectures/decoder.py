@@ -147,10 +147,13 @@ class Decoder(nnx.Module):
                 continue
             slot = plan.cache_index(i)
             cache = None if caches is None else caches[slot]
+            joined = getattr(cache, "source", -1) >= 0  # MiniCache: a layer reading its pair's merged K/V
+            if joined:
+                cache = cache.replace(merged=new_caches[cache.source])
             x_in = x
             x, cache, views[i] = block(x, positions, cache)
             if new_caches is not None:
-                new_caches[slot] = cache
+                new_caches[slot] = cache.replace(merged=None) if joined else cache
             if observe is not None and isinstance(cache, KVCache | PooledKVCache | LatentCache):
                 obs_index, reduce = observe
                 x_obs = jnp.take_along_axis(x_in, jnp.maximum(obs_index, 0)[:, :, None], axis=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -158,6 +159,30 @@ def _cmd_uptrain(args) -> None:
           f"(kvjax eval/generate {run_dir}; record in {run_dir}/uptrain.json)")
 
 
+def _cmd_duo_train(args) -> None:
+    from kvjax.duo import default_pattern, save_pattern, streaming_heads
+    from training import compression_eval as ce
+    from training.duo import GateTraining, learn_gates
+    from training.loading import check_context, load_model
+
+    cfg = GateTraining(steps=args.steps, length=args.length, keys=args.keys, words=args.words, sinks=args.sinks,
+                       recent=args.recent, lr=args.lr, reg=args.reg, seed=args.seed)
+    loaded = load_model(args.model)
+    check_context(loaded, cfg.length, f"--length={cfg.length}", args.allow_long_context)
+    out = Path(args.out) if args.out else default_pattern(args.model, loaded.config.model.name)
+    filler = ce.corpus_tokens(loaded.tokenizer, args.corpus or loaded.corpus)
+    result = learn_gates(loaded.model, loaded.tokenizer, filler, cfg)
+    save_pattern(out, result["gates"], model=loaded.config.model.name, training=dataclasses.asdict(cfg),
+                 held_out_before=result["held_out_before"], held_out_after=result["held_out_after"],
+                 seconds=round(result["seconds"], 1), history=result["history"])
+    half = streaming_heads(result["gates"], 0.5)
+    print(f"held-out objective {result['held_out_before']:.5f} -> {result['held_out_after']:.5f} "
+          f"({cfg.steps} steps, {result['seconds']:.0f} s); wrote {out}")
+    print("gates per layer (x = streaming at duo:0.5):")
+    for layer, (g, s) in enumerate(zip(result["gates"], half)):
+        print(f"  {layer:>3}: " + " ".join(f"{v:.2f}{'x' if h in s else ' '}" for h, v in enumerate(g)))
+
+
 def _scores(scores: dict) -> list[str]:
     return [f"{scores['eval_loss']:.4f}", f"{scores['eval_bpb']:.4f}"]
 
@@ -169,6 +194,27 @@ def _calibration(loaded, policies, corpus: str | None):
     if not any(s.method == "palu" for p in policies for s in p.stages):
         return None
     return ce.calibration_tokens(loaded.tokenizer, corpus or loaded.corpus)
+
+
+def _resolve_duo(texts: list[str], model_ref: str, loaded) -> list[str]:
+    """Policy texts (or `--policies` methods) whose `duo` stages read the model's learned pattern
+    (`kvjax.duo.default_pattern`) unless they name one."""
+    from kvjax.duo import default_pattern, with_pattern
+
+    path = default_pattern(model_ref, loaded.config.model.name)
+    shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else path
+    return [with_pattern(text, shown) for text in texts]
+
+
+def _check_duo(texts: list[str], loaded) -> None:
+    """Each `duo` stage's pattern exists and fits the model, checked before any compute."""
+    from kvjax.compress import parse_policy
+    from kvjax.duo import duo_heads
+
+    for text in texts:
+        for stage in parse_policy(text).stages:
+            if stage.method == "duo":
+                duo_heads(stage, loaded.config.model)
 
 
 def _cmd_eval(args) -> None:
@@ -206,8 +252,9 @@ def _eval_compressed(args, task: str) -> None:
     from training.loading import check_context, load_model
 
     parsed = [parse_policy(p) for p in args.policy or []]  # every policy is checked before compute
-    policies = [str(p) for p in parsed]
     loaded = load_model(args.model)
+    policies = _resolve_duo([str(p) for p in parsed], args.model, loaded)
+    _check_duo(policies, loaded)
     model, tokenizer, corpus = loaded.model, loaded.tokenizer, args.corpus or loaded.corpus
     if task == "continuation":
         # One more token than scored: the first is predicted by the prefill itself, before compression.
@@ -248,6 +295,10 @@ def _cmd_generate(args) -> None:
 
     policy = parse_policy(args.policy) if args.policy else None
     loaded = load_model(args.model)
+    if policy is not None:
+        text = _resolve_duo([str(policy)], args.model, loaded)
+        _check_duo(text, loaded)
+        policy = parse_policy(text[0])
     tokenizer = loaded.tokenizer
     # Runs trained here saw BOS at every document start; imported models get no special token unless asked.
     bos = args.bos if args.bos is not None else loaded.bos
@@ -302,7 +353,10 @@ def _compare_policies(args) -> None:
     from training.loading import check_context, load_model
 
     parsed = [parse_policy(text) for text, _ in ce.table_runs(args.policies, args.budgets)[1:]]  # before compute
-    loaded = load_model(args.model or str(_compare_dir(args) / "gqa"))
+    model_ref = args.model or str(_compare_dir(args) / "gqa")
+    loaded = load_model(model_ref)
+    args.policies = _resolve_duo(args.policies, model_ref, loaded)
+    _check_duo([text for text, _ in ce.table_runs(args.policies, args.budgets)[1:]], loaded)
     allow = args.allow_long_context
     check_context(loaded, args.prefix + args.continuation + 1, "--prefix + --continuation + 1", allow)
     check_context(loaded, args.context, f"--context={args.context}", allow)
@@ -431,6 +485,22 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--run-dir", help="where the run goes; an existing one resumes "
                     "(default: runs/uptrain/<source>-<conversion>)")
     up.set_defaults(run=_cmd_uptrain)
+
+    duo = sub.add_parser("duo-train", help="learn DuoAttention's retrieval/streaming heads of a model (policy duo:R)")
+    duo.add_argument("model", help=model_help)
+    duo.add_argument("--steps", type=POSITIVE, default=200, help="optimizer steps, one sample each (default: 200)")
+    duo.add_argument("--length", type=POSITIVE, default=1024, help="tokens per synthetic passkey sample (default: 1024)")
+    duo.add_argument("--keys", type=POSITIVE, default=4, help="passkeys per sample (default: 4)")
+    duo.add_argument("--words", type=POSITIVE, default=8, help="NATO words per passkey (default: 8)")
+    duo.add_argument("--sinks", type=NON_NEGATIVE, default=64, help="streaming heads' sink tokens (default: 64)")
+    duo.add_argument("--recent", type=POSITIVE, default=256, help="streaming heads' recent tokens (default: 256)")
+    duo.add_argument("--lr", type=POSITIVE_FLOAT, default=0.02, help="gate learning rate (default: 0.02)")
+    duo.add_argument("--reg", type=NON_NEGATIVE_FLOAT, default=0.05, help="L1 weight on the gates (default: 0.05)")
+    duo.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
+    duo.add_argument("--corpus", help="haystack text (default: the run's own; kjv for GGUF models)")
+    duo.add_argument("--out", help="pattern file (default: RUN/duo_pattern.json, or configs/duo/NAME.json)")
+    duo.add_argument("--allow-long-context", action="store_true", help=long_help)
+    duo.set_defaults(run=_cmd_duo_train)
 
     cmp = sub.add_parser("compare", help="train every variant of an experiment and compare them")
     cmp.add_argument("--experiment", help="experiment YAML or shipped name, e.g. sharing, or uptrain (conversions "

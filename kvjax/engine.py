@@ -136,7 +136,7 @@ def check_engine_policy(policy: Policy) -> tuple[bool, bool]:
         if stage.quantizes:
             if stage.method != "int" or stage.bits != 8 or stage.asym:
                 raise ConfigError(f"{where}:{stage.bits}: quantized pages are int:8 (symmetric) only")
-        elif stage.method in ("quest", "palu"):
+        elif stage.method in ("quest", "palu", "duo"):
             raise ConfigError(f"{where}: the engine pages token eviction and int:8; {stage.method} is not supported")
         elif stage.every or stage.allocator != "uniform":
             raise ConfigError(f"{where}: the engine compresses once after the prefill with one budget for every "

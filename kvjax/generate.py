@@ -21,6 +21,7 @@ from kvjax.compress import Policy, check_policy, compress_caches, compressible, 
 from kvjax.compress.apply import observe_fn
 from kvjax.compress.scorers import observed_queries
 from kvjax.config import ConfigError, DecodingConfig
+from kvjax.duo import duo_heads
 from kvjax.quant.lowrank import calibrate
 from kvjax.sampling import sample
 
@@ -210,6 +211,10 @@ class Generator:
                 raise ConfigError("policy stage 'palu' needs calibration data: Generator(..., calibration=tokens)")
             if palu:  # Palu's bases, from a plain prefill of the calibration tokens
                 self._bases = calibrate(model, calibration, compressible(self.config), palu[0].ratio, palu[0].heads)
+        self._streaming = None
+        duo_stage = next((s for s in policy.stages if s.method == "duo"), None) if policy is not None else None
+        if duo_stage is not None:  # DuoAttention's streaming heads, from the learned gates
+            self._streaming = duo_heads(duo_stage, self.config)
         graphdef, self.params = nnx.split(model)
         self._prefill = jax.jit(partial(_prefill, graphdef), static_argnames=("capacity",))
         self._prefill_compressed = jax.jit(
@@ -258,10 +263,10 @@ class Generator:
         slots stay empty), so that prompts of one bucket share a compile."""
         decode = self.policy.decode_stage
         headroom = decode.every if decode is not None else max_new_tokens
-        plans = plan_stages(self.config, self.policy.stages, lengths, headroom, self._bases)
+        plans = plan_stages(self.config, self.policy.stages, lengths, headroom, self._bases, self._streaming)
         if sized_for is None:
             return plans
-        sized = plan_stages(self.config, self.policy.stages, [sized_for], headroom, self._bases)
+        sized = plan_stages(self.config, self.policy.stages, [sized_for], headroom, self._bases, self._streaming)
         return tuple(dataclasses.replace(p, keep_caps=s.keep_caps, capacities=s.capacities) for p, s in zip(plans, sized))
 
     def prefill_compressed(self, tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int,

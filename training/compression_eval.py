@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from kvjax.compress import Policy, compressed_cache_bytes, parse_policy, plan_stages
+from kvjax.duo import duo_heads
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import Generator
 from kvjax.memory import cache_bytes
@@ -87,7 +88,9 @@ def stored_bytes_per_token(model, policy: Policy | None, prefix: int) -> float:
     if policy is None:
         return cache_bytes(cfg, prefix) / prefix
     bases = () if any(s.method == "palu" for s in policy.stages) else None  # bytes do not depend on them
-    plans = plan_stages(cfg, policy.stages, [prefix], headroom=0, bases=bases)
+    duo = next((s for s in policy.stages if s.method == "duo"), None)
+    streaming = duo_heads(duo, cfg) if duo is not None else None  # how many heads keep every token
+    plans = plan_stages(cfg, policy.stages, [prefix], headroom=0, bases=bases, streaming=streaming)
     return compressed_cache_bytes(cfg, plans, 1, prefix) / prefix
 
 

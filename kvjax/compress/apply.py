@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import KVCache, LatentCache, QuestKVCache
-from kvjax.compress import reducers, scorers
+from kvjax.compress import minicache, reducers, scorers
 from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
+from kvjax.duo import DuoKVCache
 from kvjax.plan import LayerPlan
 from kvjax.quant import QuantKVCache, QuantSpec
 from kvjax.quant.lowrank import LowRankKVCache, group_heads, rank_for
@@ -53,6 +54,11 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
             raise ConfigError(f"{where}: allocator='adakv' must be the last stage of a chain")
         if stage.quantizes and any(s.pooled for s in policy.stages):
             raise ConfigError(f"{where}: quantizing an AdaKV pool is not supported; use a uniform allocator")
+        if mla and stage.method in ("duo", "minicache"):
+            raise ConfigError(f"{where}: {cfg.name!r} has MLA layers, whose one latent serves every head: "
+                              "DuoAttention's streaming heads and MiniCache's per-head merging do not apply")
+        if stage.method == "minicache" and len({kv_heads(cfg, s) for s in slots}) > 1:
+            raise ConfigError(f"{where}: MiniCache merges layers of one K/V shape; {cfg.name!r} mixes KV head counts")
         if mla and stage.encodes:
             raise ConfigError(f"{where}: quantizing or factoring MLA's latent cache is not implemented")
         if stage.method == "palu" and any(s.pooled for s in policy.stages):
@@ -81,11 +87,12 @@ class StagePlan:
     quant: QuantSpec | None = None  # a quantizing stage's spec, completed from the model config
     rope_theta: float = 10_000.0
     bases: tuple | None = None  # Palu: (k_basis, v_basis) per compressible cache, from calibration
+    streaming: tuple | None = None  # DuoAttention: the streaming KV heads of each compressible cache
 
     @property
     def static(self):
         """The hashable part, a static argument of the jitted compression."""
-        return (self.stage, self.keep_caps, self.capacities, self.heads, self.quant, self.rope_theta)
+        return (self.stage, self.keep_caps, self.capacities, self.heads, self.quant, self.rope_theta, self.streaming)
 
     @property
     def arrays(self):
@@ -94,18 +101,20 @@ class StagePlan:
         return (*budgets, self.bases)
 
 
-def _kv_heads(cfg: ModelConfig, slot: int) -> int:
+def kv_heads(cfg: ModelConfig, slot: int) -> int:
     plan = LayerPlan.from_config(cfg)
     kind = plan.mixers[plan.producers[slot]]
     return 1 if kind == "mla" else cfg.attention_for(kind).n_kv_heads
 
 
 def plan_stages(
-    cfg: ModelConfig, stages: tuple[Stage, ...], lengths, headroom: int, bases: tuple | None = None
+    cfg: ModelConfig, stages: tuple[Stage, ...], lengths, headroom: int, bases: tuple | None = None,
+    streaming: tuple | None = None,
 ) -> tuple[StagePlan, ...]:
     """Budgets of each stage for rows of `lengths` tokens; the last stage's caches get `headroom` free
-    slots per head for the tokens that follow. `bases`: Palu's calibrated bases (`calibrate`). Raises
-    ConfigError for impossible budgets."""
+    slots per head for the tokens that follow. `bases`: Palu's calibrated bases (`calibrate`);
+    `streaming`: DuoAttention's streaming heads per compressible cache (`kvjax.duo.streaming_heads`).
+    Raises ConfigError for impossible budgets."""
     slots = compressible(cfg)
     current = np.broadcast_to(np.asarray(lengths, np.int64), (len(slots), len(lengths)))
     plans = []
@@ -114,7 +123,7 @@ def plan_stages(
         counts = np.stack([stage_counts(stage, current[j], len(slots))[j] for j in range(len(slots))])
         windows = np.vectorize(stage.n_window)(counts)
         floors = np.floor(stage.floor * counts + 1e-9).astype(np.int64)
-        heads = [_kv_heads(cfg, s) if stage.pooled else 1 for s in slots]
+        heads = [kv_heads(cfg, s) if stage.pooled else 1 for s in slots]
         keep_caps = tuple(int(counts[j].max()) * heads[j] for j in range(len(slots)))
         if stage.method == "quest":  # whole pages are read
             keep_caps = tuple(-(-cap // stage.page_size) * stage.page_size for cap in keep_caps)
@@ -125,9 +134,12 @@ def plan_stages(
             capacities = tuple(quant.slots(c) for c in capacities)
         if stage.method == "palu" and bases is None:
             raise ConfigError("policy stage 'palu' needs calibration data: Generator(..., calibration=tokens)")
+        if stage.method == "duo" and streaming is None:
+            raise ConfigError("policy stage 'duo' needs the streaming heads of a learned pattern (kvjax.duo)")
         theta = cfg.attention.rope_theta
         plans.append(StagePlan(stage, counts, windows, floors, keep_caps, capacities, tuple(heads), quant, theta,
-                               bases if stage.method == "palu" else None))
+                               bases if stage.method == "palu" else None,
+                               streaming if stage.method == "duo" else None))
         current = counts
     return tuple(plans)
 
@@ -148,11 +160,18 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
     observed: per cache, the tuple of per-stage statistics from `observe_fn` (None: not observed).
     Returns (caches, per cache the last stage's statistic, following the kept slots)."""
     caches, last_stats = list(caches), [None] * len(caches)
+    stage, keep_caps, capacities = statics[0][:3]
+    if stage.method == "minicache":  # pairs of layers, not one cache at a time
+        caches = minicache.merge_caches(caches, slots, stage.ratio, keep_caps, capacities, stage.t, stage.retain)
+        return tuple(caches), tuple(last_stats)
     for j, slot in enumerate(slots):
         cache = caches[slot]
         stats = list(observed[slot]) if observed[slot] is not None else [None] * len(statics)
         for static, (counts, windows, floors, bases) in zip(statics, arrays):
-            stage, keep_caps, capacities, heads, quant, theta = static
+            stage, keep_caps, capacities, heads, quant, theta, streaming = static
+            if stage.method == "duo":
+                cache = DuoKVCache.from_cache(cache, streaming[j], stage.n_sinks, stage.recent, capacities[j])
+                continue
             cache, stats = reduce_cache(
                 stage, cache, stats, counts[j], windows[j], floors[j], last_pos, keep_caps[j], capacities[j], heads[j],
                 quant, theta, None if bases is None else bases[j],
@@ -214,12 +233,23 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
     last = plans[-1]
     total = 0
     slots = compressible(cfg)
+    merged = {}
+    if last.stage.method == "minicache":
+        for a, b in minicache.merged_pairs(len(slots), last.stage.ratio):
+            K, item = kv_heads(cfg, slots[a]), jnp.dtype(cfg.dtype).itemsize
+            H = layer_memory(cfg)[slots[a]].kv_bytes_per_slot // (2 * K * item)
+            tail = last.capacities[a] - last.keep_caps[a]
+            merged[slots[a]], merged[slots[b]] = minicache.merged_bytes(last.keep_caps[a], tail, K, H, item,
+                                                                        last.stage.retain)
     for slot, mem in enumerate(layer_memory(cfg)):
-        if slot not in slots:
+        if slot in merged:
+            total += merged[slot]
+            continue
+        if slot not in slots or last.stage.method == "minicache":
             total += mem.bytes(capacity)
             continue
         cap = last.capacities[slots.index(slot)]
-        K = _kv_heads(cfg, slot)
+        K = kv_heads(cfg, slot)
         if last.stage.quantizes:
             head_dim = mem.kv_bytes_per_slot // (2 * K * jnp.dtype(cfg.dtype).itemsize)
             total += quant_cache_bytes(last.quant, cap, K, head_dim, cfg.dtype,
@@ -230,6 +260,12 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             g = group_heads(K, last.stage.heads)
             latent = 2 * (K // g) * rank_for(last.stage.ratio, g * head_dim) * jnp.dtype(cfg.dtype).itemsize
             total += cap * (latent + _INT32 * (K if per_head and K > 1 else 1)) + mem.bytes_per_sequence
+            continue
+        if last.stage.method == "duo":  # retrieval heads: every slot; streaming heads: sinks + recent
+            streaming = len(last.streaming[slots.index(slot)])
+            head_bytes = mem.kv_bytes_per_slot // K
+            parts = [(cap, K - streaming), (last.stage.n_sinks, streaming), (last.stage.recent, streaming)]
+            total += sum(n * (heads * head_bytes + _INT32) + _INT32 for n, heads in parts if heads and n)
             continue
         if last.stage.method == "quest":  # every slot kept, plus a key min and max per page and head
             pages = -(-capacity // last.stage.page_size)

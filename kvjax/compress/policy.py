@@ -4,6 +4,8 @@ A policy is a chain of stages written `method:budget[:key=value,...]` joined by 
 `snapkv:0.5`, `streaming:512:sinks=4`, `h2o:0.5:every=1`, `snapkv:0.5:allocator=adakv,reducer=kvmerger`
 or `streaming:0.5+snapkv:0.5`. Quantizers are `method:bits` and come last: `kivi:2`, `int:8`,
 `snapkv:0.5+kivi:4` (evict, then quantize what is kept), `int:4:asym` (a boolean option alone means true).
+`duo:0.5` (DuoAttention, alone) turns that fraction of KV heads into streaming heads (`kvjax.duo`);
+`minicache:0.5` (MiniCache, alone) merges the top half of the layers in pairs (`kvjax.compress.minicache`).
 
 Budget convention (one for every method): a number below 1 is a **ratio**, the fraction of the cached
 tokens removed (kvpress's `compression_ratio`; a row of L tokens keeps int(L * (1 - ratio))); an
@@ -25,13 +27,16 @@ from kvjax.config import ConfigError
 SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest")
 QUANTIZERS = ("int", "kivi", "kvquant")  # `method:bits`; they keep every token and encode it (kvjax.quant)
 LOW_RANK = ("palu",)  # `palu:ratio`: every token kept as a rank-r latent (kvjax.quant.lowrank)
+HEAD_LEVEL = ("duo",)  # `duo:ratio`: that fraction of KV heads keeps only sinks + a recent window (kvjax.duo)
+LAYER_LEVEL = ("minicache",)  # `minicache:ratio`: that fraction of layers merged in pairs (compress.minicache)
 ALLOCATORS = ("uniform", "pyramid", "adakv")
 REDUCERS = ("select", "cam", "kvmerger")
 POOLINGS = ("avg", "max")
 # Tokens always kept, per method: StreamingLLM's attention sinks and recent window (Xiao et al. 2024);
 # H2O's recent half of the budget (Zhang et al. 2023, equal heavy and recent budgets); SnapKV's
 # observation window (Li et al. 2024, w = 32). `window=None` means the method's own rule.
-_DEFAULT_SINKS = {"streaming": 4}
+_DEFAULT_SINKS = {"streaming": 4, "duo": 64}
+_DEFAULT_RECENT = {"duo": 256}  # DuoAttention's deployment sinks / recent window (reference eval scripts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +66,13 @@ class Stage:
     residual: int = 128  # KIVI / KVQuant: full-precision recent tokens
     outliers: float = 0.01  # KVQuant: fraction of each vector kept exactly
     heads: int = 4  # Palu: KV heads per low-rank group
+    pattern: str = ""  # DuoAttention: the learned gates (JSON); "" = the model's own (see kvjax.duo)
+    t: float = 0.6  # MiniCache: SLERP interpolation between the lower (0) and upper (1) layer
+    retain: float = 0.05  # MiniCache: fraction of tokens per head whose originals are kept unmerged
 
     def __post_init__(self):
         where = f"policy stage {self.method!r}"
-        methods = SCORERS + QUANTIZERS + LOW_RANK
+        methods = SCORERS + QUANTIZERS + LOW_RANK + HEAD_LEVEL + LAYER_LEVEL
         if self.method not in methods:
             raise ConfigError(f"{where}: method={self.method!r} must be one of {methods}")
         if self.quantizes:
@@ -103,9 +111,25 @@ class Stage:
             raise ConfigError(f"{where}: give the fraction of K/V dimensions removed, a ratio in [0, 1)")
         if self.heads < 1:
             raise ConfigError(f"{where}: heads={self.heads} must be >= 1")
-        if self.method in ("quest", "palu") and (self.every or self.allocator != "uniform" or self.reducer != "select"):
+        if self.pattern and self.method != "duo":
+            raise ConfigError(f"{where}: pattern= applies to duo only")
+        if self.method == "duo":
+            if self.ratio is None:
+                raise ConfigError(f"{where}: give the fraction of KV heads that stream, a ratio in [0, 1)")
+            if self.recent < 1 or self.n_sinks < 0:
+                raise ConfigError(f"{where}: window={self.window} (recent tokens) must be >= 1")
+            if any(c in self.pattern for c in ":,+"):
+                raise ConfigError(f"{where}: pattern={self.pattern!r} may not contain ':', ',' or '+'")
+        if self.method == "minicache":
+            if self.ratio is None:
+                raise ConfigError(f"{where}: give the fraction of layers merged, a ratio in [0, 1)")
+            if not 0 <= self.t <= 1 or not 0 <= self.retain <= 1:
+                raise ConfigError(f"{where}: t={self.t} and retain={self.retain} must be in [0, 1]")
+        elif self.t != 0.6 or self.retain != 0.05:
+            raise ConfigError(f"{where}: t= and retain= apply to minicache only")
+        if self.method in ("quest", "palu", "duo", "minicache") and (self.every or self.allocator != "uniform" or self.reducer != "select"):
             raise ConfigError(
-                f"{where}: {self.method} keeps every token; every=, allocator= and reducer= do not apply"
+                f"{where}: every=, allocator= and reducer= do not apply to {self.method} (it evicts no token by score)"
             )
 
     @property
@@ -117,6 +141,11 @@ class Stage:
         if self.window is not None:
             return self.window
         return {"streaming": max(0, keep - self.n_sinks), "h2o": keep // 2, "snapkv": self.obs_window}.get(self.method, 0)
+
+    @property
+    def recent(self) -> int:
+        """DuoAttention: the recent window a streaming head keeps."""
+        return _DEFAULT_RECENT.get(self.method, 0) if self.window is None else self.window
 
     @property
     def quantizes(self) -> bool:
@@ -142,7 +171,7 @@ class Stage:
 
     def keep(self, length: int) -> int:
         """Tokens this stage keeps of `length`."""
-        if self.encodes:
+        if self.encodes or self.method in HEAD_LEVEL + LAYER_LEVEL:
             return length
         return int(length * (1 - self.ratio) + 1e-9) if self.ratio is not None else self.size
 
@@ -165,6 +194,10 @@ class Policy:
             raise ConfigError("a policy needs at least one stage")
         if len(self.stages) > 1 and any(s.method == "quest" for s in self.stages):
             raise ConfigError("policy stage 'quest' cannot be chained: it selects pages at attention time")
+        for stage in self.stages:
+            if len(self.stages) > 1 and stage.method in HEAD_LEVEL + LAYER_LEVEL:
+                raise ConfigError(f"policy stage {stage.method!r} cannot be chained: it changes which heads or "
+                                  "layers store tokens, not which tokens are kept")
         for stage in self.stages[:-1]:
             if stage.encodes:
                 raise ConfigError(f"policy stage {stage.method!r}: encode last (evict first, then encode what is kept)")

@@ -133,7 +133,7 @@ def test_a_policy_takes_the_pages_its_budget_says(gqa):
 def test_policies_the_engine_cannot_page_are_refused(gqa):
     for policy, match in [("kivi:2", "quantized pages are int:8"), ("int:4", "quantized pages are int:8"),
                           ("h2o:0.5:every=2", "every=2"), ("snapkv:0.5:allocator=adakv", "allocator='adakv'"),
-                          ("palu:0.5", "palu is not supported")]:
+                          ("palu:0.5", "palu is not supported"), ("duo:0.5", "duo is not supported")]:
         with pytest.raises(ConfigError, match=match):
             Engine(gqa, n_pages=8, policy=policy)
 

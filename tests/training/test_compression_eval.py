@@ -1,6 +1,7 @@
 """Evaluation of compressed caches: continuation NLL / KL, synthetic retrieval prompts, the CLI."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,3 +102,21 @@ def test_compare_policy_table(run, tmp_path, capsys):
     assert rows[2]["policy"] == "kivi:2:group=8,residual=16"
     assert rows[1]["cache_bytes_per_token"] < rows[0]["cache_bytes_per_token"]
     assert all(r["decode_tokens_per_s"] > 0 for r in rows)
+
+
+def test_duo_train_writes_the_runs_pattern_and_eval_reads_it(run, capsys):
+    common = ["--corpus", SMALL_CORPUS, "--allow-long-context"]
+    policy = ["--policy", "duo:0.5:sinks=4,window=8"]
+    assert main(["eval", run, "--prefix", "48", "--continuation", "8", *policy, *common]) == 2
+    assert "kvjax duo-train" in capsys.readouterr().err  # no pattern yet: refused before compute
+    assert main(["duo-train", run, "--steps", "3", "--length", "400", "--keys", "1", "--words", "2", "--sinks", "4",
+                 "--recent", "16", *common]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((Path(run) / "duo_pattern.json").read_text())
+    assert len(record["gates"]) == 2 and record["training"]["steps"] == 3 and "held-out objective" in out
+    assert main(["eval", run, "--prefix", "48", "--continuation", "8", *policy, *common]) == 0
+    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ")}
+    (duo,) = [name for name in rows if name.startswith("duo:0.5")]
+    assert duo.endswith("duo_pattern.json")
+    assert float(rows[duo][3].replace(",", "")) < float(rows["full"][3].replace(",", ""))

@@ -18,6 +18,7 @@ from flax import nnx, struct
 
 from kvjax.cache import init_caches
 from kvjax.compress import Policy, check_policy, compress_caches, compressible, plan_stages
+from kvjax.compress import d2o
 from kvjax.compress.apply import observe_fn
 from kvjax.compress.scorers import observed_queries
 from kvjax.config import ConfigError, DecodingConfig
@@ -75,18 +76,36 @@ def _prefill(graphdef, params, tokens, lengths, *, capacity):
     return model.logits(last), caches
 
 
-def _prefill_compressed(graphdef, params, tokens, lengths, obs_index, arrays, *, capacity, statics, slots):
-    """Prefill that observes the attention the policy's scorers need, then compresses the caches.
-    Runs every layer on every prompt token (no early exit): the scorers read every producer's queries."""
-    model = nnx.merge(graphdef, params)
+def _observe_prompt(model, tokens, lengths, obs_index, stages, capacity):
+    """Prefill that observes the attention the stages' scorers need: (hidden, caches, observed). Runs
+    every layer on every prompt token (no early exit): the scorers read every producer's queries."""
     B, T = tokens.shape
     idx = jnp.arange(T, dtype=jnp.int32)[None, :]
     positions = jnp.where(idx < lengths[:, None], idx, -1)
-    reduce = observe_fn(tuple(static[0] for static in statics))
-    hidden, caches, observed = model.observe(tokens, positions, init_caches(model.config, B, capacity, fresh=True), obs_index, reduce)
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    caches = init_caches(model.config, B, capacity, fresh=True)
+    return model.observe(tokens, positions, caches, obs_index, observe_fn(stages))
+
+
+def _last_logits(model, hidden, lengths):
+    return model.logits(jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0])
+
+
+def _prefill_compressed(graphdef, params, tokens, lengths, obs_index, arrays, *, capacity, statics, slots):
+    """Prefill that observes the attention the policy's scorers need, then compresses the caches."""
+    model = nnx.merge(graphdef, params)
+    stages = tuple(static[0] for static in statics)
+    hidden, caches, observed = _observe_prompt(model, tokens, lengths, obs_index, stages, capacity)
     caches, stats = compress_caches(caches, observed, statics, arrays, lengths - 1, slots)
-    return model.logits(last), caches, stats
+    return _last_logits(model, hidden, lengths), caches, stats
+
+
+def _prefill_densities(graphdef, params, tokens, lengths, obs_index, *, capacity, stages, slots):
+    """D2O's first half: the observed prefill and each compressible layer's attention density sigma
+    `[n, B]` (`d2o.layer_sigma`), which the host turns into layer budgets before compressing."""
+    model = nnx.merge(graphdef, params)
+    hidden, caches, observed = _observe_prompt(model, tokens, lengths, obs_index, stages, capacity)
+    sigma = jnp.stack([d2o.layer_sigma(observed[s][-1], caches[s].pos) for s in slots])
+    return _last_logits(model, hidden, lengths), caches, observed, sigma
 
 
 def _decode_step(model, tokens, pos, caches, stats, step, evict):
@@ -100,7 +119,7 @@ def _decode_step(model, tokens, pos, caches, stats, step, evict):
     obs = jnp.zeros(tokens.shape, jnp.int32)
     hidden, caches, observed = model.observe(tokens, pos, caches, obs, observe_fn((stage,)))
     running = tuple(
-        None if o is None or o[0] is None else (o[0] + st if stage.method == "h2o" else o[0])
+        None if o is None or o[0] is None else (o[0] + st if stage.method in ("h2o", "d2o") else o[0])
         for o, st in zip(observed, stats)
     )
     as_observed = tuple(None if st is None else (st,) for st in running)
@@ -220,6 +239,11 @@ class Generator:
         self._prefill_compressed = jax.jit(
             partial(_prefill_compressed, graphdef), static_argnames=("capacity", "statics", "slots")
         )
+        self._prefill_densities = jax.jit(
+            partial(_prefill_densities, graphdef), static_argnames=("capacity", "stages", "slots")
+        )
+        self._compress = jax.jit(compress_caches, static_argnames=("statics", "slots"))
+        self._layer_counts = None  # D2O: (lengths, tokens kept per cache and row) of the last prefill
         self._decode = jax.jit(
             partial(_decode, graphdef),
             static_argnames=("n_new", "sampling", "eos_id", "pad_id", "evict"),
@@ -263,7 +287,13 @@ class Generator:
         slots stay empty), so that prompts of one bucket share a compile."""
         decode = self.policy.decode_stage
         headroom = decode.every if decode is not None else max_new_tokens
-        plans = plan_stages(self.config, self.policy.stages, lengths, headroom, self._bases, self._streaming)
+        counts = None
+        if self.policy.stages[-1].method == "d2o":
+            if self._layer_counts is None or not np.array_equal(self._layer_counts[0], lengths):
+                raise ConfigError("policy stage 'd2o' plans its layer budgets at the prefill: prefill these "
+                                  "prompts first (prefill_compressed)")
+            counts = self._layer_counts[1]
+        plans = plan_stages(self.config, self.policy.stages, lengths, headroom, self._bases, self._streaming, counts)
         if sized_for is None:
             return plans
         sized = plan_stages(self.config, self.policy.stages, [sized_for], headroom, self._bases, self._streaming)
@@ -273,18 +303,30 @@ class Generator:
                            sized_for: int | None = None):
         """Prefill, then compress with the policy: (logits `[B,V]`, compressed caches, scorer statistics
         for decode-time eviction). The caches leave room for max_new_tokens (or the policy's `every`)."""
-        plans = self.compression_plan(lengths, max_new_tokens, sized_for)
         window = max(observed_queries(st, tokens.shape[1]) for st in self.policy.stages)
         obs_index = np.asarray(lengths)[:, None] - max(window, 1) + np.arange(max(window, 1))[None, :]
+        obs_index = np.where(obs_index >= 0, obs_index, -1).astype(np.int32)
+        slots = compressible(self.config)
+        if self.policy.stages[-1].method == "d2o":  # layer budgets from the prefill's attention, then compress
+            logits, caches, observed, sigma = self._prefill_densities(
+                self.params, tokens, lengths, obs_index, capacity=self.capacity, stages=self.policy.stages, slots=slots)
+            keep = 1 - self.policy.stages[-1].ratio
+            counts = d2o.layer_counts(np.asarray(sigma), lengths, keep, never=int(lengths.max()) + max_new_tokens)
+            self._layer_counts = (np.array(lengths), counts)
+            plans = self.compression_plan(lengths, max_new_tokens)
+            caches, stats = self._compress(caches, observed, tuple(p.static for p in plans),
+                                           tuple(p.arrays for p in plans), jnp.asarray(lengths) - 1, slots=slots)
+            return logits, caches, stats
+        plans = self.compression_plan(lengths, max_new_tokens, sized_for)
         return self._prefill_compressed(
             self.params,
             tokens,
             lengths,
-            np.where(obs_index >= 0, obs_index, -1).astype(np.int32),
+            obs_index,
             tuple(p.arrays for p in plans),
             capacity=self.capacity,
             statics=tuple(p.static for p in plans),
-            slots=compressible(self.config),
+            slots=slots,
         )
 
     def _evict_args(self, lengths, max_new_tokens):

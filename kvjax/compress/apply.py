@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import KVCache, LatentCache, QuestKVCache
-from kvjax.compress import minicache, reducers, scorers
+from kvjax.compress import d2o, minicache, reducers, scorers
 from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.duo import DuoKVCache
@@ -109,11 +109,12 @@ def kv_heads(cfg: ModelConfig, slot: int) -> int:
 
 def plan_stages(
     cfg: ModelConfig, stages: tuple[Stage, ...], lengths, headroom: int, bases: tuple | None = None,
-    streaming: tuple | None = None,
+    streaming: tuple | None = None, layer_counts: np.ndarray | None = None,
 ) -> tuple[StagePlan, ...]:
     """Budgets of each stage for rows of `lengths` tokens; the last stage's caches get `headroom` free
     slots per head for the tokens that follow. `bases`: Palu's calibrated bases (`calibrate`);
-    `streaming`: DuoAttention's streaming heads per compressible cache (`kvjax.duo.streaming_heads`).
+    `streaming`: DuoAttention's streaming heads per compressible cache (`kvjax.duo.streaming_heads`);
+    `layer_counts`: D2O's tokens kept per cache and row `[n, B]` (`d2o.layer_counts`, from the prefill).
     Raises ConfigError for impossible budgets."""
     slots = compressible(cfg)
     current = np.broadcast_to(np.asarray(lengths, np.int64), (len(slots), len(lengths)))
@@ -121,6 +122,10 @@ def plan_stages(
     for i, stage in enumerate(stages):
         last = i == len(stages) - 1
         counts = np.stack([stage_counts(stage, current[j], len(slots))[j] for j in range(len(slots))])
+        if stage.method == "d2o":
+            if layer_counts is None:
+                raise ConfigError("policy stage 'd2o' needs its layer budgets from the prefill's attention")
+            counts = np.asarray(layer_counts, np.int64)
         windows = np.vectorize(stage.n_window)(counts)
         floors = np.floor(stage.floor * counts + 1e-9).astype(np.int64)
         heads = [kv_heads(cfg, s) if stage.pooled else 1 for s in slots]
@@ -215,7 +220,9 @@ def reduce_cache(
         floor=floor if pooled else None,
         head=cache.head[:, None] if pooled else None,
     )
-    if stage.reducer == "cam":
+    if stage.method == "d2o":
+        cache = d2o.merge(cache, idx, valid, stage.ema)
+    elif stage.reducer == "cam":
         cache = reducers.merge_cam(cache, idx, valid, stat)
     elif stage.reducer == "kvmerger":
         cache = reducers.merge_kvmerger(cache, idx, valid, stage.sigma)
@@ -275,7 +282,8 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             slot_bytes = mem.kv_bytes_per_slot // K + 2 * _INT32
         else:
             slot_bytes = mem.kv_bytes_per_slot + _INT32 * (K if per_head and K > 1 else 1)
-        total += cap * slot_bytes + mem.bytes_per_sequence
+        tau = 4 if last.stage.method == "d2o" else 0  # D2O's merge threshold, fp32 per sequence
+        total += cap * slot_bytes + mem.bytes_per_sequence + tau
     return batch * total
 
 

@@ -5,7 +5,9 @@ A policy is a chain of stages written `method:budget[:key=value,...]` joined by 
 or `streaming:0.5+snapkv:0.5`. Quantizers are `method:bits` and come last: `kivi:2`, `int:8`,
 `snapkv:0.5+kivi:4` (evict, then quantize what is kept), `int:4:asym` (a boolean option alone means true).
 `duo:0.5` (DuoAttention, alone) turns that fraction of KV heads into streaming heads (`kvjax.duo`);
-`minicache:0.5` (MiniCache, alone) merges the top half of the layers in pairs (`kvjax.compress.minicache`).
+`minicache:0.5` (MiniCache, alone) merges the top half of the layers in pairs (`kvjax.compress.minicache`);
+`d2o:0.5` (D2O) is H2O at every decode step with layer budgets from attention density and merging of
+what it evicts (`kvjax.compress.d2o`).
 
 Budget convention (one for every method): a number below 1 is a **ratio**, the fraction of the cached
 tokens removed (kvpress's `compression_ratio`; a row of L tokens keeps int(L * (1 - ratio))); an
@@ -24,7 +26,7 @@ import numpy as np
 
 from kvjax.config import ConfigError
 
-SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest")
+SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest", "d2o")
 QUANTIZERS = ("int", "kivi", "kvquant")  # `method:bits`; they keep every token and encode it (kvjax.quant)
 LOW_RANK = ("palu",)  # `palu:ratio`: every token kept as a rank-r latent (kvjax.quant.lowrank)
 HEAD_LEVEL = ("duo",)  # `duo:ratio`: that fraction of KV heads keeps only sinks + a recent window (kvjax.duo)
@@ -35,7 +37,7 @@ POOLINGS = ("avg", "max")
 # Tokens always kept, per method: StreamingLLM's attention sinks and recent window (Xiao et al. 2024);
 # H2O's recent half of the budget (Zhang et al. 2023, equal heavy and recent budgets); SnapKV's
 # observation window (Li et al. 2024, w = 32). `window=None` means the method's own rule.
-_DEFAULT_SINKS = {"streaming": 4, "duo": 64}
+_DEFAULT_SINKS = {"streaming": 4, "duo": 64, "d2o": 4}  # D2O: the reference keeps positions 0-3
 _DEFAULT_RECENT = {"duo": 256}  # DuoAttention's deployment sinks / recent window (reference eval scripts)
 
 
@@ -69,6 +71,7 @@ class Stage:
     pattern: str = ""  # DuoAttention: the learned gates (JSON); "" = the model's own (see kvjax.duo)
     t: float = 0.6  # MiniCache: SLERP interpolation between the lower (0) and upper (1) layer
     retain: float = 0.05  # MiniCache: fraction of tokens per head whose originals are kept unmerged
+    ema: float = 0.5  # D2O: weight of the old merge threshold in its moving average
 
     def __post_init__(self):
         where = f"policy stage {self.method!r}"
@@ -127,6 +130,17 @@ class Stage:
                 raise ConfigError(f"{where}: t={self.t} and retain={self.retain} must be in [0, 1]")
         elif self.t != 0.6 or self.retain != 0.05:
             raise ConfigError(f"{where}: t= and retain= apply to minicache only")
+        if self.method == "d2o":
+            if self.allocator != "uniform" or self.reducer != "select" or self.normalize:
+                raise ConfigError(f"{where}: D2O brings its own layer budgets and merge; allocator=, reducer= and "
+                                  "normalize= do not apply")
+            if not 0 <= self.ema <= 1 or self.ratio is None:
+                raise ConfigError(f"{where}: give the fraction of tokens removed on average, a ratio in [0, 1); "
+                                  f"ema={self.ema} must be in [0, 1]")
+            if not self.every:  # D2O evicts (and merges) at every decode step
+                object.__setattr__(self, "every", 1)
+        elif self.ema != 0.5:
+            raise ConfigError(f"{where}: ema= applies to d2o only")
         if self.method in ("quest", "palu", "duo", "minicache") and (self.every or self.allocator != "uniform" or self.reducer != "select"):
             raise ConfigError(
                 f"{where}: every=, allocator= and reducer= do not apply to {self.method} (it evicts no token by score)"
@@ -140,7 +154,8 @@ class Stage:
         """Recent tokens always kept when `keep` tokens are kept."""
         if self.window is not None:
             return self.window
-        return {"streaming": max(0, keep - self.n_sinks), "h2o": keep // 2, "snapkv": self.obs_window}.get(self.method, 0)
+        halves = {"h2o": keep // 2, "d2o": keep // 2}  # heavy hitters and recent tokens in equal parts
+        return {"streaming": max(0, keep - self.n_sinks), "snapkv": self.obs_window, **halves}.get(self.method, 0)
 
     @property
     def recent(self) -> int:
@@ -182,7 +197,7 @@ class Stage:
     @property
     def per_head(self) -> bool:
         """Whether heads may keep different tokens (so positions are stored per head)."""
-        return self.pooled or self.method in ("h2o", "snapkv", "keynorm")
+        return self.pooled or self.method in ("h2o", "snapkv", "keynorm", "d2o")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +210,9 @@ class Policy:
         if len(self.stages) > 1 and any(s.method == "quest" for s in self.stages):
             raise ConfigError("policy stage 'quest' cannot be chained: it selects pages at attention time")
         for stage in self.stages:
-            if len(self.stages) > 1 and stage.method in HEAD_LEVEL + LAYER_LEVEL:
-                raise ConfigError(f"policy stage {stage.method!r} cannot be chained: it changes which heads or "
-                                  "layers store tokens, not which tokens are kept")
+            if len(self.stages) > 1 and stage.method in HEAD_LEVEL + LAYER_LEVEL + ("d2o",):
+                raise ConfigError(f"policy stage {stage.method!r} cannot be chained: it sets what each head or "
+                                  "layer stores from the whole prompt")
         for stage in self.stages[:-1]:
             if stage.encodes:
                 raise ConfigError(f"policy stage {stage.method!r}: encode last (evict first, then encode what is kept)")

@@ -32,12 +32,12 @@ import jax.numpy as jnp
 from kvjax.cache import LatentCache, PooledKVCache
 from kvjax.compress.policy import Stage
 
-ATTENTION_SCORERS = ("h2o", "snapkv", "tova")
+ATTENTION_SCORERS = ("h2o", "snapkv", "tova", "d2o")  # D2O scores as H2O does
 
 
 def observed_queries(stage: Stage, length: int) -> int:
     """How many of the last prompt queries a stage observes (0: none; `length`: all)."""
-    return {"h2o": length, "snapkv": min(stage.obs_window, length), "tova": 1}.get(stage.method, 0)
+    return {"h2o": length, "d2o": length, "snapkv": min(stage.obs_window, length), "tova": 1}.get(stage.method, 0)
 
 
 def observe(stage: Stage, probs: jax.Array, obs_pos: jax.Array, pooled: bool) -> jax.Array | None:
@@ -46,7 +46,7 @@ def observe(stage: Stage, probs: jax.Array, obs_pos: jax.Array, pooled: bool) ->
     if stage.method not in ATTENTION_SCORERS:
         return None
     last = jnp.max(obs_pos, axis=1)[:, None]
-    window = {"h2o": None, "snapkv": stage.obs_window, "tova": 1}[stage.method]
+    window = {"h2o": None, "d2o": None, "snapkv": stage.obs_window, "tova": 1}[stage.method]
     voter = obs_pos >= 0 if window is None else (obs_pos >= 0) & (obs_pos > last - window)  # [B,W]
     per_query = jnp.where(voter[:, None, :, None, None], probs, 0.0).sum(axis=2).mean(axis=2)  # [B,K,S]
     if stage.method == "tova" or pooled:  # pooled: only an entry's own head has non-zero probabilities

@@ -74,8 +74,11 @@ class Block(nnx.Module):
 
     def observe(self, x, positions, view):
         """Attention probabilities of this block's queries for inputs x `[B,W,D]` over `view` (see
-        `Attention.probs`, `MLA.probs`)."""
-        return self.mixer.probs(self.mixer_norm(x), positions, view)
+        `Attention.probs`, `MLA.probs`) and the post-RoPE queries `[B,W,N,H]` themselves (None for MLA,
+        whose queries are not per-head keys' partners)."""
+        x = self.mixer_norm(x)
+        queries = self.mixer.queries(x, positions) if isinstance(self.mixer, Attention) else None
+        return self.mixer.probs(x, positions, view), queries
 
     def write_kv(self, x, positions, cache=None):
         """Only this producer's K/V of x `[B,T,D]`, written to `cache`: (cache, view)."""
@@ -126,9 +129,9 @@ class Decoder(nnx.Module):
 
     def observe(self, tokens, positions, caches, obs_index, reduce):
         """`hidden` that also observes attention for KV compressors (kvjax.compress): for each producer
-        whose cache keeps tokens (KVCache, PooledKVCache, LatentCache), `reduce(probs, obs_pos, view)`
+        whose cache keeps tokens (KVCache, PooledKVCache, LatentCache), `reduce(probs, obs_pos, view, q)`
         of the probabilities `[B,K,W,G,S]` of the queries at token indices obs_index `[B,W]` (-1: none)
-        over its updated cache. Returns (hidden, caches, one reduction per producer or None)."""
+        over its updated cache, and of those queries q `[B,W,N,H]` (None for MLA). Returns (hidden, caches, one reduction per producer or None)."""
         x, caches, observed = self._run(self.embed(tokens), positions, caches, self.plan.n_layers, (obs_index, reduce))
         return self.final_norm(x), caches, observed
 
@@ -158,7 +161,8 @@ class Decoder(nnx.Module):
                 obs_index, reduce = observe
                 x_obs = jnp.take_along_axis(x_in, jnp.maximum(obs_index, 0)[:, :, None], axis=1)
                 obs_pos = jnp.where(obs_index >= 0, jnp.take_along_axis(positions, jnp.maximum(obs_index, 0), axis=1), -1)
-                observed[slot] = reduce(block.observe(x_obs, obs_pos, views[i]), obs_pos, views[i])
+                probs, queries = block.observe(x_obs, obs_pos, views[i])
+                observed[slot] = reduce(probs, obs_pos, views[i], queries)
         return x, None if new_caches is None else tuple(new_caches), tuple(observed)
 
     @property

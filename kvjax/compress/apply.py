@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import KVCache, LatentCache, QuestKVCache
-from kvjax.compress import d2o, minicache, reducers, scorers
+from kvjax.compress import d2o, minicache, reducers, scorers, think
 from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.duo import DuoKVCache
@@ -54,14 +54,15 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
             raise ConfigError(f"{where}: allocator='adakv' must be the last stage of a chain")
         if stage.quantizes and any(s.pooled for s in policy.stages):
             raise ConfigError(f"{where}: quantizing an AdaKV pool is not supported; use a uniform allocator")
-        if mla and stage.method in ("duo", "minicache"):
+        if mla and stage.method in ("duo", "minicache", "think"):
             raise ConfigError(f"{where}: {cfg.name!r} has MLA layers, whose one latent serves every head: "
-                              "DuoAttention's streaming heads and MiniCache's per-head merging do not apply")
+                              "DuoAttention's streaming heads, MiniCache's per-head merging and ThinK's key "
+                              "channels do not apply")
         if stage.method == "minicache" and len({kv_heads(cfg, s) for s in slots}) > 1:
             raise ConfigError(f"{where}: MiniCache merges layers of one K/V shape; {cfg.name!r} mixes KV head counts")
         if mla and stage.encodes:
             raise ConfigError(f"{where}: quantizing or factoring MLA's latent cache is not implemented")
-        if stage.method == "palu" and any(s.pooled for s in policy.stages):
+        if stage.method in ("palu", "think") and any(s.pooled for s in policy.stages):
             raise ConfigError(f"{where}: a low-rank AdaKV pool is not supported; use a uniform allocator")
         if mla and (stage.method in ("keynorm", "quest") or stage.reducer == "cam" or stage.pooled):
             raise ConfigError(
@@ -152,9 +153,10 @@ def plan_stages(
 def observe_fn(stages: tuple[Stage, ...]):
     """The `reduce` passed to `Decoder.observe`: each stage's statistic of the observed attention."""
 
-    def reduce(probs, obs_pos, view):
+    def reduce(probs, obs_pos, view, queries=None):
         pooled = getattr(view, "head", None) is not None
-        return tuple(scorers.observe(stage, probs, obs_pos, pooled) for stage in stages)
+        return tuple(think.observe(stage, queries, obs_pos) if stage.method == "think"
+                     else scorers.observe(stage, probs, obs_pos, pooled) for stage in stages)
 
     return reduce
 
@@ -200,6 +202,9 @@ def reduce_cache(
         return QuantKVCache.from_cache(cache, quant, capacity), stats
     if stage.method == "palu":
         return LowRankKVCache.from_cache(cache, *bases, capacity, rope_theta), stats
+    if stage.method == "think":
+        compact = cache.resized(keep_cap)  # the kept slots only; decoded tokens go to the tail
+        return think.ThinKCache.from_cache(compact, stats[0], stage.ratio, stage.recent, capacity - keep_cap), stats
     if stage.pooled and isinstance(cache, KVCache):
         pooled = [reducers.to_pool(cache, s) for s in stats]
         cache, stats = pooled[0][0], [p[1] for p in pooled]
@@ -273,6 +278,12 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             head_bytes = mem.kv_bytes_per_slot // K
             parts = [(cap, K - streaming), (last.stage.n_sinks, streaming), (last.stage.recent, streaming)]
             total += sum(n * (heads * head_bytes + _INT32) + _INT32 for n, heads in parts if heads and n)
+            continue
+        if last.stage.method == "think":
+            K, item = kv_heads(cfg, slot), jnp.dtype(cfg.dtype).itemsize
+            H = mem.kv_bytes_per_slot // (2 * K * item)
+            total += think.think_bytes(last.keep_caps[slots.index(slot)], cap - last.keep_caps[slots.index(slot)], K, H,
+                                       last.stage.ratio, last.stage.recent, item, K if per_head and K > 1 else 1)
             continue
         if last.stage.method == "quest":  # every slot kept, plus a key min and max per page and head
             pages = -(-capacity // last.stage.page_size)

@@ -6,6 +6,7 @@ or `streaming:0.5+snapkv:0.5`. Quantizers are `method:bits` and come last: `kivi
 `snapkv:0.5+kivi:4` (evict, then quantize what is kept), `int:4:asym` (a boolean option alone means true).
 `duo:0.5` (DuoAttention, alone) turns that fraction of KV heads into streaming heads (`kvjax.duo`);
 `minicache:0.5` (MiniCache, alone) merges the top half of the layers in pairs (`kvjax.compress.minicache`);
+`snapkv:0.5+think:0.4` (ThinK, last) drops 40% of the key channels of what eviction kept;
 `d2o:0.5` (D2O) is H2O at every decode step with layer budgets from attention density and merging of
 what it evicts (`kvjax.compress.d2o`).
 
@@ -29,6 +30,7 @@ from kvjax.config import ConfigError
 SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest", "d2o")
 QUANTIZERS = ("int", "kivi", "kvquant")  # `method:bits`; they keep every token and encode it (kvjax.quant)
 LOW_RANK = ("palu",)  # `palu:ratio`: every token kept as a rank-r latent (kvjax.quant.lowrank)
+CHANNELS = ("think",)  # `think:ratio`: that fraction of key channels dropped (kvjax.compress.think)
 HEAD_LEVEL = ("duo",)  # `duo:ratio`: that fraction of KV heads keeps only sinks + a recent window (kvjax.duo)
 LAYER_LEVEL = ("minicache",)  # `minicache:ratio`: that fraction of layers merged in pairs (compress.minicache)
 ALLOCATORS = ("uniform", "pyramid", "adakv")
@@ -38,7 +40,8 @@ POOLINGS = ("avg", "max")
 # H2O's recent half of the budget (Zhang et al. 2023, equal heavy and recent budgets); SnapKV's
 # observation window (Li et al. 2024, w = 32). `window=None` means the method's own rule.
 _DEFAULT_SINKS = {"streaming": 4, "duo": 64, "d2o": 4}  # D2O: the reference keeps positions 0-3
-_DEFAULT_RECENT = {"duo": 256}  # DuoAttention's deployment sinks / recent window (reference eval scripts)
+# DuoAttention's deployment recent window (reference eval scripts); ThinK's unpruned recent prompt tokens
+_DEFAULT_RECENT = {"duo": 256, "think": 32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +78,7 @@ class Stage:
 
     def __post_init__(self):
         where = f"policy stage {self.method!r}"
-        methods = SCORERS + QUANTIZERS + LOW_RANK + HEAD_LEVEL + LAYER_LEVEL
+        methods = SCORERS + QUANTIZERS + LOW_RANK + CHANNELS + HEAD_LEVEL + LAYER_LEVEL
         if self.method not in methods:
             raise ConfigError(f"{where}: method={self.method!r} must be one of {methods}")
         if self.quantizes:
@@ -110,7 +113,7 @@ class Stage:
             raise ConfigError(f"{where}: beta={self.beta} must be >= 1, floor={self.floor} in [0, 1], sigma > 0")
         if self.reducer == "cam" and self.method in ("streaming", "keynorm", "quest"):
             raise ConfigError(f"{where}: reducer='cam' weighs merges by attention; use h2o, snapkv or tova")
-        if self.method in LOW_RANK and self.ratio is None:
+        if self.method in LOW_RANK + CHANNELS and self.ratio is None:
             raise ConfigError(f"{where}: give the fraction of K/V dimensions removed, a ratio in [0, 1)")
         if self.heads < 1:
             raise ConfigError(f"{where}: heads={self.heads} must be >= 1")
@@ -141,7 +144,7 @@ class Stage:
                 object.__setattr__(self, "every", 1)
         elif self.ema != 0.5:
             raise ConfigError(f"{where}: ema= applies to d2o only")
-        if self.method in ("quest", "palu", "duo", "minicache") and (self.every or self.allocator != "uniform" or self.reducer != "select"):
+        if self.method in ("quest", "palu", "think", "duo", "minicache") and (self.every or self.allocator != "uniform" or self.reducer != "select"):
             raise ConfigError(
                 f"{where}: every=, allocator= and reducer= do not apply to {self.method} (it evicts no token by score)"
             )
@@ -168,8 +171,8 @@ class Stage:
 
     @property
     def encodes(self) -> bool:
-        """Keeps every token in another form (quantized codes or a low-rank latent)."""
-        return self.quantizes or self.method in LOW_RANK
+        """Keeps every token in another form (quantized codes, a low-rank latent, pruned key channels)."""
+        return self.quantizes or self.method in LOW_RANK + CHANNELS
 
     @property
     def quant_spec(self):

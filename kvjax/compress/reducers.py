@@ -119,8 +119,8 @@ def gather(cache, idx, valid, capacity: int, per_head: bool):
 
 def gather_stat(stat, idx, valid, capacity: int):
     """A per-slot statistic `[B,Kh,S]` following its slots into the compressed cache (0 when empty)."""
-    if stat is None:
-        return None
+    if stat is None or not isinstance(stat, jax.Array):  # None, or per channel (ThinK), not per slot
+        return stat
     Kh = max(stat.shape[1], idx.shape[1])
     stat = jnp.broadcast_to(stat, (stat.shape[0], Kh, stat.shape[2]))
     return _take(stat, jnp.broadcast_to(idx, (*stat.shape[:2], idx.shape[-1])), valid, capacity, True)

@@ -37,7 +37,8 @@ ATTENTION_SCORERS = ("h2o", "snapkv", "tova", "d2o")  # D2O scores as H2O does
 
 def observed_queries(stage: Stage, length: int) -> int:
     """How many of the last prompt queries a stage observes (0: none; `length`: all)."""
-    return {"h2o": length, "d2o": length, "snapkv": min(stage.obs_window, length), "tova": 1}.get(stage.method, 0)
+    window = min(stage.obs_window, length)  # SnapKV's voters; ThinK's queries that score channels
+    return {"h2o": length, "d2o": length, "snapkv": window, "think": window, "tova": 1}.get(stage.method, 0)
 
 
 def observe(stage: Stage, probs: jax.Array, obs_pos: jax.Array, pooled: bool) -> jax.Array | None:

@@ -300,7 +300,8 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
 
 def quant_cache_bytes(spec, capacity: int, K: int, H: int, dtype, positions: int = 1) -> int:
     """Exact bytes of one sequence's `QuantKVCache` of `capacity` slots: packed codes, scales and zero
-    points, the KIVI / KVQuant residual, KVQuant's outliers (value + uint8 channel) and sinks, positions
+    points, the KIVI / KVQuant / GEAR residual, KVQuant's and GEAR's outliers (value + uint8 channel),
+    KVQuant's sinks, GEAR's low-rank factors, positions
     (`positions` per slot) and two int32 counters."""
     item = jnp.dtype(dtype).itemsize
     codes = 2 * K * packed_width(H, spec.bits)
@@ -310,7 +311,9 @@ def quant_cache_bytes(spec, capacity: int, K: int, H: int, dtype, positions: int
         groups = H // spec.value_group(H)
         total = capacity * (codes + 2 * K * groups * item) + capacity // spec.group * 2 * K * H * item
         fixed = 2 * K * spec.residual * H * item
+    total += capacity * 2 * K * spec.n_outliers(H) * (item + 1)  # KVQuant's and GEAR's exact outliers
     if spec.method == "kvquant":
-        total += capacity * 2 * K * spec.n_outliers(H) * (item + 1)
         fixed += 2 * K * spec.sinks * H * item
+    if spec.rank:  # GEAR: Q per token and P per block of `residual` tokens, for K and V
+        total += capacity * 2 * K * spec.rank * item + -(-capacity // spec.residual) * 2 * K * H * spec.rank * item
     return total + fixed + capacity * _INT32 * positions + 2 * _INT32

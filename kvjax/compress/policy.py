@@ -28,7 +28,7 @@ import numpy as np
 from kvjax.config import ConfigError
 
 SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest", "d2o")
-QUANTIZERS = ("int", "kivi", "kvquant")  # `method:bits`; they keep every token and encode it (kvjax.quant)
+QUANTIZERS = ("int", "kivi", "kvquant", "gear")  # `method:bits`; they keep every token and encode it (kvjax.quant)
 LOW_RANK = ("palu",)  # `palu:ratio`: every token kept as a rank-r latent (kvjax.quant.lowrank)
 CHANNELS = ("think",)  # `think:ratio`: that fraction of key channels dropped (kvjax.compress.think)
 HEAD_LEVEL = ("duo",)  # `duo:ratio`: that fraction of KV heads keeps only sinks + a recent window (kvjax.duo)
@@ -67,9 +67,10 @@ class Stage:
     page_size: int = 16  # Quest: tokens per page
     bits: int = 0  # int / kivi / kvquant: code width
     asym: bool = False  # int: per-token min-max codes with a zero point (else symmetric)
-    group: int = 32  # KIVI: tokens per key group, channels per value group
-    residual: int = 128  # KIVI / KVQuant: full-precision recent tokens
-    outliers: float = 0.01  # KVQuant: fraction of each vector kept exactly
+    group: int | None = None  # KIVI / GEAR: tokens per key group, channels per value group (32; GEAR 64)
+    residual: int | None = None  # KIVI / KVQuant / GEAR: full-precision recent tokens (128; GEAR 64)
+    outliers: float | None = None  # KVQuant: fraction of each vector kept exactly (0.01; GEAR 0.02)
+    rank: int = 4  # GEAR: rank of the quantization error's approximation per block and head
     heads: int = 4  # Palu: KV heads per low-rank group
     pattern: str = ""  # DuoAttention: the learned gates (JSON); "" = the model's own (see kvjax.duo)
     t: float = 0.6  # MiniCache: SLERP interpolation between the lower (0) and upper (1) layer
@@ -81,6 +82,8 @@ class Stage:
         methods = SCORERS + QUANTIZERS + LOW_RANK + CHANNELS + HEAD_LEVEL + LAYER_LEVEL
         if self.method not in methods:
             raise ConfigError(f"{where}: method={self.method!r} must be one of {methods}")
+        if self.rank != 4 and self.method != "gear" or self.rank < 0:
+            raise ConfigError(f"{where}: rank={self.rank} must be >= 0, and applies to gear only")
         if self.quantizes:
             try:
                 self.quant_spec
@@ -179,7 +182,12 @@ class Stage:
         from kvjax.quant import QuantSpec
 
         sinks = 1 if self.sinks is None else self.sinks
-        return QuantSpec(self.method, self.bits, self.asym, self.group, self.residual, outliers=self.outliers, sinks=sinks)
+        gear = self.method == "gear"
+        group = (64 if gear else 32) if self.group is None else self.group
+        residual = (64 if gear else 128) if self.residual is None else self.residual
+        outliers = (0.02 if gear else 0.01) if self.outliers is None else self.outliers
+        return QuantSpec(self.method, self.bits, self.asym, group, residual, outliers=outliers, sinks=sinks,
+                         rank=self.rank if gear else 0)
 
     @property
     def fixed_protected(self) -> int:

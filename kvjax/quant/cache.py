@@ -17,6 +17,16 @@ KIVI, a full-precision residual of the most recent tokens. Attention reads a deq
   codes with scales computed online per block of `group` tokens (through the same residual as KIVI)
   instead of calibrated non-uniform datatypes and per-channel scales; outliers chosen per token vector,
   for keys too, as the issue asks (KVQuant thresholds keys per channel).
+- `gear` (Kang et al. 2024, arXiv 2403.05527, alg. 1; GEAR-KIVI as its reference `cuda_supported_gear`
+  runs): KIVI's codes, plus per flushed block of `residual` tokens and KV head a rank-`rank` approximation
+  Q P^T of the quantization error (power iteration, 3 passes, QR on the last, as the reference's
+  `fake_poweriteration_group`; P starts from a fixed uniform draw), plus a sparse set of exact outliers:
+  each token vector's ceil(outliers x head_dim / 2) largest and smallest entries, set to the vector's
+  mean before quantizing and written back exactly after (the reference's order). Defaults: 2 bits, group
+  and block 64, outliers 0.02, rank 4. Deviations: outliers per head's token vector for keys and
+  values (the reference: keys per channel over tokens, values over all heads); one rank for prefill
+  and decode (the reference lowers it to 2 during decoding); 2^b - 1 levels (the reference's b^2 - 1
+  equals it at 2 and 4 bits).
 
 Slots are the usual ones (token t of a row at slot `length` when written, `pos` per slot, -1 empty),
 so positions, masks and eviction work as for `KVCache`. Bytes (`nbytes()`) count codes, scales, zero
@@ -42,7 +52,7 @@ from kvjax.quant.packing import pack, packed_width, unpack
 from kvjax.rope import rotate
 from kvjax.quant.quantizers import dequantize, quantize
 
-METHODS = ("int", "kivi", "kvquant")
+METHODS = ("int", "kivi", "kvquant", "gear")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +69,12 @@ class QuantSpec:
     outliers: float = 0.01  # kvquant: fraction of each vector kept exactly
     sinks: int = 1  # kvquant: first tokens kept in full precision
     rope_theta: float | None = None  # kvquant: the layer's RoPE base (set from the model config)
+    rank: int = 0  # gear: rank of each block's error approximation
 
     def __post_init__(self):
-        allowed = {"int": (2, 4, 8) if self.asym else (4, 8), "kivi": (2, 4), "kvquant": (2, 3, 4)}
+        allowed = {"int": (2, 4, 8) if self.asym else (4, 8), "kivi": (2, 4), "kvquant": (2, 3, 4), "gear": (2, 4)}
+        if self.rank < 0 or (self.rank and self.method != "gear"):
+            raise ValueError(f"{self.method}: rank={self.rank} must be >= 0, and applies to gear only")
         if self.method not in METHODS:
             raise ValueError(f"quantization method={self.method!r} must be one of {METHODS}")
         if self.asym and self.method != "int":
@@ -80,10 +93,15 @@ class QuantSpec:
         return self.method != "int"
 
     def value_group(self, head_dim: int) -> int:
-        return min(self.group, head_dim) if self.method == "kivi" else head_dim
+        return min(self.group, head_dim) if self.method in ("kivi", "gear") else head_dim
 
     def n_outliers(self, head_dim: int) -> int:
-        return math.ceil(self.outliers * head_dim) if self.method == "kvquant" and self.outliers else 0
+        """Exact entries per token vector: KVQuant's largest magnitudes, GEAR's largest and smallest."""
+        if not self.outliers or self.method not in ("kvquant", "gear"):
+            return 0
+        if self.method == "gear":
+            return 2 * math.ceil(self.outliers * head_dim / 2)
+        return math.ceil(self.outliers * head_dim)
 
     def slots(self, capacity: int) -> int:
         """Capacity rounded up so key groups tile it."""
@@ -102,11 +120,35 @@ def _scatter_last(buf, slots, values):
     return buf.at[rows, :, :, slots].set(values.transpose(0, 2, 1, 3).astype(buf.dtype), mode="drop")
 
 
-def _split_outliers(x, n: int):
-    """x `[..., H]` -> (x with each vector's n largest magnitudes zeroed, their values, their channels)."""
-    _, idx = jax.lax.top_k(jnp.abs(x.astype(jnp.float32)), n)
+def _split_outliers(x, n: int, extremes: bool = False):
+    """x `[..., H]` -> (x with each vector's n outliers replaced, their values, their channels). KVQuant:
+    the n largest magnitudes, zeroed; GEAR (`extremes`): the n/2 largest and n/2 smallest entries, set
+    to the vector's mean."""
+    f = x.astype(jnp.float32)
+    if extremes:
+        idx = jnp.concatenate([jax.lax.top_k(f, n // 2)[1], jax.lax.top_k(-f, n // 2)[1]], axis=-1)
+        fill = jnp.broadcast_to(f.mean(axis=-1, keepdims=True), idx.shape).astype(x.dtype)
+    else:
+        idx = jax.lax.top_k(jnp.abs(f), n)[1]
+        fill = jnp.zeros(idx.shape, x.dtype)
     values = jnp.take_along_axis(x, idx, axis=-1)
-    return jnp.put_along_axis(x, idx, jnp.zeros_like(values), axis=-1, inplace=False), values, idx.astype(jnp.uint8)
+    return jnp.put_along_axis(x, idx, fill, axis=-1, inplace=False), values, idx.astype(jnp.uint8)
+
+
+def low_rank(error: jax.Array, rank: int, loops: int = 3) -> tuple[jax.Array, jax.Array]:
+    """GEAR's power iteration (`fake_poweriteration_group`): Q `[..., T, r]` and P `[..., H, r]` with
+    Q P^T ~ error `[..., T, H]`; P starts from a fixed U[0, 1) draw, QR only on the last pass."""
+    e = error.astype(jnp.float32)
+    p = jnp.broadcast_to(jax.random.uniform(jax.random.key(0), (e.shape[-1], rank)), (*e.shape[:-2], e.shape[-1], rank))
+    for i in range(loops):
+        last = i == loops - 1
+        if last:
+            p = jnp.linalg.qr(p)[0]
+        q = e @ p
+        if last:
+            q = jnp.linalg.qr(q)[0]
+        p = e.swapaxes(-1, -2) @ q
+    return q, p
 
 
 @struct.dataclass
@@ -151,6 +193,10 @@ class QuantKVCache(_Positioned):
     v_out_idx: jax.Array | None = None
     k_sink: jax.Array | None = None  # kvquant: the first tokens in full precision [B,K,sinks,H] (pre-RoPE)
     v_sink: jax.Array | None = None
+    k_lr_q: jax.Array | None = None  # gear: the error's factors, Q per token [B,K,S,r] and P per block
+    k_lr_p: jax.Array | None = None  # [B,K,ceil(S/residual),H,r]
+    v_lr_q: jax.Array | None = None
+    v_lr_p: jax.Array | None = None
     spec: QuantSpec = struct.field(pytree_node=False, default=None)
 
     @classmethod
@@ -167,13 +213,18 @@ class QuantKVCache(_Positioned):
             scales = dict(k_scale=zeros(B, K, S // spec.group, H), k_zero=zeros(B, K, S // spec.group, H),
                           v_scale=zeros(B, K, H // Gv, S), v_zero=zeros(B, K, H // Gv, S))
             res = dict(k_res=zeros(B, K, spec.residual, H), v_res=zeros(B, K, spec.residual, H))
-        if spec.method == "kvquant":
+        if spec.method in ("kvquant", "gear"):
             n = spec.n_outliers(H)
             res |= dict(
                 k_out=zeros(B, K, S, n), v_out=zeros(B, K, S, n),
                 k_out_idx=jnp.zeros((B, K, S, n), jnp.uint8), v_out_idx=jnp.zeros((B, K, S, n), jnp.uint8),
-                k_sink=zeros(B, K, spec.sinks, H), v_sink=zeros(B, K, spec.sinks, H),
             )
+        if spec.method == "kvquant":
+            res |= dict(k_sink=zeros(B, K, spec.sinks, H), v_sink=zeros(B, K, spec.sinks, H))
+        if spec.rank:
+            r, blocks = spec.rank, -(-S // spec.residual)
+            res |= dict(k_lr_q=zeros(B, K, S, r), v_lr_q=zeros(B, K, S, r),
+                        k_lr_p=zeros(B, K, blocks, H, r), v_lr_p=zeros(B, K, blocks, H, r))
         return cls(
             k_codes=jnp.zeros((B, K, S, width), jnp.uint8), v_codes=jnp.zeros((B, K, S, width), jnp.uint8),
             **scales, **res, pos=jnp.full((B, S), -1, jnp.int32), length=jnp.zeros((B,), jnp.int32),
@@ -211,10 +262,10 @@ class QuantKVCache(_Positioned):
         return new, KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos, quant=new.stored())
 
     def stored(self) -> QuantizedKV | None:
-        """The codes as `QuantizedKV` (int and KIVI; None for KVQuant, whose 3-bit codes, outliers,
-        sinks and RoPE re-rotation only the dequantized view applies)."""
+        """The codes as `QuantizedKV` (int and KIVI; None for KVQuant and GEAR, whose 3-bit codes,
+        outliers, sinks, RoPE re-rotation and low-rank terms only the dequantized view applies)."""
         spec = self.spec
-        if spec.method == "kvquant":
+        if spec.method in ("kvquant", "gear"):
             return None
         slot = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
         in_codes = slot < self.n_quant[:, None]
@@ -289,8 +340,10 @@ class QuantKVCache(_Positioned):
         slots = jnp.where(i < flush[:, None], self.n_quant[:, None] + i, self.capacity)
         dense_k, dense_v, extra = work_k, work_v, {}
         n_out = spec.n_outliers(H)
-        if n_out:  # dense and sparse: each vector's largest magnitudes stay exact, out of the range
-            (dense_k, k_out, k_idx), (dense_v, v_out, v_idx) = _split_outliers(work_k, n_out), _split_outliers(work_v, n_out)
+        if n_out:  # dense and sparse: each vector's outliers stay exact, out of the range
+            gear = spec.method == "gear"
+            (dense_k, k_out, k_idx), (dense_v, v_out, v_idx) = (_split_outliers(work_k, n_out, gear),
+                                                                _split_outliers(work_v, n_out, gear))
             extra = dict(
                 k_out=_head_major_scatter(self.k_out, slots, k_out), k_out_idx=_head_major_scatter(self.k_out_idx, slots, k_idx),
                 v_out=_head_major_scatter(self.v_out, slots, v_out), v_out_idx=_head_major_scatter(self.v_out_idx, slots, v_idx),
@@ -303,6 +356,15 @@ class QuantKVCache(_Positioned):
         keep = flush[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # what stays in the residual
         take = lambda w: jnp.take_along_axis(w, jnp.minimum(keep, W - 1)[:, None, :, None], axis=2)  # noqa: E731
         live = (jnp.arange(R)[None, :] < (total - flush)[:, None])[:, None, :, None]
+        if spec.rank:  # GEAR: a low-rank approximation of each flushed block's quantization error
+            recon_k = dequantize(kc, ks, kz, spec.bits, G).swapaxes(2, 3)
+            recon_v = dequantize(vc, vs, vz, spec.bits, Gv)
+            if n_out:
+                recon_k = jnp.put_along_axis(recon_k, k_idx.astype(jnp.int32), k_out.astype(jnp.float32), axis=-1, inplace=False)
+                recon_v = jnp.put_along_axis(recon_v, v_idx.astype(jnp.int32), v_out.astype(jnp.float32), axis=-1, inplace=False)
+            blocks = jnp.arange(-(-W // R), dtype=jnp.int32)[None, :]
+            bslots = jnp.where((blocks + 1) * R <= flush[:, None], self.n_quant[:, None] // R + blocks, self.k_lr_p.shape[2])
+            extra |= self._low_rank("k", work_k, recon_k, slots, bslots) | self._low_rank("v", work_v, recon_v, slots, bslots)
         return self.replace(
             k_codes=_head_major_scatter(self.k_codes, slots, pack(kc.swapaxes(2, 3), spec.bits)),
             v_codes=_head_major_scatter(self.v_codes, slots, pack(vc, spec.bits)),
@@ -316,6 +378,17 @@ class QuantKVCache(_Positioned):
             **extra,
         )
 
+    def _low_rank(self, name, work, recon, slots, bslots) -> dict:
+        """GEAR: factors of (work - recon) per block of `residual` tokens, Q written to the tokens' slots,
+        P to the blocks' slots."""
+        R, (B, K, W, H) = self.spec.residual, work.shape
+        Wr = -(-W // R) * R
+        error = jnp.pad(work.astype(jnp.float32) - recon, ((0, 0), (0, 0), (0, Wr - W), (0, 0)))
+        q, p = low_rank(error.reshape(B, K, Wr // R, R, H), self.spec.rank)
+        q = q.reshape(B, K, Wr, -1)[:, :, :W]
+        return {f"{name}_lr_q": _head_major_scatter(getattr(self, f"{name}_lr_q"), slots, q),
+                f"{name}_lr_p": _head_major_scatter(getattr(self, f"{name}_lr_p"), bslots, p)}
+
     def dequantized(self) -> tuple[jax.Array, jax.Array]:
         """Full-precision K, V `[B,K,S,H]` (fp32): codes dequantized, the residual at its slots."""
         spec = self.spec
@@ -327,10 +400,14 @@ class QuantKVCache(_Positioned):
         k = dequantize(kc.swapaxes(2, 3), self.k_scale.swapaxes(2, 3), self.k_zero.swapaxes(2, 3), spec.bits, spec.group)
         k = k.swapaxes(2, 3)
         v = dequantize(vc, self.v_scale.swapaxes(2, 3), self.v_zero.swapaxes(2, 3), spec.bits, spec.value_group(H))
+        if spec.rank:  # GEAR's low-rank error terms, Q of each slot times P of its block
+            S = self.capacity
+            k = k + jnp.einsum("BKSr,BKSHr->BKSH", self.k_lr_q, jnp.repeat(self.k_lr_p, spec.residual, axis=2)[:, :, :S])
+            v = v + jnp.einsum("BKSr,BKSHr->BKSH", self.v_lr_q, jnp.repeat(self.v_lr_p, spec.residual, axis=2)[:, :, :S])
+        if spec.n_outliers(H):
+            k = jnp.put_along_axis(k, self.k_out_idx.astype(jnp.int32), self.k_out.astype(k.dtype), axis=-1, inplace=False)
+            v = jnp.put_along_axis(v, self.v_out_idx.astype(jnp.int32), self.v_out.astype(v.dtype), axis=-1, inplace=False)
         if spec.method == "kvquant":
-            if spec.n_outliers(H):
-                k = jnp.put_along_axis(k, self.k_out_idx.astype(jnp.int32), self.k_out.astype(k.dtype), axis=-1, inplace=False)
-                v = jnp.put_along_axis(v, self.v_out_idx.astype(jnp.int32), self.v_out.astype(v.dtype), axis=-1, inplace=False)
             n = min(spec.sinks, self.capacity)
             k = k.at[:, :, :n].set(self.k_sink[:, :, :n].astype(k.dtype))
             v = v.at[:, :, :n].set(self.v_sink[:, :, :n].astype(v.dtype))

@@ -12,6 +12,7 @@ from kvjax.cache import caches_nbytes
 from kvjax.compress import compressed_cache_bytes
 from kvjax.config import ConfigError
 from kvjax.quant import QuantKVCache, QuantSpec
+from kvjax.quant.cache import low_rank
 from kvjax.quant.packing import pack, unpack
 from kvjax.quant.quantizers import dequantize, quantize
 from tests.kvjax.test_compress import CAPACITY, NEW, PROMPTS, _assert_same_decoding, _plain_and_compressed
@@ -154,7 +155,8 @@ def test_kivi_with_a_residual_covering_the_sequence_is_no_quantization(gqa):
 
 
 @pytest.mark.parametrize("policy", ["int:4", "int:2:asym", "kivi:2:group=4,residual=8", "snapkv:0.5:obs_window=8+kivi:4:group=4,residual=8",
-                                    "kvquant:2:group=8,residual=8,outliers=0.1,sinks=2"])
+                                    "kvquant:2:group=8,residual=8,outliers=0.1,sinks=2",
+                                    "snapkv:0.5:obs_window=8+gear:2:group=8,residual=16,rank=3,outliers=0.2"])
 def test_measured_bytes_equal_analytic_and_decoding_runs(gqa, policy):
     cfg, model = gqa
     gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy))
@@ -180,6 +182,8 @@ def test_measured_bytes_equal_analytic_and_decoding_runs(gqa, policy):
     ("int:8:every=2", "a quantizer keeps every token"),
     ("kvquant:8", "bits=8 must be one of"),
     ("kvquant:3:outliers=0.7", "outliers=0.7 must be in"),
+    ("gear:3", "bits=3 must be one of"),
+    ("kivi:2:rank=2", "applies to gear only"),
 ])
 def test_bad_quantization_policies(policy, message):
     with pytest.raises(ConfigError, match=message):
@@ -312,3 +316,51 @@ def test_generator_decodes_every_encoder_in_a_roomy_cache(gqa, calibration, poli
     assert caches_nbytes(out.caches) == compressed_cache_bytes(cfg, gen.compression_plan(lengths, NEW), 2, 128)
     logprobs, _ = gen.score(PROMPTS, out.tokens.tolist())
     np.testing.assert_allclose(logprobs, out.logprobs, atol=2e-5)
+
+
+def test_gear_power_iteration_is_the_reference_subspace_iteration():
+    rng = np.random.default_rng(0)
+    e = rng.normal(size=(3, 12, 8)).astype(np.float32)
+    q, p = low_rank(jnp.asarray(e), 2)
+    ref_p = np.broadcast_to(np.asarray(jax.random.uniform(jax.random.key(0), (8, 2))), (3, 8, 2))
+    for i in range(3):
+        if i == 2:
+            ref_p = np.linalg.qr(ref_p)[0]
+        ref_q = e @ ref_p
+        if i == 2:
+            ref_q = np.linalg.qr(ref_q)[0]
+        ref_p = e.swapaxes(-1, -2) @ ref_q
+    np.testing.assert_allclose(np.asarray(q) @ np.asarray(p).swapaxes(-1, -2), ref_q @ ref_p.swapaxes(-1, -2), atol=1e-4)
+    exact = rng.normal(size=(12, 2)) @ rng.normal(size=(2, 8))  # rank 2: recovered exactly at rank 2
+    q, p = low_rank(jnp.asarray(exact, jnp.float32), 2)
+    np.testing.assert_allclose(np.asarray(q) @ np.asarray(p).T, exact, atol=1e-4)
+
+
+def test_gear_without_rank_or_outliers_is_kivi_and_at_full_rank_is_lossless():
+    k, v, pos = _tokens(2)
+    kivi = QuantSpec("kivi", 2, group=4, residual=8)
+    empty = lambda spec: QuantKVCache.init(spec, 2, 48, 2, 8, jnp.float32)  # noqa: E731
+    a, view_a = _update(empty(kivi), k, v, pos)
+    b, view_b = _update(empty(QuantSpec("gear", 2, group=4, residual=8, outliers=0.0, rank=0)), k, v, pos)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(view_a.k, view_b.k)
+    full, view = _update(empty(QuantSpec("gear", 2, group=4, residual=8, outliers=0.0, rank=8)), k, v, pos)
+    for row, n in enumerate(np.asarray(full.n_quant)):  # every flushed block's error fully recovered
+        np.testing.assert_allclose(view.k[row, :, :n], k.transpose(0, 2, 1, 3)[row, :, :n], atol=1e-4)
+        np.testing.assert_allclose(view.v[row, :, :n], v.transpose(0, 2, 1, 3)[row, :, :n], atol=1e-4)
+    assert np.abs(np.asarray(view_a.k[0, :, :32]) - np.asarray(k.transpose(0, 2, 1, 3)[0, :, :32])).max() > 0.1
+
+
+def test_gear_keeps_each_vectors_largest_and_smallest_entries_exactly():
+    k, v, pos = _tokens(3)
+    spec = QuantSpec("gear", 2, group=4, residual=8, outliers=0.25, rank=1)  # ceil(0.25 x 8 / 2) = 1 each side
+    cache, view = _update(QuantKVCache.init(spec, 2, 48, 2, 8, jnp.float32), k, v, pos)
+    assert spec.n_outliers(8) == 2
+    keys = np.asarray(k.transpose(0, 2, 1, 3))
+    for row, n in enumerate(np.asarray(cache.n_quant)):
+        for h in range(2):
+            for t in range(n):
+                chosen = set(np.asarray(cache.k_out_idx[row, h, t]).tolist())
+                assert chosen == {int(keys[row, h, t].argmax()), int(keys[row, h, t].argmin())}
+                np.testing.assert_array_equal(np.asarray(view.k)[row, h, t, sorted(chosen)], keys[row, h, t, sorted(chosen)])

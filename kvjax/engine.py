@@ -128,6 +128,9 @@ def _load_row(caches, table, length, dense, row):
     return tuple(out), out[0].length
 
 
+EVICTION = ("streaming", "h2o", "snapkv", "tova", "keynorm")  # the token-eviction scorers pages support
+
+
 def check_engine_policy(policy: Policy) -> tuple[bool, bool]:
     """What the engine's pages need for `policy` (positions per head, int8 codes); a policy it cannot
     page is a ConfigError naming the stage."""
@@ -136,7 +139,7 @@ def check_engine_policy(policy: Policy) -> tuple[bool, bool]:
         if stage.quantizes:
             if stage.method != "int" or stage.bits != 8 or stage.asym:
                 raise ConfigError(f"{where}:{stage.bits}: quantized pages are int:8 (symmetric) only")
-        elif stage.method in ("quest", "palu", "duo"):
+        elif stage.method not in EVICTION:
             raise ConfigError(f"{where}: the engine pages token eviction and int:8; {stage.method} is not supported")
         elif stage.every or stage.allocator != "uniform":
             raise ConfigError(f"{where}: the engine compresses once after the prefill with one budget for every "

@@ -23,7 +23,7 @@ from kvjax.compress.apply import observe_fn
 from kvjax.compress.scorers import observed_queries
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.duo import duo_heads
-from kvjax.quant.lowrank import calibrate
+from kvjax.quant.lowrank import calibrate, lorc_bases
 from kvjax.sampling import sample
 
 MIN_BUCKET = 8
@@ -230,6 +230,9 @@ class Generator:
                 raise ConfigError("policy stage 'palu' needs calibration data: Generator(..., calibration=tokens)")
             if palu:  # Palu's bases, from a plain prefill of the calibration tokens
                 self._bases = calibrate(model, calibration, compressible(self.config), palu[0].ratio, palu[0].heads)
+            lorc = [s for s in policy.stages if s.method == "lorc"]
+            if lorc:  # LoRC's bases and progressive ranks, from the K/V weights
+                self._bases = lorc_bases(model, compressible(self.config), lorc[0].ratio, lorc[0].heads)
         self._streaming = None
         duo_stage = next((s for s in policy.stages if s.method == "duo"), None) if policy is not None else None
         if duo_stage is not None:  # DuoAttention's streaming heads, from the learned gates

@@ -20,8 +20,9 @@ import time
 import jax
 import numpy as np
 
-from kvjax.compress import Policy, compressed_cache_bytes, parse_policy, plan_stages
+from kvjax.compress import Policy, compressed_cache_bytes, compressible, parse_policy, plan_stages
 from kvjax.duo import duo_heads
+from kvjax.quant.lowrank import lorc_bases
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import Generator
 from kvjax.memory import cache_bytes
@@ -88,6 +89,9 @@ def stored_bytes_per_token(model, policy: Policy | None, prefix: int) -> float:
     if policy is None:
         return cache_bytes(cfg, prefix) / prefix
     bases = () if any(s.method == "palu" for s in policy.stages) else None  # bytes do not depend on them
+    lorc = next((s for s in policy.stages if s.method == "lorc"), None)
+    if lorc is not None:  # LoRC's ranks differ by layer: its bases say how many
+        bases = lorc_bases(model, compressible(cfg), lorc.ratio, lorc.heads)
     duo = next((s for s in policy.stages if s.method == "duo"), None)
     streaming = duo_heads(duo, cfg) if duo is not None else None  # how many heads keep every token
     plans = plan_stages(cfg, policy.stages, [prefix], headroom=0, bases=bases, streaming=streaming)

@@ -62,7 +62,7 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
             raise ConfigError(f"{where}: MiniCache merges layers of one K/V shape; {cfg.name!r} mixes KV head counts")
         if mla and stage.encodes:
             raise ConfigError(f"{where}: quantizing or factoring MLA's latent cache is not implemented")
-        if stage.method in ("palu", "think") and any(s.pooled for s in policy.stages):
+        if stage.method in ("palu", "lorc", "think") and any(s.pooled for s in policy.stages):
             raise ConfigError(f"{where}: a low-rank AdaKV pool is not supported; use a uniform allocator")
         if mla and (stage.method in ("keynorm", "quest") or stage.reducer == "cam" or stage.pooled):
             raise ConfigError(
@@ -138,13 +138,14 @@ def plan_stages(
         if stage.quantizes:  # key groups tile the quantized cache
             quant = dataclasses.replace(stage.quant_spec, rope_theta=cfg.attention.rope_theta)
             capacities = tuple(quant.slots(c) for c in capacities)
-        if stage.method == "palu" and bases is None:
-            raise ConfigError("policy stage 'palu' needs calibration data: Generator(..., calibration=tokens)")
+        if stage.method in ("palu", "lorc") and bases is None:
+            raise ConfigError(f"policy stage {stage.method!r} needs its bases: calibration data for palu "
+                              "(Generator(..., calibration=tokens)), the model's weights for lorc")
         if stage.method == "duo" and streaming is None:
             raise ConfigError("policy stage 'duo' needs the streaming heads of a learned pattern (kvjax.duo)")
         theta = cfg.attention.rope_theta
         plans.append(StagePlan(stage, counts, windows, floors, keep_caps, capacities, tuple(heads), quant, theta,
-                               bases if stage.method == "palu" else None,
+                               bases if stage.method in ("palu", "lorc") else None,
                                streaming if stage.method == "duo" else None))
         current = counts
     return tuple(plans)
@@ -200,7 +201,7 @@ def reduce_cache(
         return QuestKVCache.from_cache(cache, stage.page_size, keep_cap // stage.page_size), stats
     if stage.quantizes:
         return QuantKVCache.from_cache(cache, quant, capacity), stats
-    if stage.method == "palu":
+    if stage.method in ("palu", "lorc"):
         return LowRankKVCache.from_cache(cache, *bases, capacity, rope_theta), stats
     if stage.method == "think":
         compact = cache.resized(keep_cap)  # the kept slots only; decoded tokens go to the tail
@@ -267,10 +268,13 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             total += quant_cache_bytes(last.quant, cap, K, head_dim, cfg.dtype,
                                        positions=K if per_head and K > 1 else 1)
             continue
-        if last.stage.method == "palu":  # a rank-r K and V latent per head group and slot
+        if last.stage.method in ("palu", "lorc"):  # a rank-r K and V latent per head group and slot
             head_dim = mem.kv_bytes_per_slot // (2 * K * jnp.dtype(cfg.dtype).itemsize)
             g = group_heads(K, last.stage.heads)
-            latent = 2 * (K // g) * rank_for(last.stage.ratio, g * head_dim) * jnp.dtype(cfg.dtype).itemsize
+            rank = rank_for(last.stage.ratio, g * head_dim)
+            if last.stage.method == "lorc":  # progressive: each layer's own rank, from its bases
+                rank = last.bases[slots.index(slot)][0].shape[-1]
+            latent = 2 * (K // g) * rank * jnp.dtype(cfg.dtype).itemsize
             total += cap * (latent + _INT32 * (K if per_head and K > 1 else 1)) + mem.bytes_per_sequence
             continue
         if last.stage.method == "duo":  # retrieval heads: every slot; streaming heads: sinks + recent

@@ -29,7 +29,7 @@ from kvjax.config import ConfigError
 
 SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest", "d2o")
 QUANTIZERS = ("int", "kivi", "kvquant", "gear")  # `method:bits`; they keep every token and encode it (kvjax.quant)
-LOW_RANK = ("palu",)  # `palu:ratio`: every token kept as a rank-r latent (kvjax.quant.lowrank)
+LOW_RANK = ("palu", "lorc")  # `palu:ratio`, `lorc:ratio`: every token kept as a rank-r latent (kvjax.quant.lowrank)
 CHANNELS = ("think",)  # `think:ratio`: that fraction of key channels dropped (kvjax.compress.think)
 HEAD_LEVEL = ("duo",)  # `duo:ratio`: that fraction of KV heads keeps only sinks + a recent window (kvjax.duo)
 LAYER_LEVEL = ("minicache",)  # `minicache:ratio`: that fraction of layers merged in pairs (compress.minicache)
@@ -147,7 +147,7 @@ class Stage:
                 object.__setattr__(self, "every", 1)
         elif self.ema != 0.5:
             raise ConfigError(f"{where}: ema= applies to d2o only")
-        if self.method in ("quest", "palu", "think", "duo", "minicache") and (self.every or self.allocator != "uniform" or self.reducer != "select"):
+        if self.method in ("quest", "think", "duo", "minicache", *LOW_RANK) and (self.every or self.allocator != "uniform" or self.reducer != "select"):
             raise ConfigError(
                 f"{where}: every=, allocator= and reducer= do not apply to {self.method} (it evicts no token by score)"
             )

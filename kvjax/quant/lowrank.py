@@ -10,6 +10,16 @@ receives: z = K_pre U_r, with K_pre the keys un-rotated at their positions (RoPE
 map position dependent, which is why Palu reconstructs keys before RoPE, sec. 3.4). Attention reads
 K = RoPE(z U_r^T, pos) and V = z_v U_v^T. One rank for every layer, from the byte ratio (Palu also
 searches per-layer ranks by Fisher information; not done here).
+
+LoRC (Zhang et al. 2024, arXiv 2410.03111) uses the same cache with bases from the weights alone
+(`lorc_bases`): the top right singular vectors of each head group's W_k and W_v (a truncated SVD
+W ~ U_r S_r V_r^T caches x U_r S_r = K V_r and reads K ~ (K V_r) V_r^T; keys before RoPE, as the
+paper requires), and a progressive rank per layer: layers whose cumulative condition number (the
+product of kappa(W_k) kappa(W_v) from that layer to the top) is larger, the shallow ones whose errors
+travel furthest, keep more. The paper's exact map from that number to a rank was not verified here:
+we keep (1 - ratio) + delta (s_l - mean s) / max|s - mean s| of each layer's dimensions, s_l the
+min-max normalised log cumulative condition number and delta = min(keep, 1 - keep) / 2, so the model
+as a whole keeps exactly (1 - ratio).
 """
 
 from __future__ import annotations
@@ -135,4 +145,46 @@ def calibrate(model, tokens: np.ndarray, compressible: tuple[int, ...], ratio: f
         rank = rank_for(ratio, g * H)
         out.append((jnp.asarray(bases_from_samples(samples(k_pre), g, rank)),
                     jnp.asarray(bases_from_samples(samples(cache.v), g, rank))))
+    return tuple(out)
+
+
+def progressive_keep(log_kappa: np.ndarray, keep: float) -> np.ndarray:
+    """LoRC's kept fraction per layer from each layer's log condition number (module docstring)."""
+    cumulative = np.cumsum(np.asarray(log_kappa, np.float64)[::-1])[::-1]  # from layer l to the top
+    spread = cumulative.max() - cumulative.min()
+    if len(cumulative) < 2 or spread == 0:
+        return np.full(len(cumulative), keep)
+    s = (cumulative - cumulative.min()) / spread
+    centred = s - s.mean()
+    return keep + min(keep, 1 - keep) / 2 * centred / np.abs(centred).max()
+
+
+def lorc_bases(model, compressible: tuple[int, ...], ratio: float, heads: int):
+    """Bases `(k_basis, v_basis)` per compressible cache from the K/V projection weights: per head group
+    the top right singular vectors of W, at LoRC's progressive ranks (module docstring)."""
+    from kvjax.plan import LayerPlan
+
+    plan = LayerPlan.from_config(model.config)
+    weights = []
+    for slot in compressible:
+        mixer = model.blocks[plan.producers[slot]].mixer
+        weights.append(tuple(np.asarray(w.kernel[...], np.float64) for w in (mixer.k, mixer.v)))
+    log_kappa = []
+    for wk, wv in weights:
+        sk, sv = np.linalg.svd(wk, compute_uv=False), np.linalg.svd(wv, compute_uv=False)
+        log_kappa.append(np.log(sk[0] / sk[-1]) + np.log(sv[0] / sv[-1]))
+    keeps = progressive_keep(np.array(log_kappa), 1 - ratio)
+    out = []
+    for slot, (wk, wv), keep in zip(compressible, weights, keeps):
+        att = model.config.attention_for(plan.mixers[plan.producers[slot]])
+        K, H = att.n_kv_heads, att.head_dim
+        g = group_heads(K, heads)
+        rank = max(1, round(keep * g * H))
+
+        def basis(w):
+            groups = w.reshape(w.shape[0], K // g, g * H).transpose(1, 0, 2)  # [Kg, D, g*H]
+            _, _, vt = np.linalg.svd(groups, full_matrices=False)
+            return jnp.asarray(vt[:, :rank].transpose(0, 2, 1), jnp.float32)  # [Kg, g*H, rank]
+
+        out.append((basis(wk), basis(wv)))
     return tuple(out)

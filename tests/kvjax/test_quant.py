@@ -13,6 +13,7 @@ from kvjax.compress import compressed_cache_bytes
 from kvjax.config import ConfigError
 from kvjax.quant import QuantKVCache, QuantSpec
 from kvjax.quant.cache import low_rank
+from kvjax.quant.lowrank import lorc_bases, progressive_keep
 from kvjax.quant.packing import pack, unpack
 from kvjax.quant.quantizers import dequantize, quantize
 from tests.kvjax.test_compress import CAPACITY, NEW, PROMPTS, _assert_same_decoding, _plain_and_compressed
@@ -364,3 +365,37 @@ def test_gear_keeps_each_vectors_largest_and_smallest_entries_exactly():
                 chosen = set(np.asarray(cache.k_out_idx[row, h, t]).tolist())
                 assert chosen == {int(keys[row, h, t].argmax()), int(keys[row, h, t].argmin())}
                 np.testing.assert_array_equal(np.asarray(view.k)[row, h, t, sorted(chosen)], keys[row, h, t, sorted(chosen)])
+
+
+def test_lorc_progressive_keep_preserves_the_budget_and_favours_sensitive_layers():
+    keep = progressive_keep(np.array([3.0, 1.0, 2.0, 0.5]), 0.5)
+    assert keep.mean() == pytest.approx(0.5)
+    assert (np.diff(keep) <= 0).all() and keep[0] == pytest.approx(0.75) and keep.min() >= 0.25  # shallow keeps more
+    np.testing.assert_allclose(progressive_keep(np.zeros(4), 0.3), 0.3)  # nothing to rank: uniform
+    assert progressive_keep(np.array([1.0, 1.0]), 0.9).max() <= 0.95 + 1e-9
+
+
+def test_lorc_bases_are_the_weights_top_singular_vectors_and_full_rank_is_lossless(gqa):
+    cfg, model = gqa
+    bases = lorc_bases(model, (0, 1), 0.5, heads=1)
+    K, H = cfg.attention.n_kv_heads, cfg.attention.head_dim
+    for layer, (kb, vb) in enumerate(bases):
+        for basis, w in ((kb, model.blocks[layer].mixer.k.kernel[...]), (vb, model.blocks[layer].mixer.v.kernel[...])):
+            r = basis.shape[-1]
+            for g in range(K):
+                _, _, vt = np.linalg.svd(np.asarray(w)[:, g * H : (g + 1) * H], full_matrices=False)
+                np.testing.assert_allclose(np.asarray(basis[g]) @ np.asarray(basis[g]).T, vt[:r].T @ vt[:r], atol=1e-4)
+    assert bases[0][0].shape[-1] != bases[1][0].shape[-1]  # progressive: the layers differ
+    gen = Generator(model, capacity=CAPACITY, policy=parse_policy("lorc:0"))
+    tokens, lengths = gen.pad(PROMPTS, NEW)
+    _, caches, _ = gen.prefill_compressed(tokens, lengths, NEW)
+    _, ref = Generator(model, capacity=CAPACITY).prefill(tokens, lengths)
+    assert caches_nbytes(caches) == compressed_cache_bytes(cfg, gen.compression_plan(lengths, NEW), 2, CAPACITY)
+    for c, e in zip(caches, ref):
+        k, v = c.reconstructed()
+        np.testing.assert_allclose(k, e.k, atol=1e-4)
+        np.testing.assert_allclose(v, e.v, atol=1e-4)
+    half = Generator(model, capacity=CAPACITY, policy=parse_policy("lorc:0.5"))
+    _, small, _ = half.prefill_compressed(tokens, lengths, NEW)
+    assert caches_nbytes(small) == compressed_cache_bytes(cfg, half.compression_plan(lengths, NEW), 2, CAPACITY)
+    assert caches_nbytes(small) < caches_nbytes(caches)

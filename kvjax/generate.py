@@ -119,7 +119,7 @@ def _decode_step(model, tokens, pos, caches, stats, step, evict):
     obs = jnp.zeros(tokens.shape, jnp.int32)
     hidden, caches, observed = model.observe(tokens, pos, caches, obs, observe_fn((stage,)))
     running = tuple(
-        None if o is None or o[0] is None else (o[0] + st if stage.method in ("h2o", "d2o") else o[0])
+        None if o is None or o[0] is None else (o[0] + st if stage.method in ("h2o", "d2o", "scissorhands") else o[0])
         for o, st in zip(observed, stats)
     )
     as_observed = tuple(None if st is None else (st,) for st in running)

@@ -62,7 +62,7 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None = None, sinks
     return mask
 
 
-def _grouped_mask(q_pos, k_pos, window, k_head, n_kv_heads, sinks: int = 0) -> jax.Array:
+def grouped_mask(q_pos, k_pos, window, k_head, n_kv_heads, sinks: int = 0) -> jax.Array:
     """`visible` laid out as `[B,K|1,T,1,S]` for `[B,K,T,G,S]` logits; with `k_head` `[B,S]` (a pooled
     cache, see `kvjax.cache.PooledKVCache`) a key is visible only to the query heads of its KV head."""
     mask = visible(q_pos, k_pos, window, sinks)
@@ -283,7 +283,7 @@ def masked_softmax(
     # Every [.., T, G, S] tensor is in the order the dot emits; asking for [.., G, T, S] made XLA:CPU
     # transpose the logits inside each mask op (half of a 2k-token prefill's time).
     # jax.nn.softmax rather than a hand-fused one: its backward rule kept training 1.6-2x faster.
-    return _softmax_where(logits, _grouped_mask(q_pos, k_pos, window, k_head, logits.shape[1], sinks), axis=-1)
+    return _softmax_where(logits, grouped_mask(q_pos, k_pos, window, k_head, logits.shape[1], sinks), axis=-1)
 
 
 def _softmax_where(logits: jax.Array, mask: jax.Array, axis) -> jax.Array:

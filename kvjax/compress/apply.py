@@ -19,6 +19,7 @@ from kvjax.cache import KVCache, LatentCache, QuestKVCache
 from kvjax.compress import d2o, minicache, reducers, scorers, think
 from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
+from kvjax.ops import grouped_mask
 from kvjax.duo import DuoKVCache
 from kvjax.plan import LayerPlan
 from kvjax.quant import QuantKVCache, QuantSpec
@@ -156,8 +157,11 @@ def observe_fn(stages: tuple[Stage, ...]):
 
     def reduce(probs, obs_pos, view, queries=None):
         pooled = getattr(view, "head", None) is not None
+        visible = None  # which keys each observed query saw: Scissorhands' average is over them
+        if any(stage.method == "scissorhands" for stage in stages):
+            visible = grouped_mask(obs_pos, view.pos, None, getattr(view, "head", None), probs.shape[1])
         return tuple(think.observe(stage, queries, obs_pos) if stage.method == "think"
-                     else scorers.observe(stage, probs, obs_pos, pooled) for stage in stages)
+                     else scorers.observe(stage, probs, obs_pos, pooled, visible) for stage in stages)
 
     return reduce
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from kvjax.config import ConfigError
 
-SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest", "d2o")
+SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest", "d2o", "scissorhands")
 QUANTIZERS = ("int", "kivi", "kvquant", "gear")  # `method:bits`; they keep every token and encode it (kvjax.quant)
 LOW_RANK = ("palu", "lorc")  # `palu:ratio`, `lorc:ratio`: every token kept as a rank-r latent (kvjax.quant.lowrank)
 CHANNELS = ("think",)  # `think:ratio`: that fraction of key channels dropped (kvjax.compress.think)
@@ -57,7 +57,7 @@ class Stage:
     allocator: str = "uniform"
     reducer: str = "select"
     every: int = 0
-    obs_window: int = 32  # SnapKV: the last prompt queries that vote
+    obs_window: int = 32  # SnapKV: the last prompt queries that vote; ThinK: queries scoring channels; Scissorhands: history
     kernel: int = 5  # SnapKV: 1-D pooling kernel over neighbouring slots
     pooling: str = "avg"
     normalize: bool = False  # H2O: divide by the number of queries that saw each key (kvpress)
@@ -161,7 +161,8 @@ class Stage:
         if self.window is not None:
             return self.window
         halves = {"h2o": keep // 2, "d2o": keep // 2}  # heavy hitters and recent tokens in equal parts
-        return {"streaming": max(0, keep - self.n_sinks), "snapkv": self.obs_window, **halves}.get(self.method, 0)
+        observed = {"snapkv": self.obs_window, "scissorhands": self.obs_window}  # the voting / history window
+        return {"streaming": max(0, keep - self.n_sinks), **observed, **halves}.get(self.method, 0)
 
     @property
     def recent(self) -> int:
@@ -192,7 +193,7 @@ class Stage:
     @property
     def fixed_protected(self) -> int:
         """Sinks plus a window that does not scale with the budget (the least a layer may keep)."""
-        fixed = {"snapkv": self.obs_window}.get(self.method, 0) if self.window is None else self.window
+        fixed = {"snapkv": self.obs_window, "scissorhands": self.obs_window}.get(self.method, 0) if self.window is None else self.window
         return self.n_sinks + fixed
 
     def keep(self, length: int) -> int:
@@ -208,7 +209,7 @@ class Stage:
     @property
     def per_head(self) -> bool:
         """Whether heads may keep different tokens (so positions are stored per head)."""
-        return self.pooled or self.method in ("h2o", "snapkv", "keynorm", "d2o")
+        return self.pooled or self.method in ("h2o", "snapkv", "keynorm", "d2o", "scissorhands")
 
 
 @dataclasses.dataclass(frozen=True)

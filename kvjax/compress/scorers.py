@@ -17,6 +17,11 @@ model runs; `score` turns that statistic (or the cache alone) into scores when t
 - TOVA (Oren et al. 2024, arXiv 2401.06104): the last query's attention averaged over all heads.
 - Key norm (Devoto et al. 2024, arXiv 2406.11430): keys with a low L2 norm draw attention; keep the
   lowest norms (score = -||k||).
+- Scissorhands (Liu et al. 2023, arXiv 2305.17118, alg. 1-2, "persistence of importance"): over a
+  history window of the last `obs_window` queries, count how often each token's attention was below
+  the average 1/n (n the tokens that query could see), summed over the head's query group; tokens
+  with the most such counts go first (score = -count; ties keep the newer token). During decoding
+  (`every=`) the counts keep accumulating over every decode query (the paper slides the window).
 A pooled cache (AdaKV) scores entries `[B,1,P]`; SnapKV pools each entry with its own head's entries
 in position order (`pool_by_head`), which at prefill is exactly the per-head pooling of the dense
 layout (what AdaKV's and kvpress's code pool before flattening the heads).
@@ -32,23 +37,31 @@ import jax.numpy as jnp
 from kvjax.cache import LatentCache, PooledKVCache
 from kvjax.compress.policy import Stage
 
-ATTENTION_SCORERS = ("h2o", "snapkv", "tova", "d2o")  # D2O scores as H2O does
+ATTENTION_SCORERS = ("h2o", "snapkv", "tova", "d2o", "scissorhands")  # D2O scores as H2O does
 
 
 def observed_queries(stage: Stage, length: int) -> int:
     """How many of the last prompt queries a stage observes (0: none; `length`: all)."""
-    window = min(stage.obs_window, length)  # SnapKV's voters; ThinK's queries that score channels
-    return {"h2o": length, "d2o": length, "snapkv": window, "think": window, "tova": 1}.get(stage.method, 0)
+    window = min(stage.obs_window, length)  # SnapKV's voters, ThinK's queries, Scissorhands' history
+    return {"h2o": length, "d2o": length, "snapkv": window, "think": window, "scissorhands": window,
+            "tova": 1}.get(stage.method, 0)
 
 
-def observe(stage: Stage, probs: jax.Array, obs_pos: jax.Array, pooled: bool) -> jax.Array | None:
+def observe(stage: Stage, probs: jax.Array, obs_pos: jax.Array, pooled: bool, visible=None) -> jax.Array | None:
     """Reduce probabilities `[B,K,W,G,S]` of queries at positions obs_pos `[B,W]` (-1: none) to the
-    stage's per-slot statistic `[B,Kh,S]`, or None for scorers that do not read attention."""
+    stage's per-slot statistic `[B,Kh,S]`, or None for scorers that do not read attention. `visible`
+    (broadcastable to probs): which keys each query could see (Scissorhands' 1/n)."""
     if stage.method not in ATTENTION_SCORERS:
         return None
     last = jnp.max(obs_pos, axis=1)[:, None]
-    window = {"h2o": None, "d2o": None, "snapkv": stage.obs_window, "tova": 1}[stage.method]
+    window = {"h2o": None, "d2o": None, "snapkv": stage.obs_window, "scissorhands": stage.obs_window,
+              "tova": 1}[stage.method]
     voter = obs_pos >= 0 if window is None else (obs_pos >= 0) & (obs_pos > last - window)  # [B,W]
+    if stage.method == "scissorhands":
+        n = jnp.maximum(jnp.sum(visible, axis=-1, keepdims=True), 1)
+        probs = (visible & (probs < 1.0 / n)).astype(jnp.float32)  # below this query's average
+        per_query = jnp.where(voter[:, None, :, None, None], probs, 0.0).sum(axis=(2, 3))
+        return per_query.sum(axis=1, keepdims=True) if pooled else per_query
     per_query = jnp.where(voter[:, None, :, None, None], probs, 0.0).sum(axis=2).mean(axis=2)  # [B,K,S]
     if stage.method == "tova" or pooled:  # pooled: only an entry's own head has non-zero probabilities
         reduce = jnp.mean if stage.method == "tova" and not pooled else jnp.sum
@@ -71,6 +84,8 @@ def score(stage: Stage, cache, stat: jax.Array | None, last_pos: jax.Array) -> j
     if stage.method == "h2o" and stage.normalize:
         seen = jnp.maximum(last_pos[:, None, None] - pos + 1, 1)
         return stat / seen
+    if stage.method == "scissorhands":  # fewest below-average counts first; ties keep the newer token
+        return -stat + 0.5 * pos / (jnp.max(pos) + 1.0)
     if stage.method == "snapkv":
         in_window = pos > (last_pos[:, None, None] - stage.obs_window)  # kept anyway; pooled as padding
         stat = jnp.where(in_window, 0.0, stat)

@@ -16,7 +16,7 @@ from kvjax.compress.policy import Stage, pyramid_counts, stage_counts
 from kvjax.compress.reducers import protected, top_slots
 from kvjax.compress.scorers import observe, pool, score
 from kvjax.config import ConfigError
-from kvjax.ops import attend, attention, attention_probs
+from kvjax.ops import attend, attention, attention_probs, grouped_mask
 
 PROMPTS = [list(range(3, 43)), [7, 1, 9, 4] * 7 + [2]]  # 40 and 29 tokens
 NEW = 6
@@ -36,6 +36,7 @@ POLICIES = [
     "h2o:0.5:reducer=kvmerger",
     "streaming:0.5+snapkv:0.5:obs_window=4",
     "h2o:0.5:every=1",
+    "scissorhands:0.5:obs_window=8,every=2",
     "snapkv:12:obs_window=4,allocator=adakv,every=2",
     "quest:0.5:page_size=8",
 ]
@@ -70,6 +71,7 @@ def _assert_same_decoding(plain, gen, lengths, caches, caches_c, logits, stats):
 
 
 @pytest.mark.parametrize("method", ["streaming:0", "h2o:0", "snapkv:0:obs_window=8", "snapkv:0:reducer=kvmerger",
+                                    "scissorhands:0:obs_window=8",
                                     "h2o:0:reducer=cam", "keynorm:0:allocator=pyramid,beta=1", "quest:0"])
 def test_a_budget_covering_the_sequence_changes_nothing(gqa, method):
     plain, squeezed, lengths, (logits, caches), (logits_c, caches_c, stats) = _plain_and_compressed(gqa[1], method)
@@ -275,6 +277,22 @@ def test_h2o_snapkv_tova_statistics_follow_their_definitions():
     x = np.arange(7, dtype=np.float32)[None, None]
     np.testing.assert_allclose(pool(jnp.asarray(x), 3, "avg"), [[[1 / 3, 1, 2, 3, 4, 5, 11 / 3]]], rtol=1e-6)
     np.testing.assert_allclose(pool(jnp.asarray(x), 3, "max"), [[[1, 2, 3, 4, 5, 6, 6]]])
+
+
+def test_scissorhands_counts_below_average_attention_over_its_history_window():
+    probs, pos = _probs()
+    p = np.asarray(probs)  # [B,K,T,G,S]
+    visible = grouped_mask(pos, pos, None, None, 2)
+    counts = np.asarray(observe(Stage("scissorhands", ratio=0.5, obs_window=4), probs, pos, False, visible))
+    for b, n in enumerate([9, 6]):
+        want = np.zeros((2, 9))
+        for q in range(n - 4, n):  # the last 4 real queries; query q sees q + 1 keys
+            want[:, : q + 1] += (p[b, :, q, :, : q + 1] < 1 / (q + 1)).sum(axis=1)
+        np.testing.assert_array_equal(counts[b], want)
+    stage = Stage("scissorhands", ratio=0.5)
+    cache = KVCache.init(1, 4, 1, 2, jnp.float32).replace(pos=jnp.arange(4)[None], length=jnp.array([4]))
+    scores = np.asarray(score(stage, cache, jnp.asarray([[[2.0, 1.0, 1.0, 0.0]]]), jnp.array([3])))
+    assert list(np.argsort(-scores[0, 0])) == [3, 2, 1, 0]  # fewest counts first; a tie keeps the newer
 
 
 def test_snapkv_pools_the_keys_before_the_window_only():

@@ -47,6 +47,12 @@ class Block(nnx.Module):
                 cfg.d_model, att.n_heads, att.head_dim, rope_theta=att.rope_theta, form=yoco.gret_form,
                 chunk=yoco.chunk, norm_eps=eps, std=std, dtype=dtype, rngs=rngs,
             )
+        elif kind == "retnet":
+            att, ret = cfg.attention, cfg.retnet
+            self.mixer = GatedRetention(
+                cfg.d_model, att.n_heads, att.head_dim, rope_theta=att.rope_theta, form=ret.form, chunk=ret.chunk,
+                norm_eps=eps, std=std, dtype=dtype, rngs=rngs, decay="fixed", value_factor=ret.value_factor,
+            )
         else:
             att = cfg.attention_for(kind)
             self.mixer = Attention(cfg.d_model, att, produces_kv=produces_kv, std=std, dtype=dtype, rngs=rngs)

@@ -12,6 +12,15 @@ Padding tokens (position -1) neither decay nor add to the state.
 
 Deviation: RoPE uses kvjax's half-split channel pairing, not the reference's interleaved one (an
 equivalent permutation of the q/k channels).
+
+RetNet's multi-scale retention (Sun et al. 2023, arXiv 2307.08621, sec. 2.1-2.2) is the same map with
+`decay="fixed"`: head h decays by gamma_h = 1 - 2^(-5-h) whatever the input (no gamma projection),
+values are `value_factor` (2) times as wide as keys, and q, k rotate at angles n theta_i with
+theta_i = 1 / base^(i / (H/2 - 1)) (torchscale's `RetNetRelPos`, base 10000: rope_theta). RetNet's
+decay-matrix normalisation D~ and retention-score normalisation R~ (sec. 2.2) scale each query's row
+of one head by a positive scalar, which the per-head norm that follows removes (up to its eps), so
+they are left out and the three forms are exactly gated retention's; the block around it is kvjax's
+(RMSNorm, SwiGLU MLP) rather than RetNet's LayerNorm and GELU FFN.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from flax import nnx
 
 from architectures.layers import apply_rope, dense
 from kvjax.cache import RetentionState
+from kvjax.rope import rotate
 
 GATE_LOGIT_NORMALIZER = 16.0
 
@@ -78,21 +88,40 @@ def retention_chunkwise(q, k, v, log_decay, s0, chunk: int):
         return s, o
 
     s, o = jax.lax.scan(body, s0, tuple(split(a) for a in (q, k, v, log_decay)))
-    return jnp.moveaxis(o, 0, 1).reshape(B, n * chunk, N, H)[:, :T], s
+    return jnp.moveaxis(o, 0, 1).reshape(B, n * chunk, N, v.shape[-1])[:, :T], s
+
+
+def retnet_log_decay(n_heads: int) -> jax.Array:
+    """log gamma_h of RetNet's heads, gamma_h = 1 - 2^(-5-h) `[N]`."""
+    return jnp.log1p(-(2.0 ** (-5.0 - jnp.arange(n_heads, dtype=jnp.float32))))
+
+
+def retnet_angles(head_dim: int, base: float) -> jax.Array:
+    """RetNet's rotation frequencies theta_i = base^(-i / (H/2 - 1)), i < H/2 (torchscale `RetNetRelPos`)."""
+    return base ** -jnp.linspace(0.0, 1.0, head_dim // 2)
 
 
 class GatedRetention(nnx.Module):
+    """Gated retention (`decay="gated"`, YOCO) or RetNet's multi-scale retention (`decay="fixed"`, with
+    values `value_factor` times wider): see the module docstring."""
+
     def __init__(self, d_model: int, n_heads: int, head_dim: int, *, rope_theta: float, form: str, chunk: int,
-                 norm_eps: float, std: float, dtype, rngs: nnx.Rngs):
+                 norm_eps: float, std: float, dtype, rngs: nnx.Rngs, decay: str = "gated", value_factor: int = 1):
         self.n_heads, self.head_dim, self.rope_theta = n_heads, head_dim, rope_theta
-        self.form, self.chunk, self.norm_eps = form, chunk, norm_eps
-        width = n_heads * head_dim
+        self.form, self.chunk, self.norm_eps, self.decay = form, chunk, norm_eps, decay
+        width, value_width = n_heads * head_dim, n_heads * head_dim * value_factor
         self.q = dense(d_model, width, std=std, dtype=dtype, rngs=rngs)
         self.k = dense(d_model, width, std=std, dtype=dtype, rngs=rngs)
-        self.v = dense(d_model, width, std=std, dtype=dtype, rngs=rngs)
-        self.g = dense(d_model, width, std=std, dtype=dtype, rngs=rngs)
-        self.gamma = dense(d_model, n_heads, std=std, dtype=dtype, rngs=rngs)
-        self.o = dense(width, d_model, std=std, dtype=dtype, rngs=rngs)
+        self.v = dense(d_model, value_width, std=std, dtype=dtype, rngs=rngs)
+        self.g = dense(d_model, value_width, std=std, dtype=dtype, rngs=rngs)
+        self.gamma = dense(d_model, n_heads, std=std, dtype=dtype, rngs=rngs) if decay == "gated" else None
+        self.o = dense(value_width, d_model, std=std, dtype=dtype, rngs=rngs)
+
+    def _rotate(self, x, positions):
+        if self.decay == "gated":
+            return apply_rope(x, positions, self.rope_theta)
+        angles = retnet_angles(self.head_dim, self.rope_theta).reshape(1, 1, 1, -1)
+        return rotate(x, positions[:, :, None], self.rope_theta, angles)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, state: RetentionState | None = None
@@ -102,12 +131,15 @@ class GatedRetention(nnx.Module):
         N, H = self.n_heads, self.head_dim
         f32 = jnp.float32
         valid = (positions >= 0)[..., None]
-        q = apply_rope(self.q(x).reshape(B, T, N, H), positions, self.rope_theta).astype(f32)
-        k = apply_rope(self.k(x).reshape(B, T, N, H), positions, self.rope_theta).astype(f32) * H**-0.5
+        q = self._rotate(self.q(x).reshape(B, T, N, H), positions).astype(f32)
+        k = self._rotate(self.k(x).reshape(B, T, N, H), positions).astype(f32) * H**-0.5
         k = jnp.where(valid[..., None], k, 0.0)
-        v = self.v(x).reshape(B, T, N, H).astype(f32)
-        log_decay = jnp.where(valid, jax.nn.log_sigmoid(self.gamma(x).astype(f32)) / GATE_LOGIT_NORMALIZER, 0.0)
-        s0 = jnp.zeros((B, N, H, H), f32) if state is None else state.s
+        v = self.v(x).reshape(B, T, N, -1).astype(f32)
+        if self.gamma is None:  # RetNet: a fixed decay per head
+            log_decay = jnp.where(valid, retnet_log_decay(N)[None, None, :], 0.0)
+        else:
+            log_decay = jnp.where(valid, jax.nn.log_sigmoid(self.gamma(x).astype(f32)) / GATE_LOGIT_NORMALIZER, 0.0)
+        s0 = jnp.zeros((B, N, H, v.shape[-1]), f32) if state is None else state.s
         form = "recurrent" if T == 1 else self.form
         if form == "recurrent":
             o, s = retention_recurrent(q, k, v, log_decay, s0)
@@ -116,6 +148,6 @@ class GatedRetention(nnx.Module):
         else:
             o, s = retention_parallel(q, k, v, log_decay, s0)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.norm_eps)  # per-head norm, no scale
-        out = jax.nn.silu(self.g(x).astype(f32)) * o.reshape(B, T, N * H)
+        out = jax.nn.silu(self.g(x).astype(f32)) * o.reshape(B, T, -1)
         new_state = None if state is None else RetentionState(s=s)
         return self.o(out.astype(x.dtype)), new_state, None

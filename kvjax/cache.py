@@ -316,14 +316,14 @@ class RWKVState(_Arrays):
 
 @struct.dataclass
 class RetentionState(_Arrays):
-    """Gated retention's recurrent state S `[B,N,H,H]` (fp32; YOCO sec. 2.2.2): constant size whatever the
-    sequence length, so it holds no positions."""
+    """Retention's recurrent state S `[B,N,H,Hv]` (fp32; gated retention, YOCO sec. 2.2.2, and RetNet's,
+    whose values are wider): constant size whatever the sequence length, so it holds no positions."""
 
     s: jax.Array
 
     @classmethod
-    def init(cls, batch: int, n_heads: int, head_dim: int):
-        return cls(s=jnp.zeros((batch, n_heads, head_dim, head_dim), jnp.float32))
+    def init(cls, batch: int, n_heads: int, head_dim: int, value_dim: int | None = None):
+        return cls(s=jnp.zeros((batch, n_heads, head_dim, value_dim or head_dim), jnp.float32))
 
 
 class LatentView(NamedTuple):
@@ -392,6 +392,9 @@ def init_caches(cfg: ModelConfig, batch: int, capacity: int, *, fresh: bool = Fa
             return LatentCache.init(batch, capacity, mla.kv_lora_rank, mla.rope_heads * mla.qk_rope_head_dim, dtype)
         if kind == "gret":
             return RetentionState.init(batch, cfg.attention.n_heads, cfg.attention.head_dim)
+        if kind == "retnet":
+            H = cfg.attention.head_dim
+            return RetentionState.init(batch, cfg.attention.n_heads, H, cfg.retnet.value_factor * H)
         if kind == "rwkv":
             return RWKVState.init(batch, cfg.d_model, cfg.rwkv.head_size, dtype)
         if kind == "mamba":

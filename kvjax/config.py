@@ -18,8 +18,8 @@ import yaml
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "pallas", "auto")  # kvjax.ops.attention's backends
 TRAINABLE = ("all", "kv")  # train.trainable: every parameter, or only the K/V projections and norms
-MIXER_KINDS = ("attention", "mla", "swa", "gret", "mamba", "rwkv")  # what a layer of the plan may be
-PATTERN_KINDS = ("attention", "mla", "mamba", "rwkv")  # what model.layer_pattern may name (YOCO places its own)
+MIXER_KINDS = ("attention", "mla", "swa", "gret", "mamba", "rwkv", "retnet")  # what a layer of the plan may be
+PATTERN_KINDS = ("attention", "mla", "mamba", "rwkv", "retnet")  # what model.layer_pattern may name (YOCO places its own)
 RWKV_FORMS = ("scan", "associative")
 MAMBA_SCANS = ("associative", "sequential")
 YOCO_SELF_MIXERS = ("swa", "gret")
@@ -144,6 +144,21 @@ class MambaConfig:
         _require(self.dt_rank is None or self.dt_rank > 0, f"{p}.dt_rank", self.dt_rank, "must be > 0 or null")
         _require(0 < self.dt_min < self.dt_max, f"{p}.dt_min/dt_max", (self.dt_min, self.dt_max), "must satisfy 0 < dt_min < dt_max")
         _require(self.scan in MAMBA_SCANS, f"{p}.scan", self.scan, f"must be one of {MAMBA_SCANS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetNetConfig:
+    """RetNet's multi-scale retention (Sun et al. 2023, arXiv 2307.08621): values `value_factor` x as wide
+    as keys (per head), trained in `form` (parallel, chunkwise in chunks of `chunk` tokens, recurrent)."""
+
+    value_factor: int = 2
+    form: str = "chunkwise"
+    chunk: int = 64
+
+    def __post_init__(self):
+        p = "model.retnet"
+        _positive(p, self, "value_factor", "chunk")
+        _require(self.form in GRET_FORMS, f"{p}.form", self.form, f"must be one of {GRET_FORMS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +287,7 @@ class ModelConfig:
     mla: MLAConfig = MLAConfig()
     mamba: MambaConfig = MambaConfig()
     rwkv: RWKVConfig = RWKVConfig()
+    retnet: RetNetConfig = RetNetConfig()
     yoco: YOCOConfig | None = None
 
     def __post_init__(self):

@@ -47,8 +47,10 @@ def layer_memory(cfg: ModelConfig) -> tuple[LayerMemory, ...]:
     def memory(kind: str) -> LayerMemory:
         if kind == "mla":
             return LayerMemory((mla.kv_lora_rank + mla.rope_heads * mla.qk_rope_head_dim) * item, _INT32, _INT32, None)
-        if kind == "gret":  # fp32 state S [N, H, H], nothing per token
-            return LayerMemory(0, 0, cfg.attention.n_heads * cfg.attention.head_dim**2 * 4, 0)
+        if kind in ("gret", "retnet"):  # fp32 state S [N, H, Hv], nothing per token
+            att = cfg.attention
+            value_dim = att.head_dim * (cfg.retnet.value_factor if kind == "retnet" else 1)
+            return LayerMemory(0, 0, att.n_heads * att.head_dim * value_dim * 4, 0)
         if kind == "rwkv":  # two token-shift inputs [D] in the model dtype + fp32 S [N, H, H]
             return LayerMemory(0, 0, 2 * cfg.d_model * item + cfg.d_model * cfg.rwkv.head_size * 4, 0)
         if kind == "mamba":  # conv buffer [d_conv - 1, E] in the model dtype + fp32 h [E, N]

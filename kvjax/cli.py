@@ -328,12 +328,15 @@ def _cmd_compare(args) -> None:
 
     exp = load_experiment(args.experiment)
     if isinstance(exp, UptrainExperiment):
-        if args.variants:
-            raise ConfigError("--variants applies to model comparisons; an uptraining experiment lists conversions")
+        if args.variants or args.seeds:
+            raise ConfigError("--variants and --seeds apply to model comparisons; an uptraining experiment lists "
+                              "conversions and trains each once")
         out = Path(args.out) if args.out else _compare_dir(args) / "uptrain"  # its runs apart from the variants'
         return run_uptrain_compare(exp, out, quick=args.quick, name=Path(args.experiment).stem)
     if args.variants:
-        exp = dataclasses.replace(exp, variants=tuple(args.variants))
+        exp = dataclasses.replace(exp, variants=tuple(args.variants), pairs=())
+    if args.seeds:
+        exp = dataclasses.replace(exp, seeds=args.seeds)
     name = Path(args.experiment).stem if args.experiment else "compare"
     # Every experiment shares runs/compare/{full,quick}/<variant> by default, so a variant trained with
     # the same config by another experiment is reused; tables and plots are named after the experiment.
@@ -507,6 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "of one source, uptrained and from scratch) (default: compare)")
     cmp.add_argument("--quick", action="store_true", help="a short run, for a smoke test")
     cmp.add_argument("--variants", nargs="+", help="model configs to compare (default: the experiment's list)")
+    cmp.add_argument("--seeds", type=POSITIVE, help="trainings per variant, for 95%% intervals (default: the "
+                     "experiment's seeds, 1)")
     cmp.add_argument("--out", help="directory for the runs, tables and plot, used as given "
                      "(default: runs/compare/full, or runs/compare/quick with --quick)")
     pol = cmp.add_argument_group("policy table (token-level compression of one model)")

@@ -184,6 +184,7 @@ def save_pattern(path: str | Path, gates: list[np.ndarray], **record) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(body + "\n")
+    os.chmod(tmp, 0o644)  # readable like any other file (mkstemp makes it private)
     os.replace(tmp, path)
 
 

@@ -1,6 +1,11 @@
 """`kvjax compare`: train every variant of an experiment with the same token budget, then measure cache
 bytes (analytic and from a real cache after generation, which must agree), validation bits per byte and
-decode speed, and write a table (CSV, JSON) and a plot of quality against KV bytes per token."""
+decode speed, and write a table (CSV, JSON) and a plot of quality against KV bytes per token.
+
+With `seeds: N` (`--seeds N`) each variant trains N times (train.seed, +1, ...: model init and data
+order); the table gives the mean and a 95% Student-t interval of bits/byte, the plot error bars and
+the Pareto front, and a summary says for each pair whether the intervals separate. The JSON records
+the library versions, XLA flags and device the numbers came from."""
 
 from __future__ import annotations
 
@@ -34,10 +39,17 @@ class CompareConfig:
     decode_batch: int = 8
     decode_context: int = 512
     decode_tokens: int = 32
+    seeds: int = 1  # trainings per variant (train.seed, train.seed + 1, ...): model init and data order
+    pairs: tuple[tuple[str, str], ...] = ()  # variant pairs whose intervals are compared (default: each vs the first)
 
     def __post_init__(self):
         if not self.variants:
             raise ConfigError("variants=() must name at least one model config")
+        if self.seeds < 1:
+            raise ConfigError(f"seeds={self.seeds} must be >= 1")
+        for pair in self.pairs:
+            if len(pair) != 2 or not set(pair) <= set(self.variants):
+                raise ConfigError(f"pairs: {list(pair)} must be two of the variants {list(self.variants)}")
         for name in ("decode_batch", "decode_context", "decode_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
@@ -70,9 +82,55 @@ class Row:
     cache_bytes_analytic: int
     cache_bytes_measured: int
     tokens_trained: int
-    val_bpb: float
+    val_bpb: float  # the mean over seeds
     val_ppl: float
     decode_tokens_per_s: float
+    val_bpb_interval: float = 0.0  # half-width of the 95% t-interval of the mean (0 with one seed)
+    val_bpb_seeds: tuple[float, ...] = ()
+    seeds: tuple[int, ...] = ()
+
+
+def mean_interval(values, level: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width of the two-sided Student-t interval of the mean at `level`); 0 for one value."""
+    from scipy import stats
+
+    x = np.asarray(values, np.float64)
+    if len(x) < 2:
+        return float(x.mean()), 0.0
+    half = stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x))
+    return float(x.mean()), float(half)
+
+
+def separation(rows: list[Row], pairs) -> list[tuple[str, str, str]]:
+    """(a, b, verdict) for each pair (default: every variant against the first): 'separated' when the
+    two 95% intervals do not overlap, 'not separated' when they do, 'one seed' without intervals."""
+    by = {r.variant: r for r in rows}
+    pairs = pairs or [(rows[0].variant, r.variant) for r in rows[1:]]
+    out = []
+    for a, b in pairs:
+        ra, rb = by[a], by[b]
+        if len(ra.val_bpb_seeds) < 2 or len(rb.val_bpb_seeds) < 2:
+            out.append((a, b, "one seed"))
+            continue
+        apart = abs(ra.val_bpb - rb.val_bpb) > ra.val_bpb_interval + rb.val_bpb_interval
+        out.append((a, b, "separated" if apart else "not separated"))
+    return out
+
+
+def environment() -> dict:
+    """What a run's numbers depend on beyond its config: library versions, XLA flags, the device."""
+    import os
+    import platform
+
+    import flax
+    import jaxlib
+    import optax
+
+    device = jax.devices()[0]
+    return {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "flax": flax.__version__, "optax": optax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "platform": device.platform, "device_kind": device.device_kind, "devices": jax.device_count(),
+            "machine": platform.machine()}
 
 
 def generation_times(model, prompts: np.ndarray, new_tokens: int, repeats: int = 5) -> tuple[float, float, tuple]:
@@ -115,17 +173,23 @@ def run_compare(
     corpus = prepare_corpus(next(iter(configs.values())))
     rows = []
     for i, (variant, cfg) in enumerate(configs.items(), 1):
-        trainer = Trainer(cfg, out_dir / variant, corpus=corpus)
-        steps, where = cfg.train.steps, out_dir / variant
-        if trainer.step >= steps:
-            log(f"[{i}/{len(configs)}] {variant}: reusing the finished run in {where} ({steps} steps)")
-        else:
-            resume = f", resuming at step {trainer.step}" if trainer.step else ""
-            log(f"[{i}/{len(configs)}] {variant}: training {steps} steps of {cfg.train.batch_size} x "
-                f"{cfg.data.seq_len} tokens{resume}")
-        trainer.run()
-        scores = trainer.evaluate()
-        model = trainer.model()
+        seeds = [cfg.train.seed + s for s in range(exp.seeds)]
+        scores, model = [], None
+        for seed in seeds:  # the first seed's run is the variant's own directory (reused across experiments)
+            run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))
+            where = out_dir / (variant if seed == cfg.train.seed else f"{variant}-seed{seed}")
+            trainer = Trainer(run_cfg, where, corpus=corpus)
+            steps, which = cfg.train.steps, f" (seed {seed})" if exp.seeds > 1 else ""
+            if trainer.step >= steps:
+                log(f"[{i}/{len(configs)}] {variant}{which}: reusing the finished run in {where} ({steps} steps)")
+            else:
+                resume = f", resuming at step {trainer.step}" if trainer.step else ""
+                log(f"[{i}/{len(configs)}] {variant}{which}: training {steps} steps of {cfg.train.batch_size} x "
+                    f"{cfg.data.seq_len} tokens{resume}")
+            trainer.run()
+            scores.append(trainer.evaluate())
+            model = model or trainer.model()  # speed and bytes: the first seed's model
+        bpb, interval = mean_interval([sc["eval_bpb"] for sc in scores])
         n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
         prompt_len = exp.decode_context - exp.decode_tokens
         prompts = np.resize(corpus.val[:, :prompt_len], (exp.decode_batch, prompt_len))
@@ -143,14 +207,22 @@ def run_compare(
             cache_bytes_analytic=analytic,
             cache_bytes_measured=measured,
             tokens_trained=cfg.train.steps * cfg.train.batch_size * cfg.data.seq_len,
-            val_bpb=float(scores["eval_bpb"]),
-            val_ppl=float(scores["eval_ppl"]),
+            val_bpb=bpb,
+            val_ppl=float(np.mean([sc["eval_ppl"] for sc in scores])),
             decode_tokens_per_s=float(tok_s),
+            val_bpb_interval=interval,
+            val_bpb_seeds=tuple(float(sc["eval_bpb"]) for sc in scores),
+            seeds=tuple(seeds),
         )
-        log(f"    bits/byte {row.val_bpb:.3f}, cache {format_bytes(measured)}, decode {tok_s:,.0f} tokens/s")
+        spread = f" +- {interval:.3f}" if exp.seeds > 1 else ""
+        log(f"    bits/byte {row.val_bpb:.3f}{spread}, cache {format_bytes(measured)}, decode {tok_s:,.0f} tokens/s")
         rows.append(row)
     write_outputs(rows, exp, out_dir, name)
     log(render(rows, exp))
+    if exp.seeds > 1:
+        log("\n95% intervals of validation bits/byte over " + f"{exp.seeds} seeds:")
+        for a, b, verdict in separation(rows, exp.pairs):
+            log(f"  {a} vs {b}: {verdict}")
     log(f"\nwrote {out_dir}/{name}.csv, {name}.json and {name}.png")
     return rows
 
@@ -159,12 +231,26 @@ def render(rows: list[Row], exp: CompareConfig) -> str:
     ctx = f"@{exp.decode_context} x{exp.decode_batch}"
     headers = ["variant", "params", "KV B/token", "state B/seq", f"cache {ctx} (analytic)", "(measured)",
                "val bits/byte", "val ppl", "decode tok/s"]
+    if exp.seeds > 1:
+        headers[6] = f"val bits/byte ({exp.seeds} seeds, 95%)"
     body = [
         [r.variant, f"{r.params:,}", r.kv_bytes_per_token, r.state_bytes_per_sequence, format_bytes(r.cache_bytes_analytic),
-         format_bytes(r.cache_bytes_measured), f"{r.val_bpb:.4f}", f"{r.val_ppl:.3f}", f"{r.decode_tokens_per_s:,.0f}"]
+         format_bytes(r.cache_bytes_measured), f"{r.val_bpb:.4f}" + (f" +- {r.val_bpb_interval:.4f}" if exp.seeds > 1 else ""),
+         f"{r.val_ppl:.3f}", f"{r.decode_tokens_per_s:,.0f}"]
         for r in rows
     ]
     return format_table(headers, body)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points (bytes, bits/byte) no other point beats on both, by increasing bytes."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    front, best = [], float("inf")
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return front
 
 
 def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path, name: str = "compare") -> None:
@@ -179,16 +265,22 @@ def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path, name: str 
         writer = csv.DictWriter(f, fieldnames=list(records[0]))
         writer.writeheader()
         writer.writerows(records)
-    (out_dir / f"{name}.json").write_text(json.dumps({"experiment": dataclasses.asdict(exp), "rows": records}, indent=2))
+    (out_dir / f"{name}.json").write_text(json.dumps(
+        {"experiment": dataclasses.asdict(exp), "environment": environment(), "rows": records}, indent=2))
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for r in rows:
-        per_token = r.cache_bytes_analytic / (exp.decode_batch * exp.decode_context)
-        ax.scatter(per_token, r.val_bpb, s=40)
-        ax.annotate(r.variant, (per_token, r.val_bpb), textcoords="offset points", xytext=(5, 5))
+    points = [(r.cache_bytes_analytic / (exp.decode_batch * exp.decode_context), r.val_bpb) for r in rows]
+    for r, (per_token, bpb) in zip(rows, points):
+        ax.errorbar(per_token, bpb, yerr=r.val_bpb_interval or None, fmt="o", ms=6, capsize=3)
+        ax.annotate(r.variant, (per_token, bpb), textcoords="offset points", xytext=(5, 5))
+    front = pareto_front(points)
+    ax.step([points[i][0] for i in front], [points[i][1] for i in front], where="post", color="grey", alpha=0.5,
+            label="Pareto front")
+    ax.legend(loc="upper right", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"cache bytes per token at a {exp.decode_context}-token context (all layers)")
     ax.set_ylabel("validation bits per byte (lower is better)")
-    ax.set_title(f"Quality vs KV memory ({rows[0].tokens_trained:,} training tokens each)")
+    seeds = f", mean and 95% interval of {exp.seeds} seeds" if exp.seeds > 1 else ""
+    ax.set_title(f"Quality vs KV memory ({rows[0].tokens_trained:,} training tokens each{seeds})", fontsize=9)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_dir / f"{name}.png")

@@ -3,11 +3,14 @@
 import csv
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from kvjax.cli import main
-from kvjax.config import ConfigError
-from training.compare import load_experiment
+from kvjax.config import ConfigError, load_config
+from training.compare import Row, load_experiment, mean_interval, pareto_front, separation
+from training.trainer import Trainer
 from tests.training.conftest import SMALL_CORPUS
 
 TINY = [
@@ -59,6 +62,37 @@ def test_compare_quick_end_to_end(tmp_path, capsys):
     assert "| rwkv7 " in capsys.readouterr().out
     assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", "gqa"]) == 0  # reused, not retrained
     assert f"[1/1] gqa: reusing the finished run in {tmp_path / 'gqa'} (10 steps)" in capsys.readouterr().out
+
+
+def test_intervals_separation_and_pareto_front_on_known_numbers():
+    mean, half = mean_interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.302653 / np.sqrt(3), rel=1e-6)  # t(0.975, 2) s / sqrt(n)
+    assert mean_interval([2.5]) == (2.5, 0.0)
+    row = lambda name, values: Row(name, 0, 0, 0, 0, 0, 0, *mean_interval(values)[:1], 0.0, 0.0,  # noqa: E731
+                                   mean_interval(values)[1], tuple(values))
+    rows = [row("a", [2.00, 2.01, 2.02]), row("b", [2.10, 2.11, 2.12]), row("c", [2.005, 2.03, 2.0]),
+            row("d", [2.5])]
+    assert separation(rows, ()) == [("a", "b", "separated"), ("a", "c", "not separated"), ("a", "d", "one seed")]
+    assert separation(rows, [("b", "c")]) == [("b", "c", "separated")]
+    assert pareto_front([(4.0, 2.0), (1.0, 3.0), (2.0, 2.5), (3.0, 2.6), (8.0, 1.9)]) == [1, 2, 0, 4]
+
+
+@pytest.mark.slow
+def test_compare_with_seeds_trains_each_variant_per_seed_and_reports_intervals(tmp_path, capsys):
+    assert main(["compare", "--quick", "--seeds", "2", "--out", str(tmp_path), "--variants", "gqa", "mqa"]) == 0
+    out = capsys.readouterr().out
+    record = json.loads((tmp_path / "compare.json").read_text())
+    for row in record["rows"]:
+        assert row["seeds"] == [0, 1] and len(set(row["val_bpb_seeds"])) == 2  # the seeds really differ
+        assert row["val_bpb"] == pytest.approx(np.mean(row["val_bpb_seeds"])) and row["val_bpb_interval"] > 0
+    assert (tmp_path / "gqa-seed1" / "checkpoints").is_dir() and (tmp_path / "gqa" / "checkpoints").is_dir()
+    assert "gqa vs mqa: " in out and "2 seeds, 95%" in out
+    assert record["environment"]["jax"] == jax.__version__ and record["environment"]["platform"] == "cpu"
+    assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = Trainer(load_config("gqa", [*load_experiment().overrides, *load_experiment().quick, "train.seed=1"]),
+                    tmp_path / "again", progress=False)
+    again.run()  # the same seed reproduces its run bit for bit
+    assert again.evaluate()["eval_bpb"] == record["rows"][0]["val_bpb_seeds"][1]
 
 
 def test_compare_variants_are_checked_before_training(tmp_path, capsys):

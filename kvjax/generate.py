@@ -255,6 +255,11 @@ class Generator:
         self._score = jax.jit(partial(_score, graphdef), static_argnames=("evict", "keep_logits"))
 
     @property
+    def layer_counts(self) -> np.ndarray | None:
+        """D2O: tokens each compressible cache keeps per row `[n, B]`, planned at the last prefill."""
+        return None if self._layer_counts is None else self._layer_counts[1]
+
+    @property
     def _holds_budget(self) -> bool:
         return self.policy is not None and self.policy.decode_stage is not None
 

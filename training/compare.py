@@ -4,8 +4,11 @@ decode speed, and write a table (CSV, JSON) and a plot of quality against KV byt
 
 With `seeds: N` (`--seeds N`) each variant trains N times (train.seed, +1, ...: model init and data
 order); the table gives the mean and a 95% Student-t interval of bits/byte, the plot error bars and
-the Pareto front, and a summary says for each pair whether the intervals separate. The JSON records
-the library versions, XLA flags and device the numbers came from."""
+the Pareto front, and a summary says for each pair whether the intervals separate. With `lr_grid:`
+(`--lr-grid`) each variant first trains briefly (`lr_steps`, default a quarter of the budget) at each
+rate and keeps the one with the best bits/byte on validation windows the table does not report (the
+CLA paper tunes per variant: orderings can depend on it). The JSON records the library versions, XLA
+flags and device the numbers came from."""
 
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ class CompareConfig:
     decode_context: int = 512
     decode_tokens: int = 32
     seeds: int = 1  # trainings per variant (train.seed, train.seed + 1, ...): model init and data order
+    lr_grid: tuple[float, ...] = ()  # learning rates tried per variant on a short budget (the best is kept)
+    lr_steps: int | None = None  # that budget (default: a quarter of train.steps)
     pairs: tuple[tuple[str, str], ...] = ()  # variant pairs whose intervals are compared (default: each vs the first)
 
     def __post_init__(self):
@@ -47,6 +52,8 @@ class CompareConfig:
             raise ConfigError("variants=() must name at least one model config")
         if self.seeds < 1:
             raise ConfigError(f"seeds={self.seeds} must be >= 1")
+        if any(lr <= 0 for lr in self.lr_grid) or (self.lr_steps is not None and self.lr_steps < 1):
+            raise ConfigError(f"lr_grid={list(self.lr_grid)} must hold rates > 0 and lr_steps={self.lr_steps} be >= 1")
         for pair in self.pairs:
             if len(pair) != 2 or not set(pair) <= set(self.variants):
                 raise ConfigError(f"pairs: {list(pair)} must be two of the variants {list(self.variants)}")
@@ -88,6 +95,43 @@ class Row:
     val_bpb_interval: float = 0.0  # half-width of the 95% t-interval of the mean (0 with one seed)
     val_bpb_seeds: tuple[float, ...] = ()
     seeds: tuple[int, ...] = ()
+    lr: float = 0.0  # the learning rate trained with (the best of the grid, when there is one)
+    lr_selection: dict = dataclasses.field(default_factory=dict)  # grid rate -> selection-split bits/byte
+
+
+def selection_windows(corpus, data) -> np.ndarray:
+    """Validation windows after the `eval_windows` reported ones: what the LR grid selects by, so the
+    reported score never picks a rate."""
+    windows = corpus.val[data.eval_windows : 2 * data.eval_windows]
+    if len(windows) == 0:
+        raise ConfigError(f"the learning-rate grid selects on validation windows after the {data.eval_windows} "
+                          f"reported ones, and there are none ({len(corpus.val)} in all): lower data.eval_windows "
+                          "or raise data.val_fraction")
+    return windows
+
+
+def short_budget(cfg, steps: int, lr: float):
+    """`cfg` trained for `steps` at `lr`, its warmup and evaluation scaled to the shorter run."""
+    t = cfg.train
+    warmup = min(steps - 1, max(1, round(t.warmup_steps * steps / t.steps))) if steps > 1 else 0
+    return dataclasses.replace(cfg, train=dataclasses.replace(
+        t, steps=steps, lr=lr, warmup_steps=warmup, eval_every=steps, checkpoint_every=steps))
+
+
+def pick_lr(cfg, exp, corpus, out_dir: Path, log) -> tuple[float, dict]:
+    """Train `cfg` briefly at each rate of the grid; (the rate with the lowest bits/byte on the selection
+    split, {rate: bits/byte})."""
+    steps = exp.lr_steps or max(1, cfg.train.steps // 4)
+    selection = selection_windows(corpus, cfg.data)
+    scores = {}
+    for lr in exp.lr_grid:
+        trainer = Trainer(short_budget(cfg, steps, lr), out_dir / "lr-grid" / f"{cfg.model.name}-lr{lr:g}", corpus=corpus)
+        trainer.run()
+        scores[lr] = float(trainer.evaluate(selection)["eval_bpb"])
+    best = min(scores, key=scores.get)
+    log(f"    learning rate {best:g} (selection bits/byte: "
+        + ", ".join(f"{lr:g} {bpb:.3f}" for lr, bpb in scores.items()) + ")")
+    return best, scores
 
 
 def mean_interval(values, level: float = 0.95) -> tuple[float, float]:
@@ -173,11 +217,17 @@ def run_compare(
     corpus = prepare_corpus(next(iter(configs.values())))
     rows = []
     for i, (variant, cfg) in enumerate(configs.items(), 1):
+        base_lr, lr_scores = cfg.train.lr, {}
+        if exp.lr_grid:
+            log(f"[{i}/{len(configs)}] {variant}: learning-rate grid {', '.join(f'{lr:g}' for lr in exp.lr_grid)}")
+            lr, lr_scores = pick_lr(cfg, exp, corpus, out_dir, log)
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=lr))
+        run_name = variant if cfg.train.lr == base_lr else f"{variant}-lr{cfg.train.lr:g}"
         seeds = [cfg.train.seed + s for s in range(exp.seeds)]
         scores, model = [], None
         for seed in seeds:  # the first seed's run is the variant's own directory (reused across experiments)
             run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))
-            where = out_dir / (variant if seed == cfg.train.seed else f"{variant}-seed{seed}")
+            where = out_dir / (run_name if seed == cfg.train.seed else f"{run_name}-seed{seed}")
             trainer = Trainer(run_cfg, where, corpus=corpus)
             steps, which = cfg.train.steps, f" (seed {seed})" if exp.seeds > 1 else ""
             if trainer.step >= steps:
@@ -213,6 +263,8 @@ def run_compare(
             val_bpb_interval=interval,
             val_bpb_seeds=tuple(float(sc["eval_bpb"]) for sc in scores),
             seeds=tuple(seeds),
+            lr=cfg.train.lr,
+            lr_selection=lr_scores,
         )
         spread = f" +- {interval:.3f}" if exp.seeds > 1 else ""
         log(f"    bits/byte {row.val_bpb:.3f}{spread}, cache {format_bytes(measured)}, decode {tok_s:,.0f} tokens/s")
@@ -233,10 +285,12 @@ def render(rows: list[Row], exp: CompareConfig) -> str:
                "val bits/byte", "val ppl", "decode tok/s"]
     if exp.seeds > 1:
         headers[6] = f"val bits/byte ({exp.seeds} seeds, 95%)"
+    if exp.lr_grid:
+        headers.append("lr (grid)")
     body = [
         [r.variant, f"{r.params:,}", r.kv_bytes_per_token, r.state_bytes_per_sequence, format_bytes(r.cache_bytes_analytic),
          format_bytes(r.cache_bytes_measured), f"{r.val_bpb:.4f}" + (f" +- {r.val_bpb_interval:.4f}" if exp.seeds > 1 else ""),
-         f"{r.val_ppl:.3f}", f"{r.decode_tokens_per_s:,.0f}"]
+         f"{r.val_ppl:.3f}", f"{r.decode_tokens_per_s:,.0f}", *([f"{r.lr:g}"] if exp.lr_grid else [])]
         for r in rows
     ]
     return format_table(headers, body)
@@ -261,10 +315,11 @@ def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path, name: str 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     records = [dataclasses.asdict(r) for r in rows]
-    with open(out_dir / f"{name}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+    scalars = [{k: v for k, v in r.items() if not isinstance(v, tuple | list | dict)} for r in records]
+    with open(out_dir / f"{name}.csv", "w", newline="") as f:  # per-seed and grid scores: in the JSON
+        writer = csv.DictWriter(f, fieldnames=list(scalars[0]))
         writer.writeheader()
-        writer.writerows(records)
+        writer.writerows(scalars)
     (out_dir / f"{name}.json").write_text(json.dumps(
         {"experiment": dataclasses.asdict(exp), "environment": environment(), "rows": records}, indent=2))
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)

@@ -83,8 +83,9 @@ def kl_divergence(full_logp: np.ndarray, logp: np.ndarray) -> float:
     return float(np.mean(np.sum(np.exp(full_logp) * (full_logp - logp), axis=-1)))
 
 
-def stored_bytes_per_token(model, policy: Policy | None, prefix: int) -> float:
-    """Cache bytes of one sequence right after a `prefix`-token prefill (and compression), per token."""
+def stored_bytes_per_token(model, policy: Policy | None, prefix: int, layer_counts=None) -> float:
+    """Cache bytes of one sequence right after a `prefix`-token prefill (and compression), per token;
+    D2O's budgets depend on the prompt: pass the ones its Generator planned (`layer_counts`, `[n, 1]`)."""
     cfg = model.config
     if policy is None:
         return cache_bytes(cfg, prefix) / prefix
@@ -94,7 +95,10 @@ def stored_bytes_per_token(model, policy: Policy | None, prefix: int) -> float:
         bases = lorc_bases(model, compressible(cfg), lorc.ratio, lorc.heads)
     duo = next((s for s in policy.stages if s.method == "duo"), None)
     streaming = duo_heads(duo, cfg) if duo is not None else None  # how many heads keep every token
-    plans = plan_stages(cfg, policy.stages, [prefix], headroom=0, bases=bases, streaming=streaming)
+    if layer_counts is not None:  # a layer never keeps more than the prefix it was given
+        layer_counts = np.minimum(layer_counts, prefix)
+    plans = plan_stages(cfg, policy.stages, [prefix], headroom=0, bases=bases, streaming=streaming,
+                        layer_counts=layer_counts)
     return compressed_cache_bytes(cfg, plans, 1, prefix) / prefix
 
 
@@ -111,16 +115,17 @@ def continuation_eval(model, prefixes, continuations, policies, *, batch: int = 
             logp, full = gen.score(prefixes[i : i + batch].tolist(), continuations[i : i + batch].tolist(), keep_logits=True)
             logps.append(logp[:, 1:])  # the first was predicted by the prefill, before compression
             fulls.append(full[:, 1:])
-        return np.concatenate(logps), np.concatenate(fulls)
+        counts = None if gen.layer_counts is None else gen.layer_counts[:, :1]  # D2O: the last prompt's
+        return np.concatenate(logps), np.concatenate(fulls), counts
 
-    ref_logp, ref_full = score(None)
+    ref_logp, ref_full, _ = score(None)
     rows = [ContinuationScore("full", float(-ref_logp.mean()), float(np.exp(-ref_logp.mean())), 0.0,
                               stored_bytes_per_token(model, None, P))]
     for text in policies:
         policy = _policy(text)
-        logp, full = score(policy)
+        logp, full, counts = score(policy)
         rows.append(ContinuationScore(str(policy), float(-logp.mean()), float(np.exp(-logp.mean())),
-                                      kl_divergence(ref_full, full), stored_bytes_per_token(model, policy, P)))
+                                      kl_divergence(ref_full, full), stored_bytes_per_token(model, policy, P, counts)))
     return rows
 
 

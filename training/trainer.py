@@ -270,9 +270,10 @@ class Trainer:
     def model(self) -> Decoder:
         return nnx.merge(self.graphdef, self.state.params)
 
-    def evaluate(self) -> dict:
-        """Validation scores on the first eval_windows windows of the validation documents."""
-        val = self.corpus.val[: self.config.data.eval_windows]
+    def evaluate(self, windows: np.ndarray | None = None) -> dict:
+        """Validation scores on the first eval_windows windows of the validation documents (the reported
+        split), or on other `windows` (e.g. a selection split)."""
+        val = self.corpus.val[: self.config.data.eval_windows] if windows is None else windows
         return evaluate_windows(self._eval, self.state.params, val, self.corpus.tokenizer, self.config.train.batch_size)
 
     def _save(self, iterator: BatchIterator) -> None:

@@ -1,6 +1,7 @@
 """The `kvjax` training commands end to end: train, eval, generate, compare."""
 
 import csv
+import dataclasses
 import json
 
 import jax
@@ -9,8 +10,8 @@ import pytest
 
 from kvjax.cli import main
 from kvjax.config import ConfigError, load_config
-from training.compare import Row, load_experiment, mean_interval, pareto_front, separation
-from training.trainer import Trainer
+from training.compare import Row, load_experiment, mean_interval, pareto_front, selection_windows, separation
+from training.trainer import Trainer, prepare_corpus
 from tests.training.conftest import SMALL_CORPUS
 
 TINY = [
@@ -93,6 +94,26 @@ def test_compare_with_seeds_trains_each_variant_per_seed_and_reports_intervals(t
                     tmp_path / "again", progress=False)
     again.run()  # the same seed reproduces its run bit for bit
     assert again.evaluate()["eval_bpb"] == record["rows"][0]["val_bpb_seeds"][1]
+
+
+@pytest.mark.slow
+def test_compare_lr_grid_keeps_the_best_rate_on_a_split_it_does_not_report(tmp_path, capsys):
+    exp = load_experiment()
+    cfg = load_config("gqa", [*exp.overrides, *exp.quick])
+    corpus = prepare_corpus(cfg)
+    selection = selection_windows(corpus, cfg.data)
+    reported = corpus.val[: cfg.data.eval_windows]
+    assert len(selection) and not any((w == reported).all(axis=1).any() for w in selection)
+    args = ["compare", "--quick", "--lr-grid", "1e-5", "2e-2", "--out", str(tmp_path), "--variants", "gqa"]
+    assert main(args) == 0
+    (row,) = json.loads((tmp_path / "compare.json").read_text())["rows"]
+    grid = {float(k): v for k, v in row["lr_selection"].items()}
+    assert set(grid) == {1e-5, 2e-2} and row["lr"] == min(grid, key=grid.get)
+    assert (tmp_path / f"gqa-lr{row['lr']:g}" / "checkpoints").is_dir() and (tmp_path / "lr-grid" / "gqa-lr1e-05").is_dir()
+    assert "lr (grid)" in capsys.readouterr().out
+    small = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_windows=10_000))
+    with pytest.raises(ConfigError, match="selects on validation windows after"):
+        selection_windows(corpus, small.data)
 
 
 def test_compare_variants_are_checked_before_training(tmp_path, capsys):

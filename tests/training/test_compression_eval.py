@@ -83,6 +83,18 @@ def test_eval_cli_continuation_and_passkey(run, capsys):
     assert main(["eval", run, "--corpus", SMALL_CORPUS, "--task", "passkey", "--policy", "tova:0.5",
                  "--lengths", "300", "--depths", "0.5", "--trials", "2", "--allow-long-context"]) == 0
     assert "tova:0.5" in capsys.readouterr().out
+    new_methods = ["minicache:0.9", "d2o:0.5", "think:0.5:obs_window=8,window=4", "scissorhands:0.5:obs_window=8",
+                   "gear:2:group=8,residual=16,rank=1,outliers=0", "lorc:0.5"]
+    assert main([*args, *(x for m in new_methods for x in ("--policy", m))]) == 0
+    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ")}
+    full_bytes = float(rows["full"][3].replace(",", ""))
+    for method in new_methods:  # every method runs from the command line and stores fewer bytes
+        (name,) = [n for n in rows if n.startswith(method.split(":")[0] + ":")]
+        if method.startswith("d2o"):  # D2O never compresses the first two and the last layer: all of these
+            assert float(rows[name][2]) < 1e-3, name
+            continue
+        assert float(rows[name][3].replace(",", "")) < full_bytes, name
     assert main(["eval", run, "--policy", "snapkv:2.5"]) == 2
     assert "whole number" in capsys.readouterr().err
     assert main(["eval", run, "--task", "ppl", "--policy", "snapkv:0.5"]) == 2

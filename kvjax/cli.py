@@ -328,9 +328,9 @@ def _cmd_compare(args) -> None:
 
     exp = load_experiment(args.experiment)
     if isinstance(exp, UptrainExperiment):
-        if args.variants or args.seeds or args.lr_grid:
-            raise ConfigError("--variants, --seeds and --lr-grid apply to model comparisons; an uptraining "
-                              "experiment lists conversions and trains each once")
+        if args.variants or args.seeds or args.lr_grid or args.decode_contexts:
+            raise ConfigError("--variants, --seeds, --lr-grid and --decode-contexts apply to model comparisons; "
+                              "an uptraining experiment lists conversions and trains each once")
         out = Path(args.out) if args.out else _compare_dir(args) / "uptrain"  # its runs apart from the variants'
         return run_uptrain_compare(exp, out, quick=args.quick, name=Path(args.experiment).stem)
     if args.variants:
@@ -339,6 +339,8 @@ def _cmd_compare(args) -> None:
         exp = dataclasses.replace(exp, seeds=args.seeds)
     if args.lr_grid:
         exp = dataclasses.replace(exp, lr_grid=tuple(args.lr_grid))
+    if args.decode_contexts:
+        exp = dataclasses.replace(exp, decode_contexts=tuple(args.decode_contexts))
     name = Path(args.experiment).stem if args.experiment else "compare"
     # Every experiment shares runs/compare/{full,quick}/<variant> by default, so a variant trained with
     # the same config by another experiment is reused; tables and plots are named after the experiment.
@@ -514,6 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--variants", nargs="+", help="model configs to compare (default: the experiment's list)")
     cmp.add_argument("--seeds", type=POSITIVE, help="trainings per variant, for 95%% intervals (default: the "
                      "experiment's seeds, 1)")
+    cmp.add_argument("--decode-contexts", type=POSITIVE, nargs="+", help="also decode speed at these contexts "
+                     "(e.g. 512 1024 2048 4096 8192), each model alone after training, plotted to NAME-decode.png")
     cmp.add_argument("--lr-grid", type=POSITIVE_FLOAT, nargs="+", help="learning rates tried per variant on a "
                      "short budget, the best on a held-out selection split kept (default: the experiment's, none)")
     cmp.add_argument("--out", help="directory for the runs, tables and plot, used as given "

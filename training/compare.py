@@ -7,8 +7,10 @@ order); the table gives the mean and a 95% Student-t interval of bits/byte, the 
 the Pareto front, and a summary says for each pair whether the intervals separate. With `lr_grid:`
 (`--lr-grid`) each variant first trains briefly (`lr_steps`, default a quarter of the budget) at each
 rate and keeps the one with the best bits/byte on validation windows the table does not report (the
-CLA paper tunes per variant: orderings can depend on it). The JSON records the library versions, XLA
-flags and device the numbers came from."""
+CLA paper tunes per variant: orderings can depend on it). With `decode_contexts:` (`--decode-contexts`)
+every trained model's decode speed is measured at each context after all training, alone, and plotted
+against the context (`<name>-decode.png`). The JSON records the library versions, XLA flags and
+device the numbers came from."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class CompareConfig:
     seeds: int = 1  # trainings per variant (train.seed, train.seed + 1, ...): model init and data order
     lr_grid: tuple[float, ...] = ()  # learning rates tried per variant on a short budget (the best is kept)
     lr_steps: int | None = None  # that budget (default: a quarter of train.steps)
+    decode_contexts: tuple[int, ...] = ()  # contexts of the decode-speed curve (batch decode_batch), after training
     pairs: tuple[tuple[str, str], ...] = ()  # variant pairs whose intervals are compared (default: each vs the first)
 
     def __post_init__(self):
@@ -52,6 +55,8 @@ class CompareConfig:
             raise ConfigError("variants=() must name at least one model config")
         if self.seeds < 1:
             raise ConfigError(f"seeds={self.seeds} must be >= 1")
+        if any(c <= self.decode_tokens for c in self.decode_contexts):
+            raise ConfigError(f"decode_contexts={list(self.decode_contexts)} must each exceed decode_tokens={self.decode_tokens}")
         if any(lr <= 0 for lr in self.lr_grid) or (self.lr_steps is not None and self.lr_steps < 1):
             raise ConfigError(f"lr_grid={list(self.lr_grid)} must hold rates > 0 and lr_steps={self.lr_steps} be >= 1")
         for pair in self.pairs:
@@ -97,6 +102,7 @@ class Row:
     seeds: tuple[int, ...] = ()
     lr: float = 0.0  # the learning rate trained with (the best of the grid, when there is one)
     lr_selection: dict = dataclasses.field(default_factory=dict)  # grid rate -> selection-split bits/byte
+    decode_curve: dict = dataclasses.field(default_factory=dict)  # context -> decode tokens/s (batch decode_batch)
 
 
 def selection_windows(corpus, data) -> np.ndarray:
@@ -215,7 +221,7 @@ def run_compare(
     if len(data_configs) != 1:
         raise ConfigError("all variants of a comparison must share one data config (the same corpus and budget)")
     corpus = prepare_corpus(next(iter(configs.values())))
-    rows = []
+    rows, models = [], []
     for i, (variant, cfg) in enumerate(configs.items(), 1):
         base_lr, lr_scores = cfg.train.lr, {}
         if exp.lr_grid:
@@ -266,9 +272,19 @@ def run_compare(
             lr=cfg.train.lr,
             lr_selection=lr_scores,
         )
+        models.append(model)
         spread = f" +- {interval:.3f}" if exp.seeds > 1 else ""
         log(f"    bits/byte {row.val_bpb:.3f}{spread}, cache {format_bytes(measured)}, decode {tok_s:,.0f} tokens/s")
         rows.append(row)
+    if exp.decode_contexts:  # every model alone, after all training, so nothing else competes for the CPU
+        log(f"decode speed at {', '.join(map(str, exp.decode_contexts))} tokens (batch {exp.decode_batch})")
+        stream = corpus.val.reshape(-1)
+        for row, model in zip(rows, models):
+            for context in exp.decode_contexts:
+                prompts = np.resize(stream, (exp.decode_batch, context - exp.decode_tokens))
+                _, seconds, _ = generation_times(model, prompts, exp.decode_tokens, repeats=1 if quick else 3)
+                row.decode_curve[context] = exp.decode_batch * exp.decode_tokens / seconds
+            log(f"  {row.variant}: " + ", ".join(f"{c} {t:,.0f}" for c, t in row.decode_curve.items()) + " tokens/s")
     write_outputs(rows, exp, out_dir, name)
     log(render(rows, exp))
     if exp.seeds > 1:
@@ -340,3 +356,17 @@ def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path, name: str 
     fig.tight_layout()
     fig.savefig(out_dir / f"{name}.png")
     plt.close(fig)
+    if rows[0].decode_curve:
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+        for r in rows:
+            ax.plot(list(r.decode_curve), list(r.decode_curve.values()), marker="o", label=r.variant)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(f"decode tokens/s (batch {exp.decode_batch})")
+        ax.set_title("Decode speed against context: what bytes per token predict", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}-decode.png")
+        plt.close(fig)

@@ -80,7 +80,8 @@ def test_intervals_separation_and_pareto_front_on_known_numbers():
 
 @pytest.mark.slow
 def test_compare_with_seeds_trains_each_variant_per_seed_and_reports_intervals(tmp_path, capsys):
-    assert main(["compare", "--quick", "--seeds", "2", "--out", str(tmp_path), "--variants", "gqa", "mqa"]) == 0
+    args = ["compare", "--quick", "--seeds", "2", "--decode-contexts", "64", "128", "--out", str(tmp_path)]
+    assert main([*args, "--variants", "gqa", "mqa"]) == 0
     out = capsys.readouterr().out
     record = json.loads((tmp_path / "compare.json").read_text())
     for row in record["rows"]:
@@ -90,6 +91,9 @@ def test_compare_with_seeds_trains_each_variant_per_seed_and_reports_intervals(t
     assert "gqa vs mqa: " in out and "2 seeds, 95%" in out
     assert record["environment"]["jax"] == jax.__version__ and record["environment"]["platform"] == "cpu"
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(set(row["decode_curve"]) == {"64", "128"} and min(row["decode_curve"].values()) > 0
+               for row in record["rows"])
+    assert (tmp_path / "compare-decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = Trainer(load_config("gqa", [*load_experiment().overrides, *load_experiment().quick, "train.seed=1"]),
                     tmp_path / "again", progress=False)
     again.run()  # the same seed reproduces its run bit for bit

@@ -83,7 +83,7 @@ class _DuoView:
         self.cache, self.full, self.stream = cache, full, stream
 
     def attend(self, q, q_pos, impl):
-        cache, (B, T, N, H) = self.cache, q.shape
+        cache, (T, N) = self.cache, q.shape[1:3]
         G = N // (len(cache.retrieval) + len(cache.streaming))
         outs, order = [], []
         for heads, view in ((cache.retrieval, self.full), (cache.streaming, self.stream)):

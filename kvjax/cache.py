@@ -192,7 +192,8 @@ class QuestKVCache(KVCache):
     def select(self, q: jax.Array, view: KVView) -> KVView:
         """The view a single decode query `[B,1,N,H]` reads: per KV head, the pages with the highest
         upper bound sum_c max(q_c min_c, q_c max_c) (the max over the head's query group), and the
-        newest page; other slots get position -1."""
+        newest page, gathered into `[B,K,R*page_size,H]` with per-head positions, so attention reads
+        those pages only (the bound reads only the per-page min and max)."""
         B, _, N, H = q.shape
         K, S = self.k.shape[1], self.capacity
         P = self.page_min.shape[2]
@@ -203,11 +204,21 @@ class QuestKVCache(KVCache):
         bound = jnp.maximum(q_g * lo, q_g * hi).sum(axis=-1).max(axis=-1)  # [B,K,P]
         newest = (jnp.arange(P)[None, :] == ((self.length - 1) // self.page_size)[:, None])[:, None, :]
         bound = jnp.where(filled[:, None, :], jnp.where(newest, jnp.inf, bound), -jnp.inf)
-        _, top = jax.lax.top_k(bound, min(self.read_pages, P))
-        chosen = jnp.zeros((B, K, P), bool).at[jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], top].set(True)
-        slot_chosen = jnp.repeat(chosen, self.page_size, axis=2)[:, :, :S]
+        if self.read_pages >= P:  # every page is read: nothing to select
+            return view
+        _, top = jax.lax.top_k(bound, self.read_pages)
+        top = jnp.sort(top, axis=-1)  # [B,K,R] in page order
+        ps = self.page_size
         pos = view.pos if view.pos.ndim == 3 else jnp.broadcast_to(view.pos[:, None], (B, K, S))
-        return view._replace(pos=jnp.where(slot_chosen, pos, -1))
+        pad = P * ps - S
+
+        def pages(x, fill):  # [B,K,S,...] -> the chosen pages [B,K,R*ps,...]
+            x = jnp.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3), constant_values=fill)
+            x = x.reshape(B, K, P, ps, *x.shape[3:])
+            idx = top.reshape(B, K, -1, *(1,) * (x.ndim - 3))
+            return jnp.take_along_axis(x, idx, axis=2).reshape(B, K, -1, *x.shape[4:])
+
+        return KVView(pages(view.k, 0), pages(view.v, 0), pages(pos, -1))
 
 
 @struct.dataclass

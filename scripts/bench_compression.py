@@ -4,8 +4,8 @@ Decode time depends on the cache's size and layout, not on which tokens were kep
 filled with random entries at positions 0..context-1 (an 8k-token prefill of SmolLM2 would dominate the
 run) and compressed by policies that need no attention observation but produce each layout:
 `streaming` (positions shared by the KV heads: also TOVA's layout), `keynorm` (positions per head:
-also SnapKV's and H2O's), `keynorm` with AdaKV (a pooled cache), and `quest` (keeps every token and
-masks unread pages: on this CPU path every slot is still read, so no gain is expected). Quantized
+also SnapKV's and H2O's), `keynorm` with AdaKV (a pooled cache), and `quest` (keeps every token; a
+decode step gathers the pages it selects and attends over those only). Quantized
 caches (`int:8`, `kivi:2`, `kvquant:3`) keep every token; attention reads a dequantized fp32 copy
 built each step (no fused dequantizing kernel yet), so they are expected to be slower than the full
 cache here even though they store 4-10x fewer bytes. `palu:0.5` rebuilds K/V from rank-r latents

@@ -580,6 +580,15 @@ def test_quest_reads_the_pages_with_the_highest_upper_bound_and_the_bound_holds(
             for p in read:  # a read page is read whole, at its true positions
                 expect = list(range(p * ps, min((p + 1) * ps, n)))
                 assert [int(x) for x in np.asarray(view.pos[b, h]) if x // ps == p and x >= 0] == expect
+            assert view.k.shape[2] == 2 * ps  # only the read pages are gathered
+            # the reference: every slot read, those outside the chosen pages masked
+            masked = np.where(np.isin(np.arange(S) // ps, read) & (np.arange(S) < n), np.arange(S), -1)
+            q_h = q[b : b + 1, :, h * G : (h + 1) * G]
+            ref = attention(q_h, k[b : b + 1, h : h + 1], k[b : b + 1, h : h + 1], jnp.asarray([[n - 1]]),
+                            jnp.asarray(masked)[None, None])
+            out = attention(q_h, view.k[b : b + 1, h : h + 1], view.v[b : b + 1, h : h + 1], jnp.asarray([[n - 1]]),
+                            view.pos[b : b + 1, h : h + 1])
+            np.testing.assert_allclose(out, ref, atol=1e-6)
 
 
 def test_quest_decode_appends_to_page_bounds(gqa):

@@ -141,9 +141,10 @@ class RetrievalCase:
     answer: str
 
 
-def _haystack(tokenizer, filler: np.ndarray, length: int, needles: list[tuple[float, str]], question: str, bos: bool):
+def _haystack(tokenizer, filler: np.ndarray, length: int, needles: list[tuple[float, str]], question: str, bos: bool,
+              intro: str = _INTRO):
     """Intro, filler cut to fit `length` tokens, each needle text inserted at its depth (0..1), question."""
-    head = ([tokenizer.bos_id] if bos else []) + tokenizer.encode(_INTRO)
+    head = ([tokenizer.bos_id] if bos else []) + tokenizer.encode(intro)
     pieces = [(depth, tokenizer.encode(text)) for depth, text in needles]
     tail = tokenizer.encode(question)
     n_fill = length - len(head) - len(tail) - sum(len(p) for _, p in pieces)
@@ -159,9 +160,19 @@ def _haystack(tokenizer, filler: np.ndarray, length: int, needles: list[tuple[fl
 
 
 def passkey_case(tokenizer, filler, length: int, depth: float, rng: np.random.Generator, bos: bool) -> RetrievalCase:
+    """A pass key in corpus text. A chat model (one whose tokenizer has a chat template) gets it as one
+    user turn asking for a secret number, and the reply is begun for it: SmolLM2-135M-Instruct answers
+    that at 128-1,024 tokens, where it answered the plain pass-key prompt with prose."""
     key = str(rng.integers(10_000, 100_000))
-    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-    prompt = _haystack(tokenizer, filler, length, [(depth, needle)], "\nWhat is the pass key? The pass key is", bos)
+    chat = getattr(tokenizer, "chat_turn", lambda: None)()
+    if chat is None:
+        needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+        prompt = _haystack(tokenizer, filler, length, [(depth, needle)], "\nWhat is the pass key? The pass key is", bos)
+        return RetrievalCase(prompt, key)
+    before, after = chat
+    question = "\n\nWhat is the secret number?" + after + "The secret number is"
+    prompt = _haystack(tokenizer, filler, length, [(depth, f"\nThe secret number is {key}.\n")], question, bos,
+                       intro=before + "Read the text and tell me the secret number.\n\n")
     return RetrievalCase(prompt, key)
 
 

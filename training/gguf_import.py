@@ -100,6 +100,7 @@ def tokenizer_from_gguf(reader, path: Path) -> HFTokenizer:
         bpe,
         bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 0)),
         eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 0)),
+        chat_template=_field(reader, "tokenizer.chat_template"),
     )
 
 

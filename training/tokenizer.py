@@ -51,11 +51,26 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer` behind kvjax's interface (used for BPE vocabularies)."""
 
-    def __init__(self, tokenizer, *, bos_id: int, eos_id: int):
+    def __init__(self, tokenizer, *, bos_id: int, eos_id: int, chat_template: str | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id = bos_id
         self.eos_id = eos_id
+        self.chat_template = chat_template  # the model's own (Jinja) chat format, if it has one
+
+    def chat_turn(self) -> tuple[str, str] | None:
+        """The text around one user message, up to where the assistant's reply starts, rendered from the
+        model's chat template (its default system prompt included), or None without a template."""
+        if not self.chat_template:
+            return None
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        marker = "\x00message\x00"
+        text = ImmutableSandboxedEnvironment().from_string(self.chat_template).render(
+            messages=[{"role": "user", "content": marker}], add_generation_prompt=True,
+            bos_token=self.tokenizer.id_to_token(self.bos_id) or "", eos_token=self.tokenizer.id_to_token(self.eos_id) or "")
+        before, _, after = text.partition(marker)
+        return before, after
 
     def encode(self, text: str) -> list[int]:
         """Token ids; bytes of a file that are not UTF-8 become U+FFFD (a BPE vocabulary works on text)."""

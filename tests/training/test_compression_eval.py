@@ -61,6 +61,20 @@ def test_passkey_and_needle_prompts_have_the_length_and_the_needle_at_its_depth(
     assert not ce._answered(tok, tok.encode(" 12"), multi.answer)
 
 
+def test_a_chat_model_gets_the_passkey_as_one_user_turn_with_the_reply_begun():
+    class ChatBytes(ByteTokenizer):
+        def chat_turn(self):
+            return "<user>", "</user><assistant>"
+
+    tok = ChatBytes()
+    filler = np.asarray(tok.encode("abcdefghij" * 200), np.int32)
+    case = ce.passkey_case(tok, filler, 500, 0.5, np.random.default_rng(0), bos=False)
+    text = tok.decode(case.prompt)
+    assert len(case.prompt) == 500 and text.startswith("<user>Read the text and tell me the secret number.")
+    assert text.endswith("What is the secret number?</user><assistant>The secret number is")
+    assert f"\nThe secret number is {case.answer}.\n" in text
+
+
 def test_with_budget_inserts_the_ratio_before_the_options():
     assert ce.with_budget("snapkv", 0.5) == "snapkv:0.5"
     assert ce.with_budget("snapkv:obs_window=16", 0.75) == "snapkv:0.75:obs_window=16"

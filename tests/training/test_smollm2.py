@@ -129,3 +129,11 @@ def test_export_round_trip(ours, text_ids, full, tmp_path):
 def test_bad_files_are_clear_errors(tmp_path):
     with pytest.raises(GGUFError, match="is not a file, nor a shipped model name"):
         load_gguf_model(tmp_path / "nope.gguf")
+
+
+def test_chat_turn_is_the_models_template_as_transformers_renders_it(ours, reference):
+    before, after = ours[2].chat_turn()
+    message = [{"role": "user", "content": "Where is the key?"}]
+    rendered = reference[1].apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    assert before + "Where is the key?" + after == rendered
+    assert after.endswith("<|im_start|>assistant\n")

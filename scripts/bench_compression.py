@@ -38,9 +38,9 @@ QUANTIZED = ("int:8", "kivi:2", "kvquant:3", "palu:0.5")  # keep every token; at
 
 
 def load(model_ref: str):
-    from kvjax.cli import _load_any
+    from training.loading import load_model
 
-    return _load_any(model_ref)[1]
+    return load_model(model_ref).model
 
 
 def main() -> None:

@@ -351,4 +351,5 @@ def pyramid_counts(stage: Stage, length: int, n_layers: int) -> np.ndarray:
     if not length >= high >= low >= w:
         return np.full(n_layers, round(k), np.int64)
     step = (high - low) / (n_layers - 1)
-    return np.array([round(high - layer * step) for layer in range(n_layers)], np.int64)
+    # rounded at 1e-9 first, so float noise cannot tip a .5 (200 x 0.15 = 30.000000000000004) and break the sum
+    return np.array([round(round(high - layer * step, 9)) for layer in range(n_layers)], np.int64)

@@ -65,8 +65,8 @@ class Attention(nnx.Module):
             cache, shared = self.kv(x if kv_x is None else kv_x, positions, cache)
             if isinstance(cache, QuestKVCache) and T == 1:  # Quest: a decode query reads its best pages
                 shared = cache.select(q, shared)
-        if shared.mix is not None:  # DuoAttention: heads attend in different ways (kvjax.duo)
-            out = shared.mix.attend(q, positions, self.cfg.impl)
+        if shared.reader is not None:  # the view attends its own way (kvjax.cache.KVView)
+            out = shared.reader.attend(q, positions, self.cfg.impl, self.cfg.window)
         else:
             out = attention(q, shared.k, shared.v, positions, shared.pos, quant=shared.quant, paged=shared.paged,
                             fresh=shared.fresh, **self._view_args(shared))

@@ -27,9 +27,10 @@ class KVView(NamedTuple):
     `[B,K,S]` once heads hold different tokens). A pooled view has k, v `[B,P,H]`, pos `[B,P]` and each
     entry's KV head `head` `[B,P]`. A quantized cache's view also carries its codes (`quant`) for the
     fused decode kernel, a paged cache's its pages and block tables (`paged`) for the paged kernel;
-    whatever reads k and v instead lets XLA drop the other. DuoAttention's views (`mix`) attend with
-    their own `attend(q, q_pos, impl)`: retrieval heads over every token, streaming heads over sinks
-    and a recent window."""
+    whatever reads k and v instead lets XLA drop the other. A view with a `reader` attends through its
+    `attend(q, q_pos, impl, window)`: DuoAttention's (`kvjax.duo`), retrieval heads over every token and
+    streaming heads over sinks and a recent window; a low-rank cache's (`kvjax.quant.lowrank`), a decode
+    step in the latent space of the values."""
 
     k: jax.Array
     v: jax.Array
@@ -40,7 +41,7 @@ class KVView(NamedTuple):
     # no other slot holds a token (a chunk written to an empty cache, or no cache): `kvjax.ops.attention`
     # then reads only those slots and skips the key blocks causality hides
     paged: object | None = None  # the same K/V as pages of a pool (`kvjax.paged.PagedKVCache`), if paged
-    mix: object | None = None  # heads attend in different ways (`kvjax.duo`): its `attend` replaces the op
+    reader: object | None = None  # attends its own way: its `attend(q, q_pos, impl, window)` replaces the op
 
 
 def _check_chunk(cache, k, v, pos) -> None:

@@ -46,13 +46,20 @@ def _per_query_head(x: jax.Array, n_heads: int) -> jax.Array:
     return jnp.repeat(x, n_heads // x.shape[0])
 
 
+def _full_attention_layer(window: int | None) -> None:
+    """DuoAttention splits full-attention heads; a sliding-window layer has none to split."""
+    if window is not None:
+        raise ValueError(f"DuoAttention needs full-attention layers; this layer has window={window}")
+
+
 class _GatedView:
     """A chunk's own K/V, attended with eq. 1's per-head mix of full and streaming attention."""
 
     def __init__(self, view: KVView, mix: GateMix):
         self.view, self.mix = view, mix
 
-    def attend(self, q, q_pos, impl):
+    def attend(self, q, q_pos, impl, window=None):
+        _full_attention_layer(window)
         view, mix = self.view, self.mix
         full = attention(q, view.k, view.v, q_pos, view.pos, impl=impl, fresh=view.fresh)
         stream = streaming_attention(q, view.k, view.v, q_pos, view.pos, sinks=mix.sinks, recent=mix.recent, impl=impl)
@@ -72,7 +79,7 @@ class GateMix:
 
     def update(self, k, v, pos):
         view = KVView(heads_first(k), heads_first(v), pos, fresh=k.shape[1])
-        return self, view._replace(mix=_GatedView(view, self))
+        return self, view._replace(reader=_GatedView(view, self))
 
 
 class _DuoView:
@@ -82,7 +89,8 @@ class _DuoView:
     def __init__(self, cache: DuoKVCache, full: KVView | None, stream: KVView | None):
         self.cache, self.full, self.stream = cache, full, stream
 
-    def attend(self, q, q_pos, impl):
+    def attend(self, q, q_pos, impl, window=None):
+        _full_attention_layer(window)
         cache, (T, N) = self.cache, q.shape[1:3]
         G = N // (len(cache.retrieval) + len(cache.streaming))
         outs, order = [], []
@@ -158,7 +166,7 @@ class DuoKVCache(_Arrays):
                 stream = KVView(*(jnp.concatenate([a, b], axis=-2 if a.ndim == 4 else -1)
                                   for a, b in zip(sink_view[:3], ring_view[:3])))
         main = full if full is not None else stream
-        return new, KVView(main.k, main.v, main.pos, mix=_DuoView(new, full, stream))
+        return new, KVView(main.k, main.v, main.pos, reader=_DuoView(new, full, stream))
 
 
 def streaming_heads(gates: list[np.ndarray], ratio: float) -> tuple[tuple[int, ...], ...]:

@@ -248,17 +248,23 @@ def blocked_decode(parts, v, q_pos, k_pos, window, scale: float, block: int) -> 
     v is `[B,K,S,Hv]`. Returns `[B,1,K*G,Hv]` in fp32."""
     (B, K, G, _), S, Hv = parts[0][0].shape, v.shape[2], v.shape[-1]
     C = S // block
+    probs = blocked_probs(parts, q_pos, k_pos, window, scale, block)
+    out = jnp.einsum(
+        "BKCGS,BKCSH->BKCGH", probs.astype(v.dtype), v.reshape(B, K, C, block, Hv), preferred_element_type=jnp.float32
+    ).sum(axis=2)
+    return out.reshape(B, 1, K * G, Hv)
+
+
+def blocked_probs(parts, q_pos, k_pos, window, scale: float, block: int) -> jax.Array:
+    """The probabilities `[B,K,C,G,block]` (fp32) of `blocked_decode`: one softmax over the C key blocks."""
+    (B, K, G, _), S = parts[0][0].shape, parts[0][1].shape[2]
+    C = S // block
     logits = sum(
         jnp.einsum("BKGH,BKCSH->BKCGS", q, k.reshape(B, K, C, block, k.shape[-1]), preferred_element_type=jnp.float32)
         for q, k in parts
     ) * scale
     mask = visible(q_pos, k_pos, window)[..., 0, :]  # [B,S] or, per head, [B,K,S]
-    mask = mask.reshape(B, -1, C, 1, block)
-    probs = _softmax_where(logits, mask, axis=(2, 4))
-    out = jnp.einsum(
-        "BKCGS,BKCSH->BKCGH", probs.astype(v.dtype), v.reshape(B, K, C, block, Hv), preferred_element_type=jnp.float32
-    ).sum(axis=2)
-    return out.reshape(B, 1, K * G, Hv)
+    return _softmax_where(logits, mask.reshape(B, -1, C, 1, block), axis=(2, 4))
 
 
 def attention_probs(

@@ -34,7 +34,7 @@ from kvjax.quant.lowrank import calibrate  # noqa: E402
 from kvjax.report import format_bytes, format_table  # noqa: E402
 
 LAYOUTS = ("streaming", "keynorm", "keynorm:allocator=adakv", "quest")
-QUANTIZED = ("int:8", "kivi:2", "kvquant:3", "palu:0.5")  # keep every token; attention rebuilds K/V
+QUANTIZED = ("int:8", "kivi:2", "kvquant:3", "gear:2", "palu:0.5")  # keep every token; attention rebuilds K/V
 
 
 def load(model_ref: str):

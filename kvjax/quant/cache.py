@@ -49,7 +49,7 @@ from flax import struct
 
 from kvjax.cache import KVView, _append_slots, _Positioned, _scatter
 from kvjax.quant.packing import pack, packed_width, unpack
-from kvjax.rope import rotate
+from kvjax.rope import rotate_exact
 from kvjax.quant.quantizers import dequantize, quantize
 
 METHODS = ("int", "kivi", "kvquant", "gear")
@@ -133,6 +133,15 @@ def _split_outliers(x, n: int, extremes: bool = False):
         fill = jnp.zeros(idx.shape, x.dtype)
     values = jnp.take_along_axis(x, idx, axis=-1)
     return jnp.put_along_axis(x, idx, fill, axis=-1, inplace=False), values, idx.astype(jnp.uint8)
+
+
+def _restore(x: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
+    """x `[..., H]` with each vector's exact outliers (values at channels idx `[..., n]`) written back:
+    one select per outlier, which XLA fuses into the dequantization (a scatter would not fuse)."""
+    channel = jnp.arange(x.shape[-1], dtype=jnp.int32).reshape((1,) * (x.ndim - 1) + (-1,))
+    for j in range(idx.shape[-1]):
+        x = jnp.where(channel == idx[..., j : j + 1].astype(jnp.int32), values[..., j : j + 1].astype(x.dtype), x)
+    return x
 
 
 def low_rank(error: jax.Array, rank: int, loops: int = 3) -> tuple[jax.Array, jax.Array]:
@@ -241,7 +250,7 @@ class QuantKVCache(_Positioned):
         slot = jnp.arange(S, dtype=jnp.int32)[None, :]
         k = cache.k
         if spec.method == "kvquant":  # un-rotate at the true positions (shared or per head)
-            k = rotate(k, -(cache.pos[:, None] if cache.pos.ndim == 2 else cache.pos), spec.rope_theta)
+            k = rotate_exact(k, -(cache.pos[:, None] if cache.pos.ndim == 2 else cache.pos), spec.rope_theta)
         new = new._append(k, cache.v, jnp.where(slot < cache.length[:, None], slot, -1))
         return new.replace(pos=cache.pos)
 
@@ -256,7 +265,7 @@ class QuantKVCache(_Positioned):
             raise ValueError(f"new k {k.shape} / v {v.shape} / pos {pos.shape} do not fit this cache")
         k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,K,T,H]
         if self.spec.method == "kvquant":
-            k_hm = rotate(k_hm, -pos[:, None], self.spec.rope_theta)
+            k_hm = rotate_exact(k_hm, -pos[:, None], self.spec.rope_theta)
         new = self._append(k_hm, v_hm, pos)
         k_view, v_view = new.dequantized()
         return new, KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos, quant=new.stored())
@@ -360,8 +369,7 @@ class QuantKVCache(_Positioned):
             recon_k = dequantize(kc, ks, kz, spec.bits, G).swapaxes(2, 3)
             recon_v = dequantize(vc, vs, vz, spec.bits, Gv)
             if n_out:
-                recon_k = jnp.put_along_axis(recon_k, k_idx.astype(jnp.int32), k_out.astype(jnp.float32), axis=-1, inplace=False)
-                recon_v = jnp.put_along_axis(recon_v, v_idx.astype(jnp.int32), v_out.astype(jnp.float32), axis=-1, inplace=False)
+                recon_k, recon_v = _restore(recon_k, k_idx, k_out), _restore(recon_v, v_idx, v_out)
             blocks = jnp.arange(-(-W // R), dtype=jnp.int32)[None, :]
             bslots = jnp.where((blocks + 1) * R <= flush[:, None], self.n_quant[:, None] // R + blocks, self.k_lr_p.shape[2])
             extra |= self._low_rank("k", work_k, recon_k, slots, bslots) | self._low_rank("v", work_v, recon_v, slots, bslots)
@@ -389,6 +397,14 @@ class QuantKVCache(_Positioned):
         return {f"{name}_lr_q": _head_major_scatter(getattr(self, f"{name}_lr_q"), slots, q),
                 f"{name}_lr_p": _head_major_scatter(getattr(self, f"{name}_lr_p"), bslots, p)}
 
+    def _error(self, q: jax.Array, p: jax.Array) -> jax.Array:
+        """GEAR's error approximation `[B,K,S,H]`: each slot's Q `[B,K,S,r]` times its block's P
+        `[B,K,S/residual,H,r]` (slots padded to whole blocks, never P repeated per slot)."""
+        (B, K, S, r), (n_blocks, H) = q.shape, p.shape[2:4]
+        R = self.spec.residual
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, n_blocks * R - S), (0, 0))).reshape(B, K, n_blocks, R, r)
+        return jnp.einsum("BKCRr,BKCHr->BKCRH", q, p).reshape(B, K, n_blocks * R, H)[:, :, :S]
+
     def dequantized(self) -> tuple[jax.Array, jax.Array]:
         """Full-precision K, V `[B,K,S,H]` (fp32): codes dequantized, the residual at its slots."""
         spec = self.spec
@@ -401,12 +417,9 @@ class QuantKVCache(_Positioned):
         k = k.swapaxes(2, 3)
         v = dequantize(vc, self.v_scale.swapaxes(2, 3), self.v_zero.swapaxes(2, 3), spec.bits, spec.value_group(H))
         if spec.rank:  # GEAR's low-rank error terms, Q of each slot times P of its block
-            S = self.capacity
-            k = k + jnp.einsum("BKSr,BKSHr->BKSH", self.k_lr_q, jnp.repeat(self.k_lr_p, spec.residual, axis=2)[:, :, :S])
-            v = v + jnp.einsum("BKSr,BKSHr->BKSH", self.v_lr_q, jnp.repeat(self.v_lr_p, spec.residual, axis=2)[:, :, :S])
+            k, v = k + self._error(self.k_lr_q, self.k_lr_p), v + self._error(self.v_lr_q, self.v_lr_p)
         if spec.n_outliers(H):
-            k = jnp.put_along_axis(k, self.k_out_idx.astype(jnp.int32), self.k_out.astype(k.dtype), axis=-1, inplace=False)
-            v = jnp.put_along_axis(v, self.v_out_idx.astype(jnp.int32), self.v_out.astype(v.dtype), axis=-1, inplace=False)
+            k, v = _restore(k, self.k_out_idx, self.k_out), _restore(v, self.v_out_idx, self.v_out)
         if spec.method == "kvquant":
             n = min(spec.sinks, self.capacity)
             k = k.at[:, :, :n].set(self.k_sink[:, :, :n].astype(k.dtype))
@@ -416,5 +429,5 @@ class QuantKVCache(_Positioned):
         at = jnp.where(at < self.length[:, None], at, self.capacity)
         k, v = _head_major_scatter(k, at, self.k_res), _head_major_scatter(v, at, self.v_res)
         if spec.method == "kvquant":  # RoPE at each slot's true position
-            k = rotate(k, self.pos[:, None] if self.pos.ndim == 2 else self.pos, spec.rope_theta)
+            k = rotate_exact(k, self.pos[:, None] if self.pos.ndim == 2 else self.pos, spec.rope_theta)
         return k, v

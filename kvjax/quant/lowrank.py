@@ -30,7 +30,8 @@ import numpy as np
 from flax import struct
 
 from kvjax.cache import KVView, _append_slots, _Positioned
-from kvjax.rope import rotate
+from kvjax.ops import attention, blocked_probs, decode_block, kernel_impl
+from kvjax.rope import rotate_exact
 
 
 def group_heads(n_kv_heads: int, heads: int) -> int:
@@ -98,7 +99,7 @@ class LowRankKVCache(_Positioned):
         K = cache.k.shape[1]
         Kg = k_basis.shape[0]
         pos4 = cache.pos[:, None] if cache.pos.ndim == 2 else cache.pos
-        k_pre = rotate(cache.k, -pos4, rope_theta)
+        k_pre = rotate_exact(cache.k, -pos4, rope_theta)
         zk = jnp.einsum("BGSi,Gir->BGSr", _grouped(k_pre, Kg).astype(jnp.float32), k_basis)
         zv = jnp.einsum("BGSi,Gir->BGSr", _grouped(cache.v, Kg).astype(jnp.float32), v_basis)
         return cls(
@@ -110,18 +111,43 @@ class LowRankKVCache(_Positioned):
         """Append a chunk k, v `[B,T,K,H]` (post-RoPE keys) at positions `[B,T]`."""
         Kg = self.k_basis.shape[0]
         slots = _append_slots(self.length, pos, self.capacity)
-        k_pre = rotate(k.transpose(0, 2, 1, 3), -pos[:, None], self.rope_theta)
+        k_pre = rotate_exact(k.transpose(0, 2, 1, 3), -pos[:, None], self.rope_theta)
         zk = jnp.einsum("BGTi,Gir->BGTr", _grouped(k_pre, Kg).astype(jnp.float32), self.k_basis)
         zv = jnp.einsum("BGTi,Gir->BGTr", _grouped(v.transpose(0, 2, 1, 3), Kg).astype(jnp.float32), self.v_basis)
         new = self._write_slots(slots, pos, zk=jnp.moveaxis(zk, 1, 2), zv=jnp.moveaxis(zv, 1, 2))
         k_view, v_view = new.reconstructed()
-        return new, KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos)
+        view = KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos)
+        return new, view._replace(reader=_LatentValues(new, view))
 
     def reconstructed(self) -> tuple[jax.Array, jax.Array]:
         """K (RoPE'd at each slot's position) and V `[B,K,S,H]` from the latents."""
         k_pre = _ungrouped(jnp.einsum("BGSr,Gir->BGSi", self.zk.astype(jnp.float32), self.k_basis), self.n_kv_heads)
         v = _ungrouped(jnp.einsum("BGSr,Gir->BGSi", self.zv.astype(jnp.float32), self.v_basis), self.n_kv_heads)
-        return rotate(k_pre, self.pos[:, None] if self.pos.ndim == 2 else self.pos, self.rope_theta), v
+        return rotate_exact(k_pre, self.pos[:, None] if self.pos.ndim == 2 else self.pos, self.rope_theta), v
+
+
+class _LatentValues:
+    """A low-rank cache's view attended with values left in the latent space (XLA decode steps): the
+    probabilities weight the value latents zv, and the group's value basis maps the weighted latent out,
+    the reconstruction moved after the weighted sum as in MLA's absorbed decode (Palu sec. 3.4 fuses
+    it the same way). The keys are rebuilt (a dot, then RoPE per slot: the rotation depends on each
+    key's position, so it cannot move into the query). Prefill chunks and Pallas read the rebuilt K/V."""
+
+    def __init__(self, cache: LowRankKVCache, view: KVView):
+        self.cache, self.view = cache, view
+
+    def attend(self, q, q_pos, impl, window=None):
+        cache, view, (B, T, N, H) = self.cache, self.view, q.shape
+        block = decode_block(cache.capacity)
+        if T != 1 or block is None or kernel_impl(impl) != "xla":
+            return attention(q, view.k, view.v, q_pos, view.pos, window=window, impl=impl, fresh=view.fresh)
+        K, (Kg, _, r) = cache.n_kv_heads, cache.v_basis.shape
+        g, G, C = K // Kg, N // K, cache.capacity // block
+        probs = blocked_probs(((q.reshape(B, K, G, H), view.k),), q_pos, view.pos, window, H**-0.5, block)
+        probs = probs.reshape(B, Kg, g, C, G, block)  # KV head k = group * g + j
+        latent = jnp.einsum("BQjCnS,BQCSr->BQjnr", probs, cache.zv.reshape(B, Kg, C, block, r).astype(jnp.float32))
+        out = jnp.einsum("BQjnr,Qjhr->BQjnh", latent, cache.v_basis.reshape(Kg, g, H, r))
+        return out.reshape(B, 1, N, H).astype(q.dtype)
 
 
 def calibrate(model, tokens: np.ndarray, compressible: tuple[int, ...], ratio: float, heads: int):
@@ -140,7 +166,7 @@ def calibrate(model, tokens: np.ndarray, compressible: tuple[int, ...], ratio: f
         cache = caches[slot]
         K, H = cache.k.shape[1], cache.k.shape[3]
         g = group_heads(K, heads)
-        k_pre = rotate(cache.k, -cache.pos[:, None], model.config.attention.rope_theta)
+        k_pre = rotate_exact(cache.k, -cache.pos[:, None], model.config.attention.rope_theta)
         samples = lambda x: np.asarray(x).transpose(0, 2, 1, 3).reshape(N * T, K, H)  # noqa: E731
         rank = rank_for(ratio, g * H)
         out.append((jnp.asarray(bases_from_samples(samples(k_pre), g, rank)),

@@ -32,6 +32,27 @@ def test_rope_scores_depend_only_on_relative_position():
     assert abs(score(5, 2) - score(5, 4)) > 1e-3
 
 
+def test_table_rope_is_the_exact_rotation_at_any_int32_position_and_inverts():
+    """kvjax.rope.rotate_exact (the caches' re-rotation): float64 complex rotation within fp32 rounding
+    at positions up to 2^31 - 1, where the fp32 product of `rotate` is off by a whole radian; a negative
+    position rotates back."""
+    from kvjax.rope import rotate, rotate_exact
+
+    H, theta = 16, 10_000.0
+    x = np.random.default_rng(3).normal(size=(2, 3, 5, H)).astype(np.float32)
+    pos = np.array([[0, 1, 2047, 2048, 8191], [70_000, 4_194_305, 123_456_789, 2**31 - 1, 5]], np.int64)
+    z = x[..., : H // 2] + 1j * x[..., H // 2 :]
+    angle = np.mod(pos[:, None, :, None] * (theta ** (-2 * np.arange(H // 2) / H)), 2 * np.pi)
+    rotated = z * np.exp(1j * angle)
+    expected = np.concatenate([rotated.real, rotated.imag], axis=-1)
+    got = jax.jit(rotate_exact, static_argnums=2)(jnp.asarray(x), jnp.asarray(pos[:, None], jnp.int32), theta)
+    np.testing.assert_allclose(got, expected, atol=5e-6)
+    fp32 = np.asarray(rotate(jnp.asarray(x), jnp.asarray(pos[:, None], jnp.int32), theta))
+    assert np.abs(fp32 - expected).max() > 0.1  # what the table avoids
+    back = rotate_exact(got, -jnp.asarray(pos[:, None], jnp.int32), theta)
+    np.testing.assert_allclose(back, x, atol=5e-6)
+
+
 def test_rmsnorm_and_swiglu_match_their_formulas():
     x = np.random.default_rng(2).normal(size=(3, 4, 8)).astype(np.float32)
     norm = RMSNorm(8, eps=1e-6, dtype=jnp.float32)

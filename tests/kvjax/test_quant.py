@@ -298,6 +298,36 @@ def test_palu_bytes_equal_analytic(gqa, calibration, policy):
     assert np.isfinite(out.logprobs).all()
 
 
+@pytest.mark.parametrize("heads, per_head, window", [(1, False, None), (2, True, None), (2, False, 5)])
+def test_palu_decode_attends_in_the_value_latent_space_as_the_rebuilt_cache_does(heads, per_head, window):
+    """A decode step over a low-rank cache (XLA) weights the value latents and maps the sum out, never
+    reading rebuilt values (NaN values here): equal to attention over the rebuilt K/V, for one and two
+    heads per group, positions per head, and a window."""
+    from kvjax.ops import attention
+    from kvjax.quant.lowrank import LowRankKVCache
+
+    B, S, K, N, H, r = 2, 64, 2, 6, 8, 5
+    rng = np.random.default_rng(heads)
+    basis = lambda: jnp.asarray(np.linalg.qr(rng.normal(size=(K // heads, heads * H, heads * H)))[0][..., :r], jnp.float32)  # noqa: E731
+    cache = LowRankKVCache(
+        zk=jnp.zeros((B, K // heads, S, r)), zv=jnp.zeros((B, K // heads, S, r)), pos=jnp.full((B, S), -1, jnp.int32),
+        length=jnp.zeros((B,), jnp.int32), k_basis=basis(), v_basis=basis(), n_kv_heads=K,
+    )
+    T = 40
+    k, v = (jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32) for _ in range(2))
+    pos = jnp.asarray(np.where(np.arange(T)[None] < np.array([[40], [29]]), np.arange(T)[None], -1), jnp.int32)
+    cache, _ = cache.update(k, v, pos)
+    if per_head:  # heads keep different slots, as after head-wise eviction
+        cache = cache.replace(pos=jnp.stack([cache.pos, jnp.where(cache.pos % 3 == 0, -1, cache.pos)], axis=1))
+    q, q_pos = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32), jnp.array([[40], [29]], jnp.int32)
+    cache, view = cache.update(k[:, :1] * 0.5, v[:, :1], q_pos)
+    assert view.reader is not None
+    want = attention(q, view.k, view.v, q_pos, view.pos, window=window)
+    nan_values = view.reader.__class__(cache, view._replace(v=jnp.full_like(view.v, jnp.nan)))
+    got = nan_values.attend(q, q_pos, "xla", window)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
 def test_palu_needs_calibration_and_a_ratio(gqa):
     with pytest.raises(ConfigError, match="needs calibration data"):
         Generator(gqa[1], capacity=CAPACITY, policy=parse_policy("palu:0.5"))

@@ -126,6 +126,7 @@ class LowRankKVCache(_Positioned):
         return rotate_exact(k_pre, self.pos[:, None] if self.pos.ndim == 2 else self.pos, self.rope_theta), v
 
 
+@struct.dataclass
 class _LatentValues:
     """A low-rank cache's view attended with values left in the latent space (XLA decode steps): the
     probabilities weight the value latents zv, and the group's value basis maps the weighted latent out,
@@ -133,8 +134,8 @@ class _LatentValues:
     it the same way). The keys are rebuilt (a dot, then RoPE per slot: the rotation depends on each
     key's position, so it cannot move into the query). Prefill chunks and Pallas read the rebuilt K/V."""
 
-    def __init__(self, cache: LowRankKVCache, view: KVView):
-        self.cache, self.view = cache, view
+    cache: LowRankKVCache
+    view: KVView
 
     def attend(self, q, q_pos, impl, window=None):
         cache, view, (B, T, N, H) = self.cache, self.view, q.shape

@@ -426,12 +426,14 @@ class DataConfig:
     seq_len: int = 256
     val_fraction: float = 0.1
     eval_windows: int = 64
+    passkey: float = 0.0  # fraction of training windows rewritten as pass-key samples (training.data)
 
     def __post_init__(self):
         p = "data"
         _positive(p, self, "seq_len")
         _require(0 < self.val_fraction < 1, f"{p}.val_fraction", self.val_fraction, "must be in (0, 1)")
         _positive(p, self, "eval_windows")
+        _require(0 <= self.passkey <= 1, f"{p}.passkey", self.passkey, "must be a fraction in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)

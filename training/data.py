@@ -192,6 +192,24 @@ def pack(docs: list[Document], tokenizer: Tokenizer, window: int) -> np.ndarray:
     return ids[: n * window].reshape(n, window)
 
 
+def with_passkeys(windows: np.ndarray, tokenizer: Tokenizer, fraction: float, seed: int) -> np.ndarray:
+    """A retrieval-bearing mix: `fraction` of the windows (drawn from `seed`) rewritten as pass-key
+    samples in the evaluation's own template (`training.compression_eval.passkey_case`, the window's
+    text as filler, the key at a uniform depth) followed by the answer, so that a model trained here
+    can learn to retrieve and `kvjax eval --task passkey` measures what compression takes away."""
+    from training.compression_eval import passkey_case
+
+    rng = np.random.default_rng([seed, 7])
+    out = windows.copy()
+    W = windows.shape[1]
+    for row in np.flatnonzero(rng.random(len(windows)) < fraction):
+        answer = lambda key: tokenizer.encode(f" {key}.")  # noqa: E731
+        case = passkey_case(tokenizer, windows[row], W - len(answer("00000")), float(rng.random()), rng, bos=True)
+        ids = (case.prompt + answer(case.answer))[:W]
+        out[row] = ids + [tokenizer.eos_id] * (W - len(ids))
+    return out
+
+
 class BatchIterator:
     """Batches of packed windows, reshuffled each epoch from (seed, epoch); `position` saves where it is
     and passing it back continues at the same batch."""

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from architectures import Decoder
 from kvjax.config import Config, ConfigError, TrainConfig, from_dict
 from training.checkpoint import Checkpointer, CheckpointError, abstract
-from training.data import BatchIterator, load_corpus, pack, split_documents
+from training.data import BatchIterator, load_corpus, pack, split_documents, with_passkeys
 from training.sharding import make_mesh, shard_batch, shard_params
 from training.tokenizer import Tokenizer, get_tokenizer
 
@@ -210,7 +210,10 @@ def prepare_corpus(cfg: Config) -> Corpus:
         )
     train_docs, val_docs = split_documents(load_corpus(cfg.data.corpus), cfg.data.val_fraction)
     window = cfg.data.seq_len + 1
-    return Corpus(tokenizer, pack(train_docs, tokenizer, window), pack(val_docs, tokenizer, window))
+    train = pack(train_docs, tokenizer, window)
+    if cfg.data.passkey:
+        train = with_passkeys(train, tokenizer, cfg.data.passkey, cfg.train.seed)
+    return Corpus(tokenizer, train, pack(val_docs, tokenizer, window))
 
 
 class Trainer:

@@ -124,3 +124,28 @@ def test_a_hub_dataset_offline_is_a_one_line_error(tmp_path):
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("kvjax: error: corpus 'hf:kvjax-test/not-cached' could not be loaded")
     assert "network access or a copy in the local cache" in line
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.4, 1.0])
+def test_a_passkey_mix_rewrites_that_fraction_of_windows_in_the_eval_template(kjv, fraction):
+    """data.passkey: the chosen windows become the evaluation's own pass-key prompt (the window's text as
+    filler) followed by the answer; the others stay as they were."""
+    import re
+
+    from kvjax.config import ConfigError, DataConfig
+    from training.data import with_passkeys
+
+    tok = get_tokenizer("byte")
+    windows = pack(kjv[:2], tok, 513)
+    mixed = with_passkeys(windows, tok, fraction, seed=3)
+    changed = (mixed != windows).any(axis=1)
+    assert abs(changed.mean() - fraction) < 0.1 and mixed.shape == windows.shape
+    np.testing.assert_array_equal(mixed[~changed], windows[~changed])
+    np.testing.assert_array_equal(with_passkeys(windows, tok, fraction, seed=3), mixed)  # seeded
+    for row in np.flatnonzero(changed)[:20]:
+        text = tok.decode(mixed[row].tolist())
+        assert text.startswith("There is an important piece of information")
+        key = re.search(r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", text).group(1)
+        assert text.endswith(f"\nWhat is the pass key? The pass key is {key}.")
+    with pytest.raises(ConfigError, match=r"data.passkey.*\[0, 1\]"):
+        DataConfig(passkey=1.5)

@@ -129,10 +129,11 @@ class LowRankKVCache(_Positioned):
 @struct.dataclass
 class _LatentValues:
     """A low-rank cache's view attended with values left in the latent space (XLA decode steps): the
-    probabilities weight the value latents zv, and the group's value basis maps the weighted latent out,
-    the reconstruction moved after the weighted sum as in MLA's absorbed decode (Palu sec. 3.4 fuses
-    it the same way). The keys are rebuilt (a dot, then RoPE per slot: the rotation depends on each
-    key's position, so it cannot move into the query). Prefill chunks and Pallas read the rebuilt K/V."""
+    probabilities weight the value latents zv, and the group's value basis maps the weighted latent out
+    (Palu fuses the value reconstruction into the output projection: the same product; MLA's absorbed
+    decode does likewise). The keys are rebuilt (a dot, then RoPE per slot: the rotation depends on each
+    key's position, so it cannot move into the query; Palu's kernel fuses rebuild, RoPE and q.k on GPU).
+    Prefill chunks and Pallas read the rebuilt K/V."""
 
     cache: LowRankKVCache
     view: KVView

@@ -29,7 +29,11 @@ def rotate(x: jax.Array, pos: jax.Array, theta: float, inv_freq: jax.Array | Non
     if inv_freq is None:
         inv_freq = frequencies(jnp.arange(half), x.shape[-1], theta).reshape((1,) * pos.ndim + (half,))
     angle = pos.astype(jnp.float32)[..., None] * inv_freq
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    return _turn(x, jnp.cos(angle), jnp.sin(angle))
+
+
+def _turn(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Channel i paired with i + H/2, each pair turned by its angle's cos and sin `[..., H/2]`."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -59,9 +63,13 @@ def rotate_exact(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
         d = (mag >> (_DIGIT_BITS * i)) & (2**_DIGIT_BITS - 1)
         c, s = jnp.asarray(cos_t[i])[d], jnp.asarray(sin_t[i])[d]
         cos, sin = (c, s) if cos is None else (cos * c - sin * s, sin * c + cos * s)
-    sin = jnp.where(p[..., None] < 0, -sin, sin)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return _turn(x, cos, jnp.where(p[..., None] < 0, -sin, sin))
+
+
+def rotate_slots(k: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
+    """`rotate_exact` of head-major keys `[B,K,S,H]` at cache positions `[B,S]` (shared by the KV heads)
+    or `[B,K,S]` (per head, after head-wise eviction)."""
+    return rotate_exact(k, pos[:, None] if pos.ndim == 2 else pos, theta)
 
 
 def apply_rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:

@@ -202,10 +202,10 @@ def with_passkeys(windows: np.ndarray, tokenizer: Tokenizer, fraction: float, se
     rng = np.random.default_rng([seed, 7])
     out = windows.copy()
     W = windows.shape[1]
+    room = W - len(tokenizer.encode(" 00000."))  # what the prompt may take: keys are 5 digits
     for row in np.flatnonzero(rng.random(len(windows)) < fraction):
-        answer = lambda key: tokenizer.encode(f" {key}.")  # noqa: E731
-        case = passkey_case(tokenizer, windows[row], W - len(answer("00000")), float(rng.random()), rng, bos=True)
-        ids = (case.prompt + answer(case.answer))[:W]
+        case = passkey_case(tokenizer, windows[row], room, float(rng.random()), rng, bos=True)
+        ids = (case.prompt + tokenizer.encode(f" {case.answer}."))[:W]
         out[row] = ids + [tokenizer.eos_id] * (W - len(ids))
     return out
 

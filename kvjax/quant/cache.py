@@ -49,7 +49,7 @@ from flax import struct
 
 from kvjax.cache import KVView, _append_slots, _Positioned, _scatter
 from kvjax.quant.packing import pack, packed_width, unpack
-from kvjax.rope import rotate_exact
+from kvjax.rope import rotate_slots
 from kvjax.quant.quantizers import dequantize, quantize
 
 METHODS = ("int", "kivi", "kvquant", "gear")
@@ -250,7 +250,7 @@ class QuantKVCache(_Positioned):
         slot = jnp.arange(S, dtype=jnp.int32)[None, :]
         k = cache.k
         if spec.method == "kvquant":  # un-rotate at the true positions (shared or per head)
-            k = rotate_exact(k, -(cache.pos[:, None] if cache.pos.ndim == 2 else cache.pos), spec.rope_theta)
+            k = rotate_slots(k, -cache.pos, spec.rope_theta)
         new = new._append(k, cache.v, jnp.where(slot < cache.length[:, None], slot, -1))
         return new.replace(pos=cache.pos)
 
@@ -265,7 +265,7 @@ class QuantKVCache(_Positioned):
             raise ValueError(f"new k {k.shape} / v {v.shape} / pos {pos.shape} do not fit this cache")
         k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,K,T,H]
         if self.spec.method == "kvquant":
-            k_hm = rotate_exact(k_hm, -pos[:, None], self.spec.rope_theta)
+            k_hm = rotate_slots(k_hm, -pos, self.spec.rope_theta)
         new = self._append(k_hm, v_hm, pos)
         k_view, v_view = new.dequantized()
         return new, KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos, quant=new.stored())
@@ -429,5 +429,5 @@ class QuantKVCache(_Positioned):
         at = jnp.where(at < self.length[:, None], at, self.capacity)
         k, v = _head_major_scatter(k, at, self.k_res), _head_major_scatter(v, at, self.v_res)
         if spec.method == "kvquant":  # RoPE at each slot's true position
-            k = rotate_exact(k, self.pos[:, None] if self.pos.ndim == 2 else self.pos, spec.rope_theta)
+            k = rotate_slots(k, self.pos, spec.rope_theta)
         return k, v

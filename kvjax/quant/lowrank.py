@@ -31,7 +31,7 @@ from flax import struct
 
 from kvjax.cache import KVView, _append_slots, _Positioned
 from kvjax.ops import attention, blocked_probs, decode_block, kernel_impl
-from kvjax.rope import rotate_exact
+from kvjax.rope import rotate_slots
 
 
 def group_heads(n_kv_heads: int, heads: int) -> int:
@@ -98,8 +98,7 @@ class LowRankKVCache(_Positioned):
         cache = cache.resized(capacity)
         K = cache.k.shape[1]
         Kg = k_basis.shape[0]
-        pos4 = cache.pos[:, None] if cache.pos.ndim == 2 else cache.pos
-        k_pre = rotate_exact(cache.k, -pos4, rope_theta)
+        k_pre = rotate_slots(cache.k, -cache.pos, rope_theta)
         zk = jnp.einsum("BGSi,Gir->BGSr", _grouped(k_pre, Kg).astype(jnp.float32), k_basis)
         zv = jnp.einsum("BGSi,Gir->BGSr", _grouped(cache.v, Kg).astype(jnp.float32), v_basis)
         return cls(
@@ -111,7 +110,7 @@ class LowRankKVCache(_Positioned):
         """Append a chunk k, v `[B,T,K,H]` (post-RoPE keys) at positions `[B,T]`."""
         Kg = self.k_basis.shape[0]
         slots = _append_slots(self.length, pos, self.capacity)
-        k_pre = rotate_exact(k.transpose(0, 2, 1, 3), -pos[:, None], self.rope_theta)
+        k_pre = rotate_slots(k.transpose(0, 2, 1, 3), -pos, self.rope_theta)
         zk = jnp.einsum("BGTi,Gir->BGTr", _grouped(k_pre, Kg).astype(jnp.float32), self.k_basis)
         zv = jnp.einsum("BGTi,Gir->BGTr", _grouped(v.transpose(0, 2, 1, 3), Kg).astype(jnp.float32), self.v_basis)
         new = self._write_slots(slots, pos, zk=jnp.moveaxis(zk, 1, 2), zv=jnp.moveaxis(zv, 1, 2))
@@ -123,7 +122,7 @@ class LowRankKVCache(_Positioned):
         """K (RoPE'd at each slot's position) and V `[B,K,S,H]` from the latents."""
         k_pre = _ungrouped(jnp.einsum("BGSr,Gir->BGSi", self.zk.astype(jnp.float32), self.k_basis), self.n_kv_heads)
         v = _ungrouped(jnp.einsum("BGSr,Gir->BGSi", self.zv.astype(jnp.float32), self.v_basis), self.n_kv_heads)
-        return rotate_exact(k_pre, self.pos[:, None] if self.pos.ndim == 2 else self.pos, self.rope_theta), v
+        return rotate_slots(k_pre, self.pos, self.rope_theta), v
 
 
 @struct.dataclass
@@ -168,7 +167,7 @@ def calibrate(model, tokens: np.ndarray, compressible: tuple[int, ...], ratio: f
         cache = caches[slot]
         K, H = cache.k.shape[1], cache.k.shape[3]
         g = group_heads(K, heads)
-        k_pre = rotate_exact(cache.k, -cache.pos[:, None], model.config.attention.rope_theta)
+        k_pre = rotate_slots(cache.k, -cache.pos, model.config.attention.rope_theta)
         samples = lambda x: np.asarray(x).transpose(0, 2, 1, 3).reshape(N * T, K, H)  # noqa: E731
         rank = rank_for(ratio, g * H)
         out.append((jnp.asarray(bases_from_samples(samples(k_pre), g, rank)),

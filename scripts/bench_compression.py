@@ -31,6 +31,7 @@ from bench_mla import filled_cache  # noqa: E402
 
 from kvjax import Generator  # noqa: E402
 from kvjax.cache import caches_nbytes, init_caches  # noqa: E402
+from kvjax.config import ConfigError  # noqa: E402
 from kvjax.compress import compress_caches, compressible, parse_policy, plan_stages  # noqa: E402
 from kvjax.quant.lowrank import calibrate  # noqa: E402
 from kvjax.report import format_bytes, format_table  # noqa: E402
@@ -55,6 +56,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--policies", nargs="+", help="measure these policies (kept 1) instead of the default set")
     args = parser.parse_args()
+    for text in args.policies or ():
+        parse_policy(text)  # a bad policy fails here, before the model loads
 
     model = load(args.model)
     cfg = model.config
@@ -97,4 +100,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as error:  # a bad model reference or policy: one line, before any timing
+        sys.exit(f"bench_compression: {error}")

@@ -426,7 +426,8 @@ class DataConfig:
     seq_len: int = 256
     val_fraction: float = 0.1
     eval_windows: int = 64
-    passkey: float = 0.0  # fraction of training windows rewritten as pass-key samples (training.data)
+    passkey: float = 0.0  # fraction of training rows rewritten as pass-key samples (training.data.PasskeyMix)
+    passkey_weight: float = 1.0  # loss weight of those samples' answer tokens (an ordinary token weighs 1)
 
     def __post_init__(self):
         p = "data"
@@ -434,6 +435,9 @@ class DataConfig:
         _require(0 < self.val_fraction < 1, f"{p}.val_fraction", self.val_fraction, "must be in (0, 1)")
         _positive(p, self, "eval_windows")
         _require(0 <= self.passkey <= 1, f"{p}.passkey", self.passkey, "must be a fraction in [0, 1]")
+        _require(self.passkey_weight > 0, f"{p}.passkey_weight", self.passkey_weight, "must be > 0")
+        _require(self.passkey > 0 or self.passkey_weight == 1, f"{p}.passkey_weight", self.passkey_weight,
+                 "applies only with data.passkey > 0 (pass-key samples in the mix); leave it at 1")
 
 
 @dataclasses.dataclass(frozen=True)

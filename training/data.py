@@ -192,34 +192,54 @@ def pack(docs: list[Document], tokenizer: Tokenizer, window: int) -> np.ndarray:
     return ids[: n * window].reshape(n, window)
 
 
-def with_passkeys(windows: np.ndarray, tokenizer: Tokenizer, fraction: float, seed: int) -> np.ndarray:
-    """A retrieval-bearing mix: `fraction` of the windows (drawn from `seed`) rewritten as pass-key
-    samples in the evaluation's own template (`training.compression_eval.passkey_case`, the window's
-    text as filler, the key at a uniform depth) followed by the answer, so that a model trained here
-    can learn to retrieve and `kvjax eval --task passkey` measures what compression takes away."""
-    from training.compression_eval import passkey_case
+@dataclasses.dataclass(frozen=True)
+class PasskeyMix:
+    """A retrieval-bearing training mix (`data.passkey`, `data.passkey_weight`): each row of a batch, with
+    probability `fraction`, is rewritten as a pass-key sample in the evaluation's own template
+    (`training.compression_eval.passkey_case`: the row's text as filler, the key at a uniform depth)
+    followed by the answer, so that a model trained here can learn to retrieve and `kvjax eval --task
+    passkey` measures what compression takes away. Rows and keys are drawn afresh for every batch (a key
+    fixed to a window would be memorized across epochs instead of copied), and the answer's tokens
+    weigh `weight` times an ordinary token in the loss: a 5-digit answer is otherwise ~0.5% of a
+    1k-token window's loss."""
 
-    rng = np.random.default_rng([seed, 7])
-    out = windows.copy()
-    W = windows.shape[1]
-    room = W - len(tokenizer.encode(" 00000."))  # what the prompt may take: keys are 5 digits
-    for row in np.flatnonzero(rng.random(len(windows)) < fraction):
-        case = passkey_case(tokenizer, windows[row], room, float(rng.random()), rng, bos=True)
-        ids = (case.prompt + tokenizer.encode(f" {case.answer}."))[:W]
-        out[row] = ids + [tokenizer.eos_id] * (W - len(ids))
-    return out
+    tokenizer: Tokenizer
+    fraction: float
+    weight: float = 1.0
+
+    def __call__(self, windows: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """The mixed windows `[B, W]` and the loss weight of each predicted token `[B, W-1]`."""
+        from training.compression_eval import passkey_case
+
+        tok = self.tokenizer
+        out = windows.copy()
+        weights = np.ones((windows.shape[0], windows.shape[1] - 1), np.float32)
+        W = windows.shape[1]
+        room = W - len(tok.encode(" 00000."))  # what the prompt may take: keys are 5 digits
+        for row in np.flatnonzero(rng.random(len(windows)) < self.fraction):
+            case = passkey_case(tok, windows[row], room, float(rng.random()), rng, bos=True)
+            answer = tok.encode(f" {case.answer}.")
+            ids = case.prompt + answer
+            out[row] = ids + [tok.eos_id] * (W - len(ids))
+            start = len(case.prompt) - 1  # the target index of the answer's first token
+            weights[row, start : start + len(answer)] = self.weight
+        return out, weights
 
 
 class BatchIterator:
-    """Batches of packed windows, reshuffled each epoch from (seed, epoch); `position` saves where it is
-    and passing it back continues at the same batch."""
+    """Batches `(windows, weights)` of packed windows, reshuffled each epoch from (seed, epoch);
+    `position` saves where it is and passing it back continues at the same batch. With a `mix` each
+    batch goes through it (seeded by seed, epoch and batch) and `weights` are its per-token loss
+    weights; without one, `weights` is None."""
 
-    def __init__(self, windows: np.ndarray, batch_size: int, seed: int, position: dict | None = None):
+    def __init__(self, windows: np.ndarray, batch_size: int, seed: int, position: dict | None = None,
+                 mix: PasskeyMix | None = None):
         if batch_size > len(windows):
             raise DataError(f"batch_size={batch_size} exceeds the {len(windows)} training windows")
         self.windows = windows
         self.batch_size = batch_size
         self.seed = seed
+        self.mix = mix
         self.epoch, self.index = (0, 0) if position is None else (position["epoch"], position["index"])
         self._order = self._permutation(self.epoch)
 
@@ -237,10 +257,12 @@ class BatchIterator:
     def __iter__(self):
         return self
 
-    def __next__(self) -> np.ndarray:
+    def __next__(self) -> tuple[np.ndarray, np.ndarray | None]:
         if self.index >= self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._permutation(self.epoch)
         rows = self._order[self.index * self.batch_size : (self.index + 1) * self.batch_size]
+        batch = self.windows[rows]
+        rng = np.random.default_rng([self.seed, self.epoch, self.index, 7])
         self.index += 1
-        return self.windows[rows]
+        return (batch, None) if self.mix is None else self.mix(batch, rng)

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from architectures import Decoder
 from kvjax.config import Config, ConfigError, TrainConfig, from_dict
 from training.checkpoint import Checkpointer, CheckpointError, abstract
-from training.data import BatchIterator, load_corpus, pack, split_documents, with_passkeys
+from training.data import BatchIterator, PasskeyMix, load_corpus, pack, split_documents
 from training.sharding import make_mesh, shard_batch, shard_params
 from training.tokenizer import Tokenizer, get_tokenizer
 
@@ -141,19 +141,24 @@ def token_losses(graphdef, params, windows: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
-def _train_step(graphdef, tx, schedule, accum, state: TrainState, batch):
-    def loss_fn(params, windows):
-        return token_losses(graphdef, params, windows).mean()
+def _train_step(graphdef, tx, schedule, accum, state: TrainState, batch, weights=None):
+    """One optimizer step on windows `[B, L+1]`; with `weights` `[B, L]` (a PasskeyMix's) the objective
+    is the mean of weighted token losses, while the logged `loss` stays the plain mean NLL."""
+    def loss_fn(params, windows, weights):
+        nll = token_losses(graphdef, params, windows)
+        return (nll if weights is None else nll * weights).mean(), nll.mean()
 
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum == 1:
-        loss, grads = grad_fn(state.params, batch)
+        (_, loss), grads = grad_fn(state.params, batch, weights)
     else:
         def add(carry, micro):
-            return jax.tree.map(jnp.add, carry, grad_fn(state.params, micro)), None
+            (_, loss), grads = grad_fn(state.params, *micro)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
+        split = lambda x: None if x is None else x.reshape(accum, -1, x.shape[-1])  # noqa: E731
         zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
-        (loss, grads), _ = jax.lax.scan(add, zero, batch.reshape(accum, -1, batch.shape[-1]))
+        (loss, grads), _ = jax.lax.scan(add, zero, (split(batch), split(weights)))
         loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new = state.replace(
@@ -199,6 +204,7 @@ class Corpus:
     tokenizer: Tokenizer
     train: np.ndarray  # [n, seq_len + 1] windows
     val: np.ndarray
+    mix: PasskeyMix | None = None  # applied to training batches (data.passkey); validation stays plain
 
 
 def prepare_corpus(cfg: Config) -> Corpus:
@@ -210,10 +216,8 @@ def prepare_corpus(cfg: Config) -> Corpus:
         )
     train_docs, val_docs = split_documents(load_corpus(cfg.data.corpus), cfg.data.val_fraction)
     window = cfg.data.seq_len + 1
-    train = pack(train_docs, tokenizer, window)
-    if cfg.data.passkey:
-        train = with_passkeys(train, tokenizer, cfg.data.passkey, cfg.train.seed)
-    return Corpus(tokenizer, train, pack(val_docs, tokenizer, window))
+    mix = PasskeyMix(tokenizer, cfg.data.passkey, cfg.data.passkey_weight) if cfg.data.passkey else None
+    return Corpus(tokenizer, pack(train_docs, tokenizer, window), pack(val_docs, tokenizer, window), mix)
 
 
 class Trainer:
@@ -289,7 +293,7 @@ class Trainer:
         the step in progress, checkpoints it and raises TrainingInterrupted."""
         cfg = self.config.train
         stop_at = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
-        iterator = BatchIterator(self.corpus.train, cfg.batch_size, cfg.seed, self.position)
+        iterator = BatchIterator(self.corpus.train, cfg.batch_size, cfg.seed, self.position, self.corpus.mix)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_run_config(self.run_dir, self.config)
         drop_superseded_metrics(self.run_dir / "metrics.jsonl", self.step)
@@ -300,8 +304,10 @@ class Trainer:
         with (open(self.run_dir / "metrics.jsonl", "a") as metrics_file, jax.set_mesh(self.mesh),
               _deferred_interrupt() as interrupted):
             while self.step < stop_at:
-                batch = shard_batch(next(iterator), self.mesh)
-                self.state, metrics = self._step(self.state, batch)
+                windows, weights = next(iterator)
+                batch = shard_batch(windows, self.mesh)
+                weights = None if weights is None else shard_batch(weights, self.mesh)
+                self.state, metrics = self._step(self.state, batch, weights)
                 row = {"step": self.step, **{k: float(v) for k, v in metrics.items()}}
                 if not math.isfinite(row["loss"]):
                     kept = self.checkpoints.latest_step()

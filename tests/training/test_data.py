@@ -72,12 +72,12 @@ def test_pack_frames_documents_and_cuts_windows():
 def test_iterator_restore_continues_at_the_same_batch_across_epochs():
     windows = np.arange(10 * 4).reshape(10, 4)
     it = BatchIterator(windows, batch_size=3, seed=5)
-    seen = [next(it) for _ in range(4)]  # 3 batches per epoch: this crosses into epoch 1
+    seen = [next(it)[0] for _ in range(4)]  # 3 batches per epoch: this crosses into epoch 1
     saved = it.position
     assert saved == {"epoch": 1, "index": 1}
-    rest = [next(it) for _ in range(5)]
+    rest = [next(it)[0] for _ in range(5)]
     resumed = BatchIterator(windows, batch_size=3, seed=5, position=saved)
-    for a, b in zip(rest, (next(resumed) for _ in range(5))):
+    for a, b in zip(rest, (next(resumed)[0] for _ in range(5))):
         np.testing.assert_array_equal(a, b)
     epoch0 = np.concatenate(seen[:3])[:, 0]
     assert len(set(epoch0)) == 9  # no window twice in an epoch
@@ -127,25 +127,56 @@ def test_a_hub_dataset_offline_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.4, 1.0])
-def test_a_passkey_mix_rewrites_that_fraction_of_windows_in_the_eval_template(kjv, fraction):
-    """data.passkey: the chosen windows become the evaluation's own pass-key prompt (the window's text as
-    filler) followed by the answer; the others stay as they were."""
+def test_a_passkey_mix_rewrites_that_fraction_of_rows_in_the_eval_template(kjv, fraction):
+    """data.passkey: each batch's chosen rows become the evaluation's own pass-key prompt (the row's text
+    as filler) followed by the answer, whose tokens alone carry data.passkey_weight; the other rows stay
+    as they were. Keys are drawn afresh each epoch, and a resumed iterator repeats the same batches."""
     import re
 
-    from kvjax.config import ConfigError, DataConfig
-    from training.data import with_passkeys
+    from training.data import PasskeyMix
 
     tok = get_tokenizer("byte")
-    windows = pack(kjv[:2], tok, 513)
-    mixed = with_passkeys(windows, tok, fraction, seed=3)
-    changed = (mixed != windows).any(axis=1)
-    assert abs(changed.mean() - fraction) < 0.1 and mixed.shape == windows.shape
-    np.testing.assert_array_equal(mixed[~changed], windows[~changed])
-    np.testing.assert_array_equal(with_passkeys(windows, tok, fraction, seed=3), mixed)  # seeded
-    for row in np.flatnonzero(changed)[:20]:
-        text = tok.decode(mixed[row].tolist())
-        assert text.startswith("There is an important piece of information")
-        key = re.search(r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", text).group(1)
-        assert text.endswith(f"\nWhat is the pass key? The pass key is {key}.")
+    windows = pack(kjv[:1], tok, 513)[:40]
+    it = BatchIterator(windows, batch_size=4, seed=3, mix=PasskeyMix(tok, fraction, weight=20.0))
+    per_epoch = it.batches_per_epoch
+    batches = [next(it) for _ in range(2 * per_epoch)]
+    resumed = BatchIterator(windows, batch_size=4, seed=3, position={"epoch": 1, "index": 0},
+                            mix=PasskeyMix(tok, fraction, weight=20.0))
+    for (a, wa), (b, wb) in zip(batches[per_epoch:], (next(resumed) for _ in range(per_epoch))):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(wa, wb)
+    plain = BatchIterator(windows, batch_size=4, seed=3)
+    keys = {}  # original row -> its key in each epoch
+    changed = []
+    for epoch in range(2):
+        for index in range(per_epoch):
+            (mixed, weights), (original, none) = batches[epoch * per_epoch + index], next(plain)
+            assert none is None and mixed.shape == original.shape and weights.shape == (4, 512)
+            for row in range(4):
+                if np.array_equal(mixed[row], original[row]):
+                    changed.append(False)
+                    assert (weights[row] == 1).all()
+                    continue
+                changed.append(True)
+                text = tok.decode(mixed[row].tolist())
+                assert text.startswith("There is an important piece of information")
+                key = re.search(r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", text).group(1)
+                assert text.endswith(f"\nWhat is the pass key? The pass key is {key}.")
+                heavy = np.flatnonzero(weights[row] != 1)  # the targets " 12345." exactly
+                assert (weights[row, heavy] == 20).all() and len(heavy) == 7
+                assert tok.decode(mixed[row, heavy + 1].tolist()) == f" {key}."
+                keys.setdefault(original[row, :64].tobytes(), []).append(key)
+    assert abs(np.mean(changed) - fraction) < 0.15
+    repeats = [k for k in keys.values() if len(k) == 2]
+    assert fraction < 1 or (repeats and all(a != b for a, b in repeats))  # a fresh key each epoch
+
+
+def test_passkey_settings_are_checked():
+    from kvjax.config import ConfigError, DataConfig
+
     with pytest.raises(ConfigError, match=r"data.passkey.*\[0, 1\]"):
         DataConfig(passkey=1.5)
+    with pytest.raises(ConfigError, match=r"data.passkey_weight=0.*> 0"):
+        DataConfig(passkey=0.5, passkey_weight=0)
+    with pytest.raises(ConfigError, match=r"data.passkey_weight=5.*only with data.passkey > 0"):
+        DataConfig(passkey_weight=5)

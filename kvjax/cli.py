@@ -328,9 +328,9 @@ def _cmd_compare(args) -> None:
 
     exp = load_experiment(args.experiment)
     if isinstance(exp, UptrainExperiment):
-        if args.variants or args.seeds or args.lr_grid or args.decode_contexts:
-            raise ConfigError("--variants, --seeds, --lr-grid and --decode-contexts apply to model comparisons; "
-                              "an uptraining experiment lists conversions and trains each once")
+        if args.variants or args.seeds or args.lr_grid or args.decode_contexts or args.match_params:
+            raise ConfigError("--variants, --seeds, --lr-grid, --decode-contexts and --match-params apply to model "
+                              "comparisons; an uptraining experiment lists conversions and trains each once")
         out = Path(args.out) if args.out else _compare_dir(args) / "uptrain"  # its runs apart from the variants'
         return run_uptrain_compare(exp, out, quick=args.quick, name=Path(args.experiment).stem)
     if args.variants:
@@ -341,6 +341,8 @@ def _cmd_compare(args) -> None:
         exp = dataclasses.replace(exp, lr_grid=tuple(args.lr_grid))
     if args.decode_contexts:
         exp = dataclasses.replace(exp, decode_contexts=tuple(args.decode_contexts))
+    if args.match_params:
+        exp = dataclasses.replace(exp, match_params=True)
     name = Path(args.experiment).stem if args.experiment else "compare"
     # Every experiment shares runs/compare/{full,quick}/<variant> by default, so a variant trained with
     # the same config by another experiment is reused; tables and plots are named after the experiment.
@@ -520,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "(e.g. 512 1024 2048 4096 8192), each model alone after training, plotted to NAME-decode.png")
     cmp.add_argument("--lr-grid", type=POSITIVE_FLOAT, nargs="+", help="learning rates tried per variant on a "
                      "short budget, the best on a held-out selection split kept (default: the experiment's, none)")
+    cmp.add_argument("--match-params", action="store_true", help="set each variant's model.ffn_dim so that its "
+                     "parameters equal the first variant's (default: the experiment's match_params, off)")
     cmp.add_argument("--out", help="directory for the runs, tables and plot, used as given "
                      "(default: runs/compare/full, or runs/compare/quick with --quick)")
     pol = cmp.add_argument_group("policy table (token-level compression of one model)")

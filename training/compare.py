@@ -9,7 +9,9 @@ the Pareto front, and a summary says for each pair whether the intervals separat
 rate and keeps the one with the best bits/byte on validation windows the table does not report (the
 CLA paper tunes per variant: orderings can depend on it). With `decode_contexts:` (`--decode-contexts`)
 every trained model's decode speed is measured at each context after all training, alone, and plotted
-against the context (`<name>-decode.png`). The JSON records the library versions, XLA flags and
+against the context (`<name>-decode.png`). With `match_params: true` (`--match-params`) every variant's
+`model.ffn_dim` is set so that its parameter count is the nearest to the first variant's (the
+comparison at equal parameters as well as equal tokens). The JSON records the library versions, XLA flags and
 device the numbers came from."""
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class CompareConfig:
     lr_steps: int | None = None  # that budget (default: a quarter of train.steps)
     decode_contexts: tuple[int, ...] = ()  # contexts of the decode-speed curve (batch decode_batch), after training
     pairs: tuple[tuple[str, str], ...] = ()  # variant pairs whose intervals are compared (default: each vs the first)
+    match_params: bool = False  # each variant's model.ffn_dim set so its parameters equal the first variant's
 
     def __post_init__(self):
         if not self.variants:
@@ -85,6 +88,37 @@ def load_experiment(name: str | Path | None = None):
     return from_dict(UptrainExperiment if "conversions" in tree else CompareConfig, tree)
 
 
+def count_params(cfg) -> int:
+    """Parameters of a model config, from its abstract shapes (nothing allocated)."""
+    from architectures.decoder import Decoder
+
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    return int(sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
+def match_params(configs: dict) -> dict:
+    """{variant: config} with every config after the first given the `model.ffn_dim` whose parameter
+    count is nearest the first's. Parameters are affine in ffn_dim (each layer's FFN or RWKV channel mix
+    has 2-3 matrices of d_model x ffn_dim), so two counts give the slope; a variant whose count does not
+    depend on ffn_dim, or would need ffn_dim < 1, is an error."""
+    (first, reference), *rest = configs.items()
+    target = count_params(reference.model)
+    out = {first: reference}
+    for variant, cfg in rest:
+        at = lambda ffn: count_params(dataclasses.replace(cfg.model, ffn_dim=ffn))  # noqa: E731
+        base = cfg.model.ffn_dim
+        slope = (at(base + 8) - at(base)) / 8
+        if slope == 0:
+            raise ConfigError(f"match_params: {variant}'s parameters do not depend on model.ffn_dim, so they cannot "
+                              f"be matched to {first}'s {target:,}")
+        ffn = base + round((target - at(base)) / slope)
+        if ffn < 1:
+            raise ConfigError(f"match_params: {variant} would need model.ffn_dim={ffn} (< 1) to have {first}'s "
+                              f"{target:,} parameters")
+        out[variant] = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_dim=ffn))
+    return out
+
+
 @dataclasses.dataclass
 class Row:
     variant: str
@@ -103,6 +137,7 @@ class Row:
     lr: float = 0.0  # the learning rate trained with (the best of the grid, when there is one)
     lr_selection: dict = dataclasses.field(default_factory=dict)  # grid rate -> selection-split bits/byte
     decode_curve: dict = dataclasses.field(default_factory=dict)  # context -> decode tokens/s (batch decode_batch)
+    ffn_dim: int = 0  # the variant's model.ffn_dim (set per variant with match_params)
 
 
 def selection_windows(corpus, data) -> np.ndarray:
@@ -220,6 +255,9 @@ def run_compare(
     data_configs = {c.data for c in configs.values()}
     if len(data_configs) != 1:
         raise ConfigError("all variants of a comparison must share one data config (the same corpus and budget)")
+    unmatched = configs
+    if exp.match_params:
+        configs = match_params(configs)
     corpus = prepare_corpus(next(iter(configs.values())))
     rows, models = [], []
     for i, (variant, cfg) in enumerate(configs.items(), 1):
@@ -228,7 +266,8 @@ def run_compare(
             log(f"[{i}/{len(configs)}] {variant}: learning-rate grid {', '.join(f'{lr:g}' for lr in exp.lr_grid)}")
             lr, lr_scores = pick_lr(cfg, exp, corpus, out_dir, log)
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=lr))
-        run_name = variant if cfg.train.lr == base_lr else f"{variant}-lr{cfg.train.lr:g}"
+        run_name = variant + ("" if cfg.model == unmatched[variant].model else f"-ffn{cfg.model.ffn_dim}")
+        run_name += "" if cfg.train.lr == base_lr else f"-lr{cfg.train.lr:g}"
         seeds = [cfg.train.seed + s for s in range(exp.seeds)]
         scores, model = [], None
         for seed in seeds:  # the first seed's run is the variant's own directory (reused across experiments)
@@ -246,7 +285,6 @@ def run_compare(
             scores.append(trainer.evaluate())
             model = model or trainer.model()  # speed and bytes: the first seed's model
         bpb, interval = mean_interval([sc["eval_bpb"] for sc in scores])
-        n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
         prompt_len = exp.decode_context - exp.decode_tokens
         prompts = np.resize(corpus.val[:, :prompt_len], (exp.decode_batch, prompt_len))
         _, decode_s, caches = generation_times(model, prompts, exp.decode_tokens, repeats=1 if quick else 5)
@@ -257,7 +295,7 @@ def run_compare(
             raise AssertionError(f"{variant}: measured cache bytes {measured} != analytic {analytic}")
         row = Row(
             variant=variant,
-            params=int(n_params),
+            params=count_params(cfg.model),
             kv_bytes_per_token=memory.kv_bytes_per_token(cfg.model),
             state_bytes_per_sequence=memory.state_bytes_per_sequence(cfg.model),
             cache_bytes_analytic=analytic,
@@ -271,6 +309,7 @@ def run_compare(
             seeds=tuple(seeds),
             lr=cfg.train.lr,
             lr_selection=lr_scores,
+            ffn_dim=cfg.model.ffn_dim,
         )
         models.append(model)
         spread = f" +- {interval:.3f}" if exp.seeds > 1 else ""
@@ -303,12 +342,17 @@ def render(rows: list[Row], exp: CompareConfig) -> str:
         headers[6] = f"val bits/byte ({exp.seeds} seeds, 95%)"
     if exp.lr_grid:
         headers.append("lr (grid)")
+    if exp.match_params:
+        headers.insert(2, "ffn")
     body = [
         [r.variant, f"{r.params:,}", r.kv_bytes_per_token, r.state_bytes_per_sequence, format_bytes(r.cache_bytes_analytic),
          format_bytes(r.cache_bytes_measured), f"{r.val_bpb:.4f}" + (f" +- {r.val_bpb_interval:.4f}" if exp.seeds > 1 else ""),
          f"{r.val_ppl:.3f}", f"{r.decode_tokens_per_s:,.0f}", *([f"{r.lr:g}"] if exp.lr_grid else [])]
         for r in rows
     ]
+    if exp.match_params:
+        for line, r in zip(body, rows):
+            line.insert(2, r.ffn_dim)
     return format_table(headers, body)
 
 

@@ -80,10 +80,13 @@ def test_intervals_separation_and_pareto_front_on_known_numbers():
 
 @pytest.mark.slow
 def test_compare_with_seeds_trains_each_variant_per_seed_and_reports_intervals(tmp_path, capsys):
-    args = ["compare", "--quick", "--seeds", "2", "--decode-contexts", "64", "128", "--out", str(tmp_path)]
+    args = ["compare", "--quick", "--seeds", "2", "--decode-contexts", "64", "128", "--match-params", "--out", str(tmp_path)]
     assert main([*args, "--variants", "gqa", "mqa"]) == 0
     out = capsys.readouterr().out
     record = json.loads((tmp_path / "compare.json").read_text())
+    gqa, mqa = record["rows"]  # mqa's narrower K/V projections given back as a wider FFN
+    assert mqa["ffn_dim"] > gqa["ffn_dim"] and abs(mqa["params"] - gqa["params"]) < 0.01 * gqa["params"]
+    assert (tmp_path / f"mqa-ffn{mqa['ffn_dim']}-seed1").is_dir() and "| ffn " in out
     for row in record["rows"]:
         assert row["seeds"] == [0, 1] and len(set(row["val_bpb_seeds"])) == 2  # the seeds really differ
         assert row["val_bpb"] == pytest.approx(np.mean(row["val_bpb_seeds"])) and row["val_bpb_interval"] > 0
@@ -136,3 +139,26 @@ def test_experiments_by_name_inherit_the_budget(tmp_path):
     assert sharing.overrides == default.overrides and sharing.quick == default.quick
     with pytest.raises(ConfigError, match="neither a file nor a shipped experiment"):
         load_experiment("sharnig")
+
+
+def test_match_params_gives_each_variant_the_first_ones_parameter_count(monkeypatch):
+    """--match-params: ffn_dim per variant, nearest the reference's count (within half a step of
+    ffn_dim); the reference is untouched; impossible matches are clear errors."""
+    import training.compare as compare
+
+    overrides = load_experiment("study").overrides
+    configs = {v: load_config(v, overrides) for v in ("gqa", "mqa-cla2", "yoco-gret", "rwkv7", "retnet")}
+    matched = compare.match_params(configs)
+    target = compare.count_params(configs["gqa"].model)
+    assert matched["gqa"] is configs["gqa"]
+    for variant, cfg in matched.items():
+        step = compare.count_params(dataclasses.replace(cfg.model, ffn_dim=cfg.model.ffn_dim + 1)) - compare.count_params(cfg.model)
+        assert abs(compare.count_params(cfg.model) - target) <= step / 2, variant
+        assert dataclasses.replace(cfg.model, ffn_dim=512) == configs[variant].model  # nothing else changes
+    assert matched["retnet"].model.ffn_dim < 512 < matched["mqa-cla2"].model.ffn_dim
+    tiny = {"gqa": load_config("gqa", [*overrides, "model.ffn_dim=8"]), "retnet": configs["retnet"]}
+    with pytest.raises(ConfigError, match=r"retnet would need model.ffn_dim=-\d+ \(< 1\)"):
+        compare.match_params(tiny)
+    monkeypatch.setattr(compare, "count_params", lambda cfg: 1000 if cfg.name == "gqa" else 900)
+    with pytest.raises(ConfigError, match="mqa-cla2's parameters do not depend on model.ffn_dim"):
+        compare.match_params(configs)

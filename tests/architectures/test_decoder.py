@@ -20,7 +20,7 @@ from tests.architectures.oracles import (
 
 TWO_LAYERS = "model.n_layers=2"
 # The shipped SWA window (64) exceeds these tiny sequences; 8 makes the ring wrap during the test.
-VARIANTS = {"mha": [], "gqa": [], "mqa": [], "swa": ["model.attention.window=8"]}
+VARIANTS = {"mha": [], "gqa": [], "mqa": [], "mqa-half": [], "swa": ["model.attention.window=8"]}
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])

@@ -12,7 +12,7 @@ from kvjax.config import (
     load_config,
 )
 
-SHIPPED = ["mha", "gqa", "mqa", "swa", "cla2", "mqa-cla2", "cla3", "mlkv-2", "mlkv-1"]
+SHIPPED = ["mha", "gqa", "mqa", "mqa-half", "swa", "cla2", "mqa-cla2", "cla3", "mlkv-2", "mlkv-1"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)

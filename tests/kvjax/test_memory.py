@@ -12,7 +12,7 @@ from kvjax.cache import caches_nbytes, init_caches
 from kvjax.config import AttentionConfig, ModelConfig, load_config
 
 
-@pytest.mark.parametrize("name", ["mha", "gqa", "mqa", "swa", "cla2", "mlkv-1"])
+@pytest.mark.parametrize("name", ["mha", "gqa", "mqa", "mqa-half", "swa", "cla2", "mlkv-1"])
 @pytest.mark.parametrize("capacity", [1, 63, 64, 65, 1000])
 def test_shipped_configs_measured_equals_analytic(name, capacity):
     cfg = load_config(name).model

@@ -262,7 +262,7 @@ class BatchIterator:
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._permutation(self.epoch)
         rows = self._order[self.index * self.batch_size : (self.index + 1) * self.batch_size]
-        batch = self.windows[rows]
-        rng = np.random.default_rng([self.seed, self.epoch, self.index, 7])
-        self.index += 1
-        return (batch, None) if self.mix is None else self.mix(batch, rng)
+        batch, self.index = self.windows[rows], self.index + 1
+        if self.mix is None:
+            return batch, None
+        return self.mix(batch, np.random.default_rng([self.seed, self.epoch, self.index - 1, 7]))

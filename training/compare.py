@@ -105,13 +105,13 @@ def match_params(configs: dict) -> dict:
     target = count_params(reference.model)
     out = {first: reference}
     for variant, cfg in rest:
-        at = lambda ffn: count_params(dataclasses.replace(cfg.model, ffn_dim=ffn))  # noqa: E731
         base = cfg.model.ffn_dim
-        slope = (at(base + 8) - at(base)) / 8
+        here = count_params(cfg.model)
+        slope = (count_params(dataclasses.replace(cfg.model, ffn_dim=base + 8)) - here) / 8
         if slope == 0:
             raise ConfigError(f"match_params: {variant}'s parameters do not depend on model.ffn_dim, so they cannot "
                               f"be matched to {first}'s {target:,}")
-        ffn = base + round((target - at(base)) / slope)
+        ffn = base + round((target - here) / slope)
         if ffn < 1:
             raise ConfigError(f"match_params: {variant} would need model.ffn_dim={ffn} (< 1) to have {first}'s "
                               f"{target:,} parameters")
@@ -342,17 +342,15 @@ def render(rows: list[Row], exp: CompareConfig) -> str:
         headers[6] = f"val bits/byte ({exp.seeds} seeds, 95%)"
     if exp.lr_grid:
         headers.append("lr (grid)")
-    if exp.match_params:
+    if exp.match_params:  # the FFN widths differ only when matched
         headers.insert(2, "ffn")
     body = [
-        [r.variant, f"{r.params:,}", r.kv_bytes_per_token, r.state_bytes_per_sequence, format_bytes(r.cache_bytes_analytic),
-         format_bytes(r.cache_bytes_measured), f"{r.val_bpb:.4f}" + (f" +- {r.val_bpb_interval:.4f}" if exp.seeds > 1 else ""),
+        [r.variant, f"{r.params:,}", *([r.ffn_dim] if exp.match_params else []), r.kv_bytes_per_token,
+         r.state_bytes_per_sequence, format_bytes(r.cache_bytes_analytic), format_bytes(r.cache_bytes_measured),
+         f"{r.val_bpb:.4f}" + (f" +- {r.val_bpb_interval:.4f}" if exp.seeds > 1 else ""),
          f"{r.val_ppl:.3f}", f"{r.decode_tokens_per_s:,.0f}", *([f"{r.lr:g}"] if exp.lr_grid else [])]
         for r in rows
     ]
-    if exp.match_params:
-        for line, r in zip(body, rows):
-            line.insert(2, r.ffn_dim)
     return format_table(headers, body)
 
 

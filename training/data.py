@@ -212,9 +212,9 @@ class PasskeyMix:
         from training.compression_eval import passkey_case
 
         tok = self.tokenizer
+        B, W = windows.shape
         out = windows.copy()
-        weights = np.ones((windows.shape[0], windows.shape[1] - 1), np.float32)
-        W = windows.shape[1]
+        weights = np.ones((B, W - 1), np.float32)
         room = W - len(tok.encode(" 00000."))  # what the prompt may take: keys are 5 digits
         for row in np.flatnonzero(rng.random(len(windows)) < self.fraction):
             case = passkey_case(tok, windows[row], room, float(rng.random()), rng, bos=True)

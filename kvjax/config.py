@@ -426,8 +426,9 @@ class DataConfig:
     seq_len: int = 256
     val_fraction: float = 0.1
     eval_windows: int = 64
-    passkey: float = 0.0  # fraction of training rows rewritten as pass-key samples (training.data.PasskeyMix)
+    passkey: float = 0.0  # fraction of training rows rewritten as pass-key samples (training.data.TrainingMix)
     passkey_weight: float = 1.0  # loss weight of those samples' answer tokens (an ordinary token weighs 1)
+    repeats: float = 0.0  # fraction of training rows replaced by induction rows (training.data.induction_row)
 
     def __post_init__(self):
         p = "data"
@@ -438,6 +439,9 @@ class DataConfig:
         _require(self.passkey_weight > 0, f"{p}.passkey_weight", self.passkey_weight, "must be > 0")
         _require(self.passkey > 0 or self.passkey_weight == 1, f"{p}.passkey_weight", self.passkey_weight,
                  "applies only with data.passkey > 0 (pass-key samples in the mix); leave it at 1")
+        _require(0 <= self.repeats <= 1, f"{p}.repeats", self.repeats, "must be a fraction in [0, 1]")
+        _require(self.passkey + self.repeats <= 1, f"{p}.repeats", self.repeats,
+                 f"plus data.passkey={self.passkey} must be <= 1 (each row is one kind)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,6 +464,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     trainable: str = "all"  # all, or kv: only K/V projections and K/V norms (what uptraining converted)
+    init: str | None = None  # a run directory whose trained weights start this run (a curriculum's earlier stage)
 
     def __post_init__(self):
         p = "train"

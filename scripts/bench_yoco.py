@@ -3,7 +3,7 @@
 Both are the compare shape (`configs/models/gqa.yaml`, `yoco-swa.yaml`, `yoco-gret.yaml`: d_model 128,
 4 layers, 8 query heads, 2 K/V heads), batch 1, fp32. Prompts are prefilled in chunks of `--chunk`
 tokens (as a serving system would, so that a 16k-token prompt fits in memory) through
-`Decoder.prefill_last`: YOCO runs its self-decoder and the global K/V projection over every token, and
+`Generator.prefill(..., chunk=)` (`Decoder.prefill_last` per chunk): YOCO runs its self-decoder and the global K/V projection over every token, and
 its cross-decoder only for the last token; GQA runs every layer over every token (its last layer's
 queries only for the last token). Ratios are against GQA at the same length, in the same process.
 
@@ -17,34 +17,16 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from architectures import Decoder
-from kvjax.cache import caches_nbytes, init_caches
+from kvjax.cache import caches_nbytes
+from kvjax.generate import Generator
 from kvjax.config import load_config
 from kvjax.report import format_bytes, format_table
 
 VARIANTS = ("gqa", "yoco-swa", "yoco-gret")
-
-
-def chunked_prefill(model: Decoder, capacity: int, chunk: int):
-    """A jitted function prompt `[1,T]` -> (last hidden state, caches), T a multiple of `chunk`."""
-    graphdef, params = nnx.split(model)
-
-    @jax.jit
-    def step(params, caches, tokens, positions):
-        return nnx.merge(graphdef, params).prefill_last(tokens, positions, caches, jnp.full((1,), chunk - 1))
-
-    def run(prompt: np.ndarray):
-        caches = init_caches(model.config, 1, capacity)
-        for start in range(0, prompt.shape[1], chunk):
-            positions = jnp.arange(start, start + chunk, dtype=jnp.int32)[None]
-            hidden, caches = step(params, caches, jnp.asarray(prompt[:, start : start + chunk]), positions)
-        return jax.block_until_ready((hidden, caches))
-
-    return run
 
 
 def main() -> None:
@@ -53,21 +35,19 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    if any(n % args.chunk for n in args.lengths):
-        raise SystemExit(f"--lengths {args.lengths} must be multiples of --chunk {args.chunk}")
 
     rows = []
     for length in args.lengths:
         prompt = np.random.default_rng(0).integers(0, 256, (1, length))
         seconds, nbytes = {}, {}
         for name in VARIANTS:
-            model = Decoder(load_config(name).model, rngs=nnx.Rngs(0))
-            run = chunked_prefill(model, length, args.chunk)
-            _, caches = run(prompt)  # compiles
+            gen = Generator(Decoder(load_config(name).model, rngs=nnx.Rngs(0)), capacity=length)
+            lengths = np.array([length], np.int32)
+            _, caches = jax.block_until_ready(gen.prefill(prompt, lengths, chunk=args.chunk))  # compiles
             times = []
             for _ in range(args.repeats):
                 start = time.perf_counter()
-                run(prompt)
+                jax.block_until_ready(gen.prefill(prompt, lengths, chunk=args.chunk))
                 times.append(time.perf_counter() - start)
             seconds[name], nbytes[name] = min(times), caches_nbytes(caches)
         for name in VARIANTS:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -218,24 +219,57 @@ def environment() -> dict:
             "machine": platform.machine()}
 
 
-def generation_times(model, prompts: np.ndarray, new_tokens: int, repeats: int = 5) -> tuple[float, float, tuple]:
-    """(prefill seconds, greedy decode seconds, final caches) for a batch of prompts that, with the new
-    tokens, fill the cache; each phase timed separately, the median of `repeats` rounds after one that
-    compiles and warms up. The decode samples `new_tokens` tokens with `new_tokens - 1` forward steps."""
-    gen = Generator(model, capacity=prompts.shape[1] + new_tokens)
+PREFILL_CHUNK = 512  # decode timings prefill their prompts in chunks: an 8 x 8k prompt unchunked needs 17 GB of scores
+
+
+def _decode_rounds(gen: Generator, logits, caches, lengths, new_tokens: int, repeats: int) -> tuple[float, tuple]:
+    """Median seconds of `repeats` greedy decodes of `new_tokens` tokens (after one that compiles), each
+    from a fresh copy of the prefilled caches (the decode donates them), and the last round's caches."""
     decoding = DecodingConfig(max_new_tokens=new_tokens)
-    tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
     rng = jax.random.key(0)
-    prefills, decodes = [], []
+    seconds = []
+    for _ in range(1 + repeats):
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, caches))
+        start = time.perf_counter()
+        result = gen.decode(fresh, logits, lengths, decoding, rng)
+        jax.block_until_ready(result.caches)
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds[1:])), result.caches
+
+
+def decode_seconds(model, prompts: np.ndarray, new_tokens: int, repeats: int = 5) -> tuple[float, tuple]:
+    """(greedy decode seconds, final caches) for a batch of prompts that, with the new tokens, fill the
+    cache: prefilled once (in chunks of PREFILL_CHUNK), then the median of `repeats` timed decodes. The
+    decode samples `new_tokens` tokens with `new_tokens - 1` forward steps."""
+    gen = Generator(model, capacity=prompts.shape[1] + new_tokens)
+    tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
+    logits, caches = gen.prefill(tokens, lengths, chunk=PREFILL_CHUNK)
+    return _decode_rounds(gen, logits, caches, lengths, new_tokens, repeats)
+
+
+def decode_curve(model, stream: np.ndarray, exp: CompareConfig, repeats: int) -> dict[int, float]:
+    """Decode tokens/s at each of the experiment's `decode_contexts` (batch `decode_batch`): prompts cut
+    from a token stream (repeated as needed) that, with `decode_tokens` new tokens, fill the context."""
+    curve = {}
+    for context in exp.decode_contexts:
+        prompts = np.resize(stream, (exp.decode_batch, context - exp.decode_tokens))
+        seconds, _ = decode_seconds(model, prompts, exp.decode_tokens, repeats)
+        curve[context] = exp.decode_batch * exp.decode_tokens / seconds
+    return curve
+
+
+def generation_times(model, prompts: np.ndarray, new_tokens: int, repeats: int = 5) -> tuple[float, float, tuple]:
+    """(prefill seconds, decode seconds, final caches): `decode_seconds`, with the one-pass prefill timed
+    as well (the median of `repeats` rounds after one that compiles)."""
+    gen = Generator(model, capacity=prompts.shape[1] + new_tokens)
+    tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
+    prefills = []
     for _ in range(1 + repeats):
         start = time.perf_counter()
         logits, caches = jax.block_until_ready(gen.prefill(tokens, lengths))
         prefills.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        result = gen.decode(caches, logits, lengths, decoding, rng)
-        jax.block_until_ready(result.caches)
-        decodes.append(time.perf_counter() - start)
-    return float(np.median(prefills[1:])), float(np.median(decodes[1:])), result.caches
+    decode_s, caches = _decode_rounds(gen, logits, caches, lengths, new_tokens, repeats)
+    return float(np.median(prefills[1:])), decode_s, caches
 
 
 def run_compare(
@@ -287,7 +321,7 @@ def run_compare(
         bpb, interval = mean_interval([sc["eval_bpb"] for sc in scores])
         prompt_len = exp.decode_context - exp.decode_tokens
         prompts = np.resize(corpus.val[:, :prompt_len], (exp.decode_batch, prompt_len))
-        _, decode_s, caches = generation_times(model, prompts, exp.decode_tokens, repeats=1 if quick else 5)
+        decode_s, caches = decode_seconds(model, prompts, exp.decode_tokens, repeats=1 if quick else 5)
         tok_s = exp.decode_batch * exp.decode_tokens / decode_s
         analytic = memory.cache_bytes(cfg.model, exp.decode_context, exp.decode_batch)
         measured = caches_nbytes(caches)
@@ -319,10 +353,7 @@ def run_compare(
         log(f"decode speed at {', '.join(map(str, exp.decode_contexts))} tokens (batch {exp.decode_batch})")
         stream = corpus.val.reshape(-1)
         for row, model in zip(rows, models):
-            for context in exp.decode_contexts:
-                prompts = np.resize(stream, (exp.decode_batch, context - exp.decode_tokens))
-                _, seconds, _ = generation_times(model, prompts, exp.decode_tokens, repeats=1 if quick else 3)
-                row.decode_curve[context] = exp.decode_batch * exp.decode_tokens / seconds
+            row.decode_curve.update(decode_curve(model, stream, exp, repeats=1 if quick else 3))
             log(f"  {row.variant}: " + ", ".join(f"{c} {t:,.0f}" for c, t in row.decode_curve.items()) + " tokens/s")
     write_outputs(rows, exp, out_dir, name)
     log(render(rows, exp))
@@ -399,16 +430,26 @@ def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path, name: str 
     fig.savefig(out_dir / f"{name}.png")
     plt.close(fig)
     if rows[0].decode_curve:
-        fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-        for r in rows:
-            ax.plot(list(r.decode_curve), list(r.decode_curve.values()), marker="o", label=r.variant)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(f"decode tokens/s (batch {exp.decode_batch})")
-        ax.set_title("Decode speed against context: what bytes per token predict", fontsize=9)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / f"{name}-decode.png")
-        plt.close(fig)
+        plot_decode_curves({r.variant: r.decode_curve for r in rows}, exp.decode_batch, out_dir / f"{name}-decode.png")
+
+
+def plot_decode_curves(curves: dict[str, dict[int, float]], batch: int, path: Path) -> None:
+    """Decode tokens/s against context length, one line per variant, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for variant, curve in curves.items():
+        ax.plot(list(curve), list(curve.values()), marker="o", label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(f"decode tokens/s (batch {batch})")
+    ax.set_title("Decode speed against context: what bytes per token predict", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

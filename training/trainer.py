@@ -25,9 +25,9 @@ from flax import nnx, struct
 from tqdm.auto import tqdm
 
 from architectures import Decoder
-from kvjax.config import Config, ConfigError, TrainConfig, from_dict
+from kvjax.config import Config, ConfigError, ModelConfig, TrainConfig, from_dict
 from training.checkpoint import Checkpointer, CheckpointError, abstract
-from training.data import BatchIterator, PasskeyMix, load_corpus, pack, split_documents
+from training.data import BatchIterator, TrainingMix, load_corpus, pack, split_documents
 from training.sharding import make_mesh, shard_batch, shard_params
 from training.tokenizer import Tokenizer, get_tokenizer
 
@@ -142,7 +142,7 @@ def token_losses(graphdef, params, windows: jax.Array) -> jax.Array:
 
 
 def _train_step(graphdef, tx, schedule, accum, state: TrainState, batch, weights=None):
-    """One optimizer step on windows `[B, L+1]`; with `weights` `[B, L]` (a PasskeyMix's) the objective
+    """One optimizer step on windows `[B, L+1]`; with `weights` `[B, L]` (a TrainingMix's) the objective
     is the mean of weighted token losses, while the logged `loss` stays the plain mean NLL."""
     def loss_fn(params, windows, weights):
         nll = token_losses(graphdef, params, windows)
@@ -204,7 +204,7 @@ class Corpus:
     tokenizer: Tokenizer
     train: np.ndarray  # [n, seq_len + 1] windows
     val: np.ndarray
-    mix: PasskeyMix | None = None  # applied to training batches (data.passkey); validation stays plain
+    mix: TrainingMix | None = None  # applied to training batches (data.passkey, data.repeats); validation stays plain
 
 
 def prepare_corpus(cfg: Config) -> Corpus:
@@ -216,7 +216,8 @@ def prepare_corpus(cfg: Config) -> Corpus:
         )
     train_docs, val_docs = split_documents(load_corpus(cfg.data.corpus), cfg.data.val_fraction)
     window = cfg.data.seq_len + 1
-    mix = PasskeyMix(tokenizer, cfg.data.passkey, cfg.data.passkey_weight) if cfg.data.passkey else None
+    d = cfg.data
+    mix = TrainingMix(tokenizer, d.passkey, d.passkey_weight, d.repeats) if d.passkey or d.repeats else None
     return Corpus(tokenizer, pack(train_docs, tokenizer, window), pack(val_docs, tokenizer, window), mix)
 
 
@@ -241,6 +242,10 @@ class Trainer:
         self.mesh = make_mesh(config.mesh, devices)
         self.corpus = prepare_corpus(config) if corpus is None else corpus
         cfg = config.train
+        saved = self.run_dir / "checkpoints"
+        resuming = saved.is_dir() and Checkpointer(saved, create=False).latest_step() is not None
+        if init is None and cfg.init is not None and not resuming:
+            init = init_from_run(cfg.init, config.model)
         if init is not None and init.config != config.model:
             raise ValueError("init's model config differs from config.model")
         model = Decoder(config.model, rngs=nnx.Rngs(cfg.seed)) if init is None else init
@@ -262,7 +267,7 @@ class Trainer:
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.position = None
         self.extended_from = None  # train.steps of the checkpoint, when this run changes it
-        if self.checkpoints.latest_step() is not None:
+        if resuming:
             self.state, record = self.checkpoints.restore(
                 abstract(self.state), expect_config=config.to_dict(), may_differ=("train.steps",)
             )
@@ -340,6 +345,20 @@ class Trainer:
         self.position = iterator.position
         bar.close()
         return history
+
+
+def init_from_run(run_dir: str | Path, model: ModelConfig) -> Decoder:
+    """`train.init`: the trained model of another run, which must have this run's model config (the
+    data and training settings may differ: that is what a curriculum's next stage changes)."""
+    if not Path(run_dir).is_dir():
+        raise ConfigError(f"train.init={str(run_dir)!r} is not a directory; it must name a run directory to start from")
+    config, trained, _ = load_trained(run_dir)
+    if config.model != model:
+        theirs, ours = dataclasses.asdict(config.model), dataclasses.asdict(model)
+        changed = sorted(k for k in ours if theirs.get(k) != ours[k])
+        raise ConfigError(f"train.init={str(run_dir)!r} holds a model whose config differs from this run's in "
+                          f"{', '.join('model.' + k for k in changed)}; a run starts only from a model of its own shape")
+    return trained
 
 
 def load_trained(run_dir: str | Path) -> tuple[Config, Decoder, Tokenizer]:

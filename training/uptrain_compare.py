@@ -22,7 +22,7 @@ import numpy as np
 from kvjax import memory
 from kvjax.config import CONFIG_ROOT, ConfigError, load_config
 from kvjax.report import format_table
-from training.compare import generation_times
+from training.compare import decode_seconds
 from training.convert import parse_conversion
 from training.uptrain import converted_model, uptrain
 
@@ -88,7 +88,7 @@ def run_uptrain_compare(exp: UptrainExperiment, out_dir: str | Path, *, quick: b
         scores = evaluate_model(model, val, first.tokenizer, first.config.train.batch_size)
         prompt_len = exp.decode_context - exp.decode_tokens
         prompts = np.resize(val[:, :prompt_len], (exp.decode_batch, prompt_len))
-        _, seconds, _ = generation_times(model, prompts, exp.decode_tokens, repeats=1 if quick else 3)
+        seconds, _ = decode_seconds(model, prompts, exp.decode_tokens, repeats=1 if quick else 3)
         return UptrainRow(label, kv, tokens, scores["eval_loss"], scores["eval_bpb"],
                           exp.decode_batch * exp.decode_tokens / seconds)
 

@@ -74,6 +74,36 @@ def test_cache_after_generation_measures_the_analytic_bytes(setup):
     np.testing.assert_array_equal(result.caches[0].length, [len(p) + 7 for p in PROMPTS])
 
 
+def _prefill_then_decode(gen, chunk):
+    tokens, lengths = gen.pad(PROMPTS, GREEDY.max_new_tokens)
+    logits, caches = gen.prefill(tokens, lengths, chunk=chunk)
+    return logits, gen.decode(caches, logits, lengths, GREEDY, jax.random.key(0))
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_chunked_prefill_equals_one_pass(setup, chunk):
+    """Prompts of 3, 11 and 6 tokens (bucket 16) through chunks of 1 or 5 columns (so rows end in
+    different chunks, and the sliding window's ring wraps between chunks): the same next-token logits,
+    and decoding continues from those caches to the same tokens."""
+    _, _, gen = setup
+    logits, result = _prefill_then_decode(gen, None)
+    chunked_logits, chunked = _prefill_then_decode(gen, chunk)
+    np.testing.assert_allclose(chunked_logits, logits, atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(chunked.tokens, result.tokens)
+    np.testing.assert_allclose(chunked.logprobs, result.logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["yoco-gret", "mla", "rwkv7"])
+def test_chunked_prefill_equals_one_pass_beyond_attention(make_model, name):
+    """YOCO's early exit, MLA's latents and RWKV's recurrent state carried from chunk to chunk."""
+    _, model = make_model(name, "model.n_layers=2" if name != "yoco-gret" else "model.n_layers=4")
+    gen = Generator(model, capacity=CAPACITY)
+    logits, result = _prefill_then_decode(gen, None)
+    chunked_logits, chunked = _prefill_then_decode(gen, 5)
+    np.testing.assert_allclose(chunked_logits, logits, atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(chunked.tokens, result.tokens)
+
+
 def test_bad_requests_fail_before_compute(setup):
     cfg, model, gen = setup
     with pytest.raises(ValueError, match="prompt of 30 tokens \\+ max_new_tokens=8 needs 38 cache slots but the capacity is 32"):
@@ -86,6 +116,8 @@ def test_bad_requests_fail_before_compute(setup):
         gen([[1, cfg.vocab_size]], GREEDY)
     with pytest.raises(ValueError, match="capacity=0 must be > 0"):
         Generator(model, capacity=0)
+    with pytest.raises(ValueError, match="chunk=0 must be >= 1"):
+        gen.prefill(*gen.pad(PROMPTS, 8), chunk=0)
 
 
 def test_generate_convenience_picks_a_capacity(setup):

@@ -133,15 +133,15 @@ def test_a_passkey_mix_rewrites_that_fraction_of_rows_in_the_eval_template(kjv, 
     as they were. Keys are drawn afresh each epoch, and a resumed iterator repeats the same batches."""
     import re
 
-    from training.data import PasskeyMix
+    from training.data import TrainingMix
 
     tok = get_tokenizer("byte")
     windows = pack(kjv[:1], tok, 513)[:40]
-    it = BatchIterator(windows, batch_size=4, seed=3, mix=PasskeyMix(tok, fraction, weight=20.0))
+    it = BatchIterator(windows, batch_size=4, seed=3, mix=TrainingMix(tok, fraction, weight=20.0))
     per_epoch = it.batches_per_epoch
     batches = [next(it) for _ in range(2 * per_epoch)]
     resumed = BatchIterator(windows, batch_size=4, seed=3, position={"epoch": 1, "index": 0},
-                            mix=PasskeyMix(tok, fraction, weight=20.0))
+                            mix=TrainingMix(tok, fraction, weight=20.0))
     for (a, wa), (b, wb) in zip(batches[per_epoch:], (next(resumed) for _ in range(per_epoch))):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(wa, wb)
@@ -171,6 +171,33 @@ def test_a_passkey_mix_rewrites_that_fraction_of_rows_in_the_eval_template(kjv, 
     assert fraction < 1 or (repeats and all(a != b for a, b in repeats))  # a fresh key each epoch
 
 
+def test_induction_rows_repeat_a_random_string_at_a_random_period(kjv):
+    """data.repeats: that fraction of rows (besides the pass-key rows) becomes a random string of
+    printable characters repeated to the row's length, its period drawn per row; weights stay 1."""
+    from training.data import INDUCTION_PERIODS, TrainingMix
+
+    tok = get_tokenizer("byte")
+    windows = pack(kjv[:1], tok, 257)[:64]
+    mix = TrainingMix(tok, passkey=0.25, weight=5.0, repeats=0.5)
+    out, weights = mix(windows, np.random.default_rng(0))
+    periods, kinds = [], []
+    for row, original in zip(out, windows):
+        text = tok.decode(row.tolist())
+        if text.startswith("There is an important piece"):
+            kinds.append("passkey")
+        elif np.array_equal(row, original):
+            kinds.append("text")
+        else:
+            kinds.append("repeat")
+            assert set(text) <= {chr(c) for c in range(32, 127)}
+            period = next(p for p in range(1, 257) if np.array_equal(row[p:], row[:-p]))
+            assert INDUCTION_PERIODS[0] <= period <= INDUCTION_PERIODS[1]
+            periods.append(period)
+    assert abs(kinds.count("repeat") / 64 - 0.5) < 0.2 and abs(kinds.count("passkey") / 64 - 0.25) < 0.15
+    assert kinds.count("text") > 0 and len(set(periods)) > 5  # periods vary row to row
+    assert (weights[[k != "passkey" for k in kinds]] == 1).all()
+
+
 def test_passkey_settings_are_checked():
     from kvjax.config import ConfigError, DataConfig
 
@@ -180,3 +207,7 @@ def test_passkey_settings_are_checked():
         DataConfig(passkey=0.5, passkey_weight=0)
     with pytest.raises(ConfigError, match=r"data.passkey_weight=5.*only with data.passkey > 0"):
         DataConfig(passkey_weight=5)
+    with pytest.raises(ConfigError, match=r"data.repeats=-0.1.*\[0, 1\]"):
+        DataConfig(repeats=-0.1)
+    with pytest.raises(ConfigError, match=r"data.repeats=0.6 plus data.passkey=0.5 must be <= 1"):
+        DataConfig(passkey=0.5, repeats=0.6)

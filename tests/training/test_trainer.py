@@ -72,6 +72,31 @@ def test_load_trained_returns_the_trained_weights(small_config, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_train_init_starts_from_another_runs_weights(small_config, tmp_path):
+    """train.init (a curriculum's next stage): the new run starts from the source run's trained weights,
+    with other data settings, a fresh optimizer and step 0; once it has a checkpoint, resuming reads that
+    instead. A missing directory or a model of another shape is a clear error before any training."""
+    source = Trainer(small_config("train.steps=4"), tmp_path / "stage1", progress=False)
+    source.run()
+    cfg = small_config("train.steps=4", "data.seq_len=16", f"train.init={tmp_path / 'stage1'}")
+    stage2 = Trainer(cfg, tmp_path / "stage2", progress=False)
+    assert stage2.step == 0
+    for a, b in zip(jax.tree.leaves(stage2.state.params), jax.tree.leaves(source.state.params)):
+        np.testing.assert_array_equal(a, b)
+    history = stage2.run(stop_at=2)
+    assert history[0]["loss"] < 5.0  # a random init starts at ln(264) = 5.58 nats
+    resumed = Trainer(cfg, tmp_path / "stage2", progress=False)
+    assert resumed.step == 2
+    for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(stage2.state.params)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ConfigError, match=r"train.init='.*/nowhere' is not a directory"):
+        Trainer(small_config(f"train.init={tmp_path / 'nowhere'}"), tmp_path / "c", progress=False)
+    with pytest.raises(ConfigError, match=r"differs from this run's in model.d_model, model.ffn_dim"):
+        Trainer(small_config("model.d_model=64", "model.ffn_dim=96", f"train.init={tmp_path / 'stage1'}"),
+                tmp_path / "d", progress=False)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()  # nothing written
+
+
 def test_vocabulary_too_small_for_the_tokenizer(small_config, tmp_path):
     with pytest.raises(ConfigError, match="model.vocab_size=100 must be >= 258"):
         Trainer(small_config("model.vocab_size=100"), tmp_path, progress=False)

@@ -189,8 +189,8 @@ def test_induction_rows_repeat_a_random_string_at_a_random_period(kjv):
             kinds.append("text")
         else:
             kinds.append("repeat")
-            assert set(text) <= {chr(c) for c in range(32, 127)}
-            period = next(p for p in range(1, 257) if np.array_equal(row[p:], row[:-p]))
+            assert row[0] == tok.bos_id and set(tok.decode(row[1:].tolist())) <= {chr(c) for c in range(32, 127)}
+            period = next(p for p in range(1, 256) if np.array_equal(row[1 + p :], row[1:-p]))
             assert INDUCTION_PERIODS[0] <= period <= INDUCTION_PERIODS[1]
             periods.append(period)
     assert abs(kinds.count("repeat") / 64 - 0.5) < 0.2 and abs(kinds.count("passkey") / 64 - 0.25) < 0.15

@@ -72,7 +72,10 @@ class MLA(nnx.Module):
         else:
             cache, view = cache.update(c, k_rope, positions)
         attend_fn = self._absorbed if cfg.absorb else self._naive
-        out = attend_fn(q_nope, q_rope, view, positions)  # [B,T,N,Dv]
+        if view.split is not None:  # a paged engine's mixed step (kvjax.paged.RowSplit)
+            out = view.split.map(attend_fn, (q_nope, q_rope), positions)
+        else:
+            out = attend_fn(q_nope, q_rope, view, positions)  # [B,T,N,Dv]
         return self.o(out.reshape(B, T, N * cfg.v_head_dim)), cache, view
 
     def queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

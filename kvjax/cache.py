@@ -30,7 +30,8 @@ class KVView(NamedTuple):
     whatever reads k and v instead lets XLA drop the other. A view with a `reader` attends through its
     `attend(q, q_pos, impl, window)`: DuoAttention's (`kvjax.duo`), retrieval heads over every token and
     streaming heads over sinks and a recent window; a low-rank cache's (`kvjax.quant.lowrank`), a decode
-    step in the latent space of the values."""
+    step in the latent space of the values; a paged engine's mixed step (`kvjax.paged.RowSplit`), decode
+    rows and a prefill chunk each over their own pages."""
 
     k: jax.Array
     v: jax.Array
@@ -339,11 +340,13 @@ class RetentionState(_Arrays):
 
 
 class LatentView(NamedTuple):
-    """What a chunk of MLA queries attends to: latents `[B,S,Dc]`, rope keys `[B,S,Dr]`, positions `[B,S]`."""
+    """What a chunk of MLA queries attends to: latents `[B,S,Dc]`, rope keys `[B,S,Dr]`, positions `[B,S]`;
+    in a paged engine's mixed step, `split` (a `kvjax.paged.RowSplit`) gives each part its own rows."""
 
     c: jax.Array
     k_rope: jax.Array
     pos: jax.Array
+    split: object | None = None
 
 
 @struct.dataclass

@@ -1,13 +1,15 @@
 """A continuous-batching engine over paged KV memory (Orca's iteration-level scheduling, Yu et al. 2022,
-with vLLM's paged memory and recompute preemption, Kwon et al. 2023, sec. 4.5).
+with vLLM's paged memory and recompute preemption, Kwon et al. 2023, sec. 4.5, and Sarathi-Serve's
+stall-free batches, Agrawal et al. 2024).
 
-Requests wait in arrival order; one is admitted while a sequence slot is free and the pool has pages
-for its prompt (after prefix-cache hits); its prompt is prefilled in chunks of `chunk` tokens, then it
-joins the decode step, which advances every running sequence by one token in one jitted call over a
-fixed number of slots (static shapes: one compile per chunk size and one for the step). A sequence
-that finishes frees its pages at once. When a running sequence needs a page and none is free, the
-newest running request is preempted: its pages are released and it waits again, to be recomputed from
-its prompt and the tokens it has generated (vLLM V1's only preemption mode).
+Requests wait in arrival order; one is admitted while fewer than `slots` run and the pool has pages
+for its prompt (after prefix-cache hits). Every step is one jitted pass that feeds one token to each
+decoding sequence and, beside them, the next `chunk` tokens of the prompt being prefilled (one at a
+time), so a prefill shares the weights' reads with the decode rows instead of stalling them (static
+shapes: one compile per power-of-two row bucket and chunk bucket). A sequence that finishes frees its
+pages at once. When a running sequence needs a page and none is free, the newest request is
+preempted: its pages are released and it waits again, to be recomputed from its prompt and the tokens
+it has generated (vLLM V1's only preemption mode).
 
 Works for attention models whose layers produce or share full-attention K/V (MHA/GQA/MQA, CLA, MLKV)
 or MLA latents (`PagedLatentCache`).
@@ -58,7 +60,8 @@ class Completion:
 
 @dataclasses.dataclass
 class EngineStats:
-    steps: int = 0  # decode steps
+    steps: int = 0  # passes through the model (decode rows, with or without a prompt chunk)
+    prefill_chunks: int = 0  # steps that carried a prompt chunk
     prefill_tokens: int = 0  # prompt tokens computed (prefix-cache hits are not)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     peak_pages: int = 0
@@ -68,53 +71,56 @@ class EngineStats:
 
 @dataclasses.dataclass
 class _Running:
+    """An admitted request: `tokens` (prompt + generated) are in its pages up to `at`; the rest is fed
+    next (a prompt chunk by chunk, a generated token as a decode row)."""
+
     index: int  # request index
-    slot: int
-    tokens: list[int]  # prompt + generated, fed or pending
+    tokens: list[int]
     done: Completion
+    at: int  # tokens of `tokens` already in the pages (or, compressed, represented by them)
+    fill: int  # len(tokens) at admission: tokens below it are prefill work, at and after it decoding
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.at
 
 
 # The block tables `[slots,M]` and lengths `[slots]` live once on the device, pushed from the host
-# (`Engine._sync`), and every jitted function sets them into each layer's cache: one transfer per step,
-# not one per layer.
-def _with_rows(caches, table, length):
-    return tuple(c.replace(table=table, length=length) for c in caches)
+# (`Engine._sync`) for the sequences a step feeds, in its row order (a sequence has no fixed row: its
+# pages and table say where its tokens are), and every jitted function sets them into each layer's
+# cache: one transfer per step, not one per layer.
+def _with_rows(caches, table, length, chunk_row=None):
+    return tuple(c.replace(table=table, length=length, chunk_row=chunk_row) for c in caches)
 
 
-def _chunk_logits(graphdef, params, caches, table, length, tokens, pos, row, last):
-    """Prefill a chunk `[1,C]` of sequence slot `row` (its table row as a batch of one); returns the
-    log-probabilities at chunk index `last`, the caches with the written pages, and the lengths with
-    the row's new one."""
+def _step_logits(graphdef, params, caches, table, length, tokens, pos, chunk, chunk_pos, chunk_row, last):
+    """One pass over a step's tokens: a decode token for each of the first R table rows (tokens, pos
+    `[R]`; position -1 where a row feeds none), then, when C > 0, a prompt chunk of row `chunk_row`
+    (chunk, chunk_pos `[C]`, padded with position -1), all through the weights once (`kvjax.paged`'s
+    mixed step). Returns log-probabilities `[R(+1),V]`, after each row's token and (row R) after the
+    chunk's token `last`, each row's greedy token and its log-probability (all a greedy batch reads
+    back), and the caches."""
+    R, C = tokens.shape[0], chunk.shape[0]
     model = nnx.merge(graphdef, params)
-    hidden, one = model.hidden(tokens, pos, _with_rows(caches, table[row][None], length[row][None]))
-    logits = jax.nn.log_softmax(model.logits(hidden[0, last]))
-    length = length.at[row].set(one[0].length[0])
-    return logits, tuple(c.replace(**o._pools(), table=table, length=length) for c, o in zip(caches, one)), length
-
-
-def _step_logits(graphdef, params, caches, table, length, tokens, pos):
-    """One decode step over the first n sequence slots (tokens, pos `[n,1]`; empty slots have position
-    -1): log-probabilities `[n,V]`, each row's greedy token and its log-probability `[n]` (all a greedy
-    batch reads back), and the caches."""
-    n = tokens.shape[0]
-    logits, rows = nnx.merge(graphdef, params)(tokens, pos, _with_rows(caches, table[:n], length[:n]))
-    caches = tuple(c.replace(**r._pools(), table=table, length=length) for c, r in zip(caches, rows))
-    logp = jax.nn.log_softmax(logits[:, 0])
+    ids, at = jnp.concatenate([tokens, chunk])[None], jnp.concatenate([pos, chunk_pos])[None]
+    hidden, rows = model.hidden(ids, at, _with_rows(caches, table[:R], length[:R], chunk_row))
+    picked = jnp.arange(R) if C == 0 else jnp.concatenate([jnp.arange(R), R + last[None]])
+    logp = jax.nn.log_softmax(model.logits(hidden[0, picked]))
     best = jnp.argmax(logp, axis=-1)
+    caches = tuple(c.replace(**r._pools()) for c, r in zip(caches, rows))
     return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted(graphdef) -> tuple:
-    """The chunk and step functions jitted for one model structure, shared by every Engine over it (so
-    a second engine on the same model compiles nothing)."""
-    return (jax.jit(functools.partial(_chunk_logits, graphdef), donate_argnums=(1,)),
-            jax.jit(functools.partial(_step_logits, graphdef), donate_argnums=(1,)))
+def _jitted(graphdef):
+    """The step function jitted for one model structure, shared by every Engine over it (so a second
+    engine on the same model compiles nothing)."""
+    return jax.jit(functools.partial(_step_logits, graphdef), donate_argnums=(1,))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _load_row(caches, table, length, dense, row):
-    """Load row 0 of each layer's dense (compressed) prefill cache into sequence slot `row`'s pages;
+    """Load row 0 of each layer's dense (compressed) prefill cache into table row `row`'s pages;
     the caches and the lengths with the row's new one."""
     out = []
     for paged, d in zip(_with_rows(caches, table, length), dense):
@@ -148,13 +154,13 @@ def check_engine_policy(policy: Policy) -> tuple[bool, bool]:
 
 
 class Engine:
-    """Serve requests on `model` with `n_pages` pages of `page_size` tokens per K/V-producing layer,
-    `slots` sequences decoding together, prompts prefilled `chunk` tokens at a time."""
+    """Serve requests on `model` with `n_pages` pages of `page_size` tokens per K/V-producing layer, at
+    most `slots` sequences admitted together, prompts prefilled `chunk` tokens a step."""
 
     def __init__(self, model: nnx.Module, *, n_pages: int, page_size: int = 16, slots: int = 8, chunk: int = 128,
                  max_tokens: int | None = None, prefix_cache: bool = True, mesh: jax.sharding.Mesh | None = None,
                  policy: str | Policy | None = None):
-        """`mesh` (axes `data` and `tensor`) spreads the sequence slots over `data` and the pages' KV
+        """`mesh` (axes `data` and `tensor`) spreads the step's rows (sequences) over `data` and the pages' KV
         heads over `tensor`, as training splits batch and heads; the parameters are replicated.
         `policy`: token eviction applied once after the prefill, optionally ending in `int:8` (see the
         module docstring)."""
@@ -186,7 +192,7 @@ class Engine:
                               per_head_positions=per_head, int8=int8)
             for i in plan.producers)
         graphdef, self.params = nnx.split(model)
-        self._chunk, self._step = _jitted(graphdef)
+        self._step = _jitted(graphdef)
         self.mesh = mesh
         if mesh is not None:
             if slots % mesh.shape["data"] or att.n_kv_heads % mesh.shape["tensor"]:
@@ -194,7 +200,7 @@ class Engine:
                                   f"n_kv_heads={att.n_kv_heads} over tensor={mesh.shape['tensor']}")
             self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
             self.caches = tuple(self._placed(c) for c in self.caches)
-        self._sync([None] * slots)
+        self._sync([])
         self.stats = EngineStats()
 
     def reset(self) -> None:
@@ -226,8 +232,9 @@ class Engine:
         return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, P("data")))
 
     def _sync(self, seqs) -> None:
-        """Push the host's block tables and lengths (one row per slot, None: empty) to the device, once
-        for all layers (the jitted functions set them into every layer's cache)."""
+        """Push the block tables and lengths of `seqs` (rows 0.., the rest of the `slots` rows empty) to
+        the device, once for all layers (the jitted functions set them into every layer's cache)."""
+        seqs = [*seqs, *[None] * (self.slots - len(seqs))]
         table = self.pool.table(seqs, self.width)
         length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
         self._table, self._length = self._rows_placed(jnp.asarray(table)), self._rows_placed(jnp.asarray(length))
@@ -253,34 +260,30 @@ class Engine:
     def _finished(self, running: _Running) -> bool:
         decoding = self.requests[running.index].decoding
         out = running.done.tokens
-        return len(out) >= decoding.max_new_tokens or (decoding.eos_id is not None and out[-1] == decoding.eos_id)
+        return len(out) >= decoding.max_new_tokens or (decoding.eos_id is not None and bool(out) and out[-1] == decoding.eos_id)
 
     # --- scheduling -------------------------------------------------------------------------------
-    def _admit(self, index: int, slot: int, slots: list) -> _Running | None:
-        """Prefill request `index` into `slot` (None, taking nothing, when its pages are not free)."""
+    def _admit(self, index: int) -> _Running | None:
+        """Give request `index` pages for every token it brings (None, taking nothing, when they are not
+        free); its prompt is then fed chunk by chunk by the steps."""
         request, done = self.requests[index], self.done[index]
         tokens = [*request.prompt, *done.tokens]  # a preempted request recomputes what it generated
-        hit = self.pool.admit(index, tokens if self.prefix_cache else None)  # full pages in the prefix cache
         if self.policy is not None:
-            return self._admit_compressed(index, slot, slots, tokens)
+            return self._admit_compressed(index, tokens)
+        hit = self.pool.admit(index, tokens if self.prefix_cache else None)  # full pages in the prefix cache
         try:
             self.pool.reserve(index, len(tokens) - hit)
         except PoolExhausted:
             self.pool.release(index)
             return None
-        slots[slot] = index
         self.stats.cached_tokens += hit
-        self.stats.prefill_tokens += len(tokens) - hit
-        self._sync(slots)  # the table holds every page the prompt needs; each chunk advances the row's length
-        logits = self._chunks(index, slot, tokens, hit)
-        if self.prefix_cache:
-            self.pool.register(index, tokens)
-        return self._started(index, slot, tokens, logits)
+        return _Running(index, tokens, done, at=hit, fill=len(tokens))
 
-    def _admit_compressed(self, index: int, slot: int, slots: list, tokens: list[int]) -> _Running | None:
-        """Prefill the prompt whole and compress it as `Generator` does, load the kept tokens into pages,
-        then append what the request generated before a preemption (if anything)."""
+    def _admit_compressed(self, index: int, tokens: list[int]) -> _Running | None:
+        """Prefill the prompt whole and compress it as `Generator` does and load the kept tokens into
+        pages; what the request generated before a preemption (if anything) is then fed by the steps."""
         prompt = self.requests[index].prompt
+        self.pool.admit(index)
         padded, lengths = self.gen.pad([prompt], 0)
         kept = self._kept(prompt)
         try:
@@ -288,16 +291,15 @@ class Engine:
         except PoolExhausted:
             self.pool.release(index)
             return None
-        slots[slot] = index
-        self.stats.prefill_tokens += len(tokens)
+        self.stats.prefill_tokens += len(prompt)
         logits, dense, _ = self.gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
-        self._sync(slots)
-        self.caches, self._length = _load_row(self.caches, self._table, self._length, dense, slot)
+        self._sync([index])
+        self.caches, self._length = _load_row(self.caches, self._table, self._length, dense, 0)
         self.pool.advance(index, kept)
-        logits = jax.nn.log_softmax(logits[0])
-        if len(tokens) > len(prompt):
-            logits = self._chunks(index, slot, tokens, len(prompt))
-        return self._started(index, slot, tokens, logits)
+        running = _Running(index, tokens, self.done[index], at=len(prompt), fill=len(tokens))
+        if running.pending == 0:  # nothing was generated yet: the prefill's logits give the first token
+            self._pick(np.asarray(jax.nn.log_softmax(logits[0])), running, 0)
+        return running
 
     def _prefill_capacity(self, tokens: int) -> None:
         """With a policy: a Generator whose dense prefill cache holds prompts of `tokens` (a prompt may
@@ -312,25 +314,6 @@ class Engine:
             return len(prompt)
         return int(self.gen.compression_plan(np.array([len(prompt)]), 0)[-1].counts.max())
 
-    def _chunks(self, index: int, slot: int, tokens: list[int], start: int) -> jax.Array:
-        """Prefill tokens[start:] (at positions start...) into `slot`, `chunk` at a time; the last
-        token's log-probabilities."""
-        for at in range(start, len(tokens), self.chunk):
-            piece = tokens[at:at + self.chunk]
-            ids = np.zeros((1, self.chunk), np.int32)
-            ids[0, : len(piece)] = piece
-            pos = np.full((1, self.chunk), -1, np.int32)
-            pos[0, : len(piece)] = np.arange(at, at + len(piece))
-            logits, self.caches, self._length = self._chunk(self.params, self.caches, self._table, self._length,
-                                                            jnp.asarray(ids), jnp.asarray(pos), slot, len(piece) - 1)
-            self.pool.advance(index, len(piece))
-        return logits
-
-    def _started(self, index: int, slot: int, tokens: list[int], logits: jax.Array) -> _Running:
-        running = _Running(index, slot, tokens, self.done[index])
-        self._pick(np.asarray(logits), running, len(running.done.tokens))
-        return running
-
     def check(self, requests: list[Request]) -> None:
         """Refuse, before any compute, a request this engine can never serve (an empty prompt, an
         impossible policy budget, more pages than a sequence may hold)."""
@@ -343,72 +326,107 @@ class Engine:
                                   f"may hold {min(self.width, self.pool.n_pages - 1)}")
 
     def run(self, requests: list[Request]) -> list[Completion]:
-        """Serve `requests` (in arrival order) to completion; returns one Completion per request."""
+        """Serve `requests` (in arrival order) to completion; returns one Completion per request.
+
+        Each step feeds one token of every sequence that has one token left to feed (decode rows, and a
+        prompt's last token) and, in the same pass, the next `chunk` tokens of the oldest sequence with
+        more (a prompt being prefilled), so prefills never stall decoding (Sarathi-Serve)."""
         self.check(requests)
         self.requests = list(requests)
         self._prefill_capacity(max((len(r.prompt) for r in requests), default=0))
         self.done = [Completion([], []) for _ in requests]
         waiting = collections.deque(range(len(requests)))
-        slots: list[int | None] = [None] * self.slots
-        running: dict[int, _Running] = {}
-        while waiting or running:
-            while waiting and None in slots:  # admit in arrival order while slots and pages allow
-                admitted = self._admit(waiting[0], slots.index(None), slots)
-                if admitted is None:
-                    break
-                waiting.popleft()
-                running[admitted.index] = admitted
-                self._retire(admitted, running, slots)
-            if not running:
+        seqs: dict[int, _Running] = {}
+        while waiting or seqs:
+            self._admit_waiting(waiting, seqs)
+            if not seqs:
                 raise RuntimeError("no request fits the free pages")  # cannot happen: sizes are checked above
-            self._grow(running, slots, waiting)
+            rows = sorted((r for r in seqs.values() if r.pending == 1), key=lambda r: r.index)
+            self._grow(rows, seqs, waiting)
+            rows = [r for r in rows if r.index in seqs]
+            filling = min((r for r in seqs.values() if r.pending > 1), key=lambda r: r.index, default=None)
             self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)
-            self.stats.peak_running = max(self.stats.peak_running, len(running))
-            self._sync(slots)
-            ids = np.zeros((self._rows(running), 1), np.int32)  # the slots in use, in a power-of-two bucket
-            pos = np.full((len(ids), 1), -1, np.int32)
-            for r in running.values():
-                ids[r.slot, 0], pos[r.slot, 0] = r.tokens[-1], len(r.tokens) - 1
-            logp, best, best_lp, self.caches = self._step(self.params, self.caches, self._table, self._length,
-                                                          jnp.asarray(ids), jnp.asarray(pos))
-            self.stats.steps += 1
-            best, best_lp = np.asarray(best), np.asarray(best_lp)
-            sampling = any(self.requests[r.index].decoding.temperature > 0 for r in running.values())
-            logp = np.asarray(logp) if sampling else None  # the whole distribution only when some request samples
-            for r in list(running.values()):
-                self.pool.advance(r.index, 1)
-                self._pick(None if logp is None else logp[r.slot], r, len(r.done.tokens),
-                           (int(best[r.slot]), float(best_lp[r.slot])))
-                self._retire(r, running, slots)
+            self.stats.peak_running = max(self.stats.peak_running, len(rows))
+            self._feed(rows, filling, seqs)
         return self.done
 
-    def _rows(self, running: dict) -> int:
-        """Rows the decode step runs: the first slots up to the highest in use, rounded up to a power of
-        two (one compile each; all slots under a mesh, whose data axis splits them)."""
+    def _admit_waiting(self, waiting, seqs: dict) -> None:
+        """Admit waiting requests in arrival order while fewer than `slots` run and their pages are free,
+        one prompt being prefilled at a time (so pages are not reserved long before their chunks run)."""
+        while waiting and len(seqs) < self.slots and not any(r.pending > 1 for r in seqs.values()):
+            admitted = self._admit(waiting[0])
+            if admitted is None:
+                return
+            waiting.popleft()
+            seqs[admitted.index] = admitted
+            self._retire(admitted, seqs)  # a compressed prompt may end at its first token
+
+    def _feed(self, rows: list[_Running], filling: _Running | None, seqs: dict) -> None:
+        """One step: the decode `rows` (rows 0.. of the step) and a chunk of `filling`'s pending tokens
+        (the row after them; see `run`)."""
+        order = rows + ([filling] if filling else [])
+        R = self._rows(len(order))
+        ids, pos = np.zeros(R, np.int32), np.full(R, -1, np.int32)
+        for i, r in enumerate(rows):
+            ids[i], pos[i] = r.tokens[r.at], r.at
+        piece = filling.tokens[filling.at:filling.at + self.chunk] if filling else []
+        C = self._chunk_bucket(len(piece))
+        chunk, chunk_pos = np.zeros(C, np.int32), np.full(C, -1, np.int32)
+        chunk[: len(piece)], chunk_pos[: len(piece)] = piece, np.arange(len(piece)) + (filling.at if filling else 0)
+        self._sync([r.index for r in order])
+        logp, best, best_lp, self.caches = self._step(
+            self.params, self.caches, self._table, self._length, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(chunk),
+            jnp.asarray(chunk_pos), jnp.int32(len(rows)), jnp.int32(max(len(piece) - 1, 0)))
+        self.stats.steps += 1
+        self.stats.prefill_chunks += bool(piece)
+        best, best_lp = np.asarray(best), np.asarray(best_lp)
+        fed = [(r, 1, i) for i, r in enumerate(rows)] + ([(filling, len(piece), R)] if filling else [])
+        sampling = any(self.requests[r.index].decoding.temperature > 0 for r, _, _ in fed)
+        logp = np.asarray(logp) if sampling else None  # the whole distribution only when some request samples
+        for r, n, out in fed:
+            self.pool.advance(r.index, n)
+            self.stats.prefill_tokens += max(0, min(r.at + n, r.fill) - r.at)
+            r.at += n
+            filled = self.pool.lengths[r.index] // self.pool.page_size
+            if self.prefix_cache and filled > (self.pool.lengths[r.index] - n) // self.pool.page_size:
+                self.pool.register(r.index, r.tokens)  # every page once it fills, generated ones too (vLLM V1)
+            if r.pending == 0:
+                self._pick(None if logp is None else logp[out], r, len(r.done.tokens), (int(best[out]), float(best_lp[out])))
+                self._retire(r, seqs)
+
+    def _chunk_bucket(self, n: int) -> int:
+        """Padded length of a prompt chunk of n tokens: 0 for none, else the next power of two from
+        chunk / 8 up, capped at `chunk` (a prompt's last chunk computes at most twice its tokens, for
+        four compiles per row bucket)."""
+        if n == 0:
+            return 0
+        return min(self.chunk, max(self.chunk // 8, 1 << (n - 1).bit_length()))
+
+    def _rows(self, n: int) -> int:
+        """Rows a step of n sequences runs: n rounded up to a power of two (one compile each; all slots
+        under a mesh, whose data axis splits them)."""
         if self.mesh is not None:
             return self.slots
-        used = max(r.slot for r in running.values()) + 1
-        return min(self.slots, 1 << (used - 1).bit_length())
+        return min(self.slots, 1 << (n - 1).bit_length())
 
-    def _retire(self, r: _Running, running: dict, slots: list) -> None:
-        if r.index in running and self._finished(r):
+    def _retire(self, r: _Running, seqs: dict) -> None:
+        if r.index in seqs and self._finished(r):
             self.pool.release(r.index)
-            slots[r.slot] = None
-            del running[r.index]
+            del seqs[r.index]
 
-    def _grow(self, running: dict, slots: list, waiting) -> None:
-        """A page for every running sequence's next token, preempting the newest requests while short."""
-        for r in sorted(running.values(), key=lambda r: r.index):
-            while r.index in running:
+    def _grow(self, rows: list[_Running], seqs: dict, waiting) -> None:
+        """A page for each decode row's token, preempting the newest requests while short (a prompt
+        being prefilled included: its pages are released and it is recomputed later)."""
+        for r in rows:
+            while r.index in seqs:
                 try:
                     copies = self.pool.reserve(r.index, 1)
                     self.caches = tuple(c.copy_pages(copies) for c in self.caches)
                     break
                 except PoolExhausted:
-                    victim = max(running.values(), key=lambda v: v.index)
+                    victim = max(seqs.values(), key=lambda v: v.index)
                     self.pool.release(victim.index)
-                    slots[victim.slot] = None
-                    del running[victim.index]
+                    del seqs[victim.index]
                     victim.done.preempted += 1
                     self.stats.preemptions += 1
                     waiting.appendleft(victim.index)

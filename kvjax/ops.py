@@ -264,7 +264,7 @@ def blocked_probs(parts, q_pos, k_pos, window, scale: float, block: int) -> jax.
         for q, k in parts
     ) * scale
     mask = visible(q_pos, k_pos, window)[..., 0, :]  # [B,S] or, per head, [B,K,S]
-    return _softmax_where(logits, mask.reshape(B, -1, C, 1, block), axis=(2, 4))
+    return masked_probs(logits, mask.reshape(B, -1, C, 1, block), axis=(2, 4))
 
 
 def attention_probs(
@@ -289,10 +289,10 @@ def masked_softmax(
     # Every [.., T, G, S] tensor is in the order the dot emits; asking for [.., G, T, S] made XLA:CPU
     # transpose the logits inside each mask op (half of a 2k-token prefill's time).
     # jax.nn.softmax rather than a hand-fused one: its backward rule kept training 1.6-2x faster.
-    return _softmax_where(logits, grouped_mask(q_pos, k_pos, window, k_head, logits.shape[1], sinks), axis=-1)
+    return masked_probs(logits, grouped_mask(q_pos, k_pos, window, k_head, logits.shape[1], sinks), axis=-1)
 
 
-def _softmax_where(logits: jax.Array, mask: jax.Array, axis) -> jax.Array:
+def masked_probs(logits: jax.Array, mask: jax.Array, axis=-1) -> jax.Array:
     """Softmax of fp32 logits over `axis` among the keys where `mask` holds; masked keys get exactly 0
     (and a row that sees no key, all zeros)."""
     return jnp.where(mask, jax.nn.softmax(jnp.where(mask, logits, _MASKED), axis=axis), 0.0)

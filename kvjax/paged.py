@@ -15,12 +15,17 @@ time as sequences grow and returned the moment they finish.
   The view also carries the cache itself (`KVView.paged`): under `impl=pallas` a decode step reads the
   pages through the block tables in `pallas_kernels.paged_decode_attention` and XLA drops the gather.
   `PagedLatentCache` holds MLA's latents and RoPE keys in pages the same way (gathered for attention).
+- A *mixed step* (`chunk_row` set; Sarathi-Serve's stall-free batches, Agrawal et al. 2024, as vLLM V1
+  schedules one token budget): the chunk `[1, R + C]` is one decode token for each of the R sequence
+  slots, then C prompt tokens of slot `chunk_row`, so a prefill chunk and every decode row share one
+  pass through the weights. Each part attends to its own rows' pages (`RowSplit`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +33,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.cache import KVView, LatentView, _Arrays
+from kvjax.ops import attention, kernel_impl, masked_probs, visible
 from kvjax.quant.packing import pack, unpack
 from kvjax.quant.quantizers import dequantize, quantize
 
@@ -171,12 +177,47 @@ class PagePool:
             self.free[page] = None
 
 
+class RowSplit(NamedTuple):
+    """What a mixed step's tokens attend to: the first R tokens (one per sequence slot, decode queries)
+    the view of every slot's pages `rows`, the chunk after them the view of its own slot's pages `chunk`.
+    As a `KVView.reader` it runs the attention op on each part; MLA maps its own attention over both.
+    With `pool` (the decode rows' cache), XLA attends the decode queries over the whole pool instead of
+    the gathered rows (`PagedKVCache.attend_pool`)."""
+
+    rows: KVView | LatentView  # batch R
+    chunk: KVView | LatentView  # batch 1
+    pool: PagedKVCache | None = None
+
+    def map(self, fn, queries: tuple[jax.Array, ...], positions: jax.Array, rows_fn=None) -> jax.Array:
+        """fn(*queries, view, positions) on each part of the step's queries `[1, R + C, ...]` (the decode
+        part as R rows of one query, through `rows_fn` if given), joined back into `[1, R + C, ...]`."""
+        R = self.rows.pos.shape[0]
+        out = (rows_fn or fn)(*(q[0, :R, None] for q in queries), self.rows, positions[0, :R, None])
+        out = [out.reshape(1, R, *out.shape[2:])]
+        if positions.shape[1] > R:
+            out.append(fn(*(q[:, R:] for q in queries), self.chunk, positions[:, R:]))
+        return jnp.concatenate(out, axis=1)
+
+    def attend(self, q: jax.Array, q_pos: jax.Array, impl: str, window: int | None) -> jax.Array:
+        """`KVView.reader`: kvjax.ops.attention over each part (the paged kernel reads the decode rows'
+        pages under Pallas)."""
+        def op(q, view, pos):
+            return attention(q, view.k, view.v, pos, view.pos, window=window, impl=impl, paged=view.paged)
+
+        def over_pool(q, view, pos):
+            return self.pool.attend_pool(q, pos, window)
+
+        xla_pool = self.pool is not None and kernel_impl(impl) == "xla"
+        return self.map(op, (q,), q_pos, rows_fn=over_pool if xla_pool else None)
+
+
 @struct.dataclass
 class PagedKVCache(_Arrays):
     """One layer's pages: k, v `[P,K,page_size,H]`, pos `[P,Kp,page_size]` (-1 empty; Kp = 1, or K once
     a head-wise policy keeps different tokens per head), and per sequence slot its block table `[B,M]`
     (page ids, the null page as padding) and length `[B]` (slots filled: a compressed row's slots hold
-    fewer tokens than its positions count). Quantized pages (`int:8`, as `QuantKVCache`'s int codes)
+    fewer tokens than its positions count). With `chunk_row` (a scalar) the cache takes mixed steps (see
+    the module docstring) and its view is a `RowSplit`. Quantized pages (`int:8`, as `QuantKVCache`'s int codes)
     hold per-token symmetric 8-bit codes in k, v (uint8 `[P,K,page_size,H]`) and their scales in
     k_scale, v_scale `[P,K,page_size,1]`; the view dequantizes the gathered pages."""
 
@@ -187,6 +228,7 @@ class PagedKVCache(_Arrays):
     length: jax.Array
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+    chunk_row: jax.Array | None = None
 
     @classmethod
     def init(cls, n_pages: int, page_size: int, batch: int, max_pages: int, n_kv_heads: int, head_dim: int, dtype,
@@ -249,17 +291,36 @@ class PagedKVCache(_Arrays):
         pools = self._pools()
         return self.replace(**{name: write(pools[name], new) for name, new in values.items()})
 
+    def _mixed_slots(self, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """A mixed step's flat pool slots `[R + C]` for positions `[1, R + C]` (see the module docstring)
+        and the tokens each slot's row gains `[R]`."""
+        R = self.table.shape[0]
+        decode, chunk = pos[0, :R] >= 0, pos[0, R:] >= 0
+        row = self.chunk_row
+        at = self.length[row] + jnp.arange(chunk.shape[0], dtype=jnp.int32)
+        flat_chunk = self.replace(table=self.table[row][None])._flat_slots(at[None], chunk[None])[0]
+        flat_decode = self._flat_slots(self.length[:, None], decode[:, None])[:, 0]
+        added = decode.astype(jnp.int32).at[row].add(chunk.sum(dtype=jnp.int32))
+        return jnp.concatenate([flat_decode, flat_chunk]), added
+
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[PagedKVCache, KVView]:
-        """Write a chunk k `[B,T,K,H]`, v `[B,T,K,Hv]` at positions `[B,T]` and return the view of every
-        row's pages."""
+        """Write a chunk k `[B,T,K,H]`, v `[B,T,K,Hv]` at positions `[B,T]` (a mixed step: `[1, R + C, ...]`)
+        and return the view of every row's pages."""
         P, K, ps, _ = self.k.shape
-        B = self.table.shape[0]
+        B = 1 if self.chunk_row is not None else self.table.shape[0]
         if k.ndim != 4 or k.shape[0] != B or k.shape[2] != K or v.shape[:3] != k.shape[:3] or pos.shape != k.shape[:2]:
             raise ValueError(f"new k {k.shape} / v {v.shape} / pos {pos.shape} must be [B={B}, T, K={K}, H]")
+        if self.chunk_row is None:
+            flat, added = self.slots(pos).reshape(-1), (pos >= 0).sum(axis=1, dtype=jnp.int32)
+        else:
+            if pos.shape[1] < self.table.shape[0]:
+                raise ValueError(f"a mixed step's {pos.shape[1]} tokens must start with one per row "
+                                 f"({self.table.shape[0]})")
+            flat, added = self._mixed_slots(pos)
         Kp = self.pos.shape[1]
-        new = self._write(self.slots(pos).reshape(-1), k=k.reshape(-1, K, k.shape[-1]), v=v.reshape(-1, K, v.shape[-1]),
+        new = self._write(flat, k=k.reshape(-1, K, k.shape[-1]), v=v.reshape(-1, K, v.shape[-1]),
                           pos=jnp.broadcast_to(pos[..., None], (*pos.shape, Kp)).reshape(-1, Kp))
-        new = new.replace(length=self.length + (pos >= 0).sum(axis=1, dtype=jnp.int32))
+        new = new.replace(length=self.length + added)
         return new, new.view()
 
     def load(self, row: int, n: jax.Array, pos: jax.Array, **values: jax.Array) -> PagedKVCache:
@@ -281,7 +342,20 @@ class PagedKVCache(_Arrays):
         """Every row's pages gathered in table order: k, v `[B,K,M*page_size,H]`, pos `[B,M*page_size]`
         (`[B,K,M*page_size]` per head). Slots at or past a row's length hold no token of it (a reused
         page keeps its old contents until overwritten): their positions read -1, so attention masks them.
-        Quantized pages are dequantized after the gather (only the rows' pages)."""
+        Quantized pages are dequantized after the gather (only the rows' pages). In a mixed step, the
+        view of every row whose `reader` is the `RowSplit` of it and of the chunk's row."""
+        if self.chunk_row is None:
+            return self._gather()
+        whole, row = self.replace(chunk_row=None), self.chunk_row
+        chunk = whole.replace(table=self.table[row][None], length=self.length[row][None])._gather()
+        R, M = self.table.shape
+        return self._split(whole._gather(), chunk, whole if R * M >= self.k.shape[0] else None)
+
+    @staticmethod
+    def _split(rows: KVView, chunk: KVView, pool: PagedKVCache | None) -> KVView:
+        return rows._replace(reader=RowSplit(rows, chunk, pool))
+
+    def _gather(self) -> KVView:
         B, M = self.table.shape
         ps = self.page_size
         gather = lambda pool: pool[self.table].transpose(0, 2, 1, 3, 4).reshape(B, pool.shape[1], M * ps, -1)  # noqa: E731
@@ -290,9 +364,49 @@ class PagedKVCache(_Arrays):
         pos = pos[:, 0] if pos.shape[1] == 1 else pos
         if not self.quantized:
             return KVView(gather(self.k), gather(self.v), pos, paged=self)
-        k, v = (dequantize(unpack(gather(c), 8), gather(s), None, 8, c.shape[-1]) for c, s in
-                ((self.k, self.k_scale), (self.v, self.v_scale)))
-        return KVView(k, v, pos)
+        return KVView(*(self._values(gather(c), gather(s)) for c, s in self._coded()), pos)
+
+    def _coded(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        return (self.k, self.k_scale), (self.v, self.v_scale)
+
+    @staticmethod
+    def _values(codes: jax.Array, scale: jax.Array) -> jax.Array:
+        """int:8 codes `[..., H]` (packed) and their scales `[..., 1]` -> fp32 values."""
+        return dequantize(unpack(codes, 8), scale, None, 8, codes.shape[-1])
+
+    def attend_pool(self, q: jax.Array, q_pos: jax.Array, window: int | None, scale: float | None = None) -> jax.Array:
+        """One query per row, q `[B,1,N,H]` at q_pos `[B,1]`, over every slot of the pool, each row's
+        softmax restricted to its own pages' slots below its length: the same keys as the gathered view,
+        but every page is read once for all rows and nothing is copied per row. XLA's decode path when
+        the rows' tables span at least the pool (B x M >= P pages): the gathered views would be larger
+        than the pool itself (on XLA:CPU the gather was most of a SmolLM2 step's attention)."""
+        P, K, ps, H = self.k.shape
+        B, M = self.table.shape
+        N, Kp = q.shape[2], self.pos.shape[1]
+        scale = H**-0.5 if scale is None else scale
+        rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+        # [B,P]: where each page sits in each row's table (-1: absent). The null page pads a table after
+        # its pages, so its column lies past the row's length, which masks it like any unwritten slot.
+        column = jnp.full((B, P), -1, jnp.int32).at[rows, self.table].max(jnp.arange(M, dtype=jnp.int32)[None])
+        mine = (column[:, :, None] >= 0) & (column[:, :, None] * ps + jnp.arange(ps)[None, None] < self.length[:, None, None])
+        k_pos = jnp.where(mine[:, :, None], self.pos[None], -1).transpose(0, 2, 1, 3).reshape(B, Kp, P * ps)
+        k_pos = k_pos[:, 0] if Kp == 1 else k_pos
+        if self.quantized:
+            keys, values = (self._values(c, s) for c, s in self._coded())
+        else:
+            keys, values = self.k, self.v
+        keys, values = (x.transpose(1, 0, 2, 3).reshape(K, P * ps, x.shape[-1]) for x in (keys, values))  # head-major
+        # Rows and their query heads as one M = B*G axis per KV head: on XLA:CPU the value product in
+        # this layout ran 4x faster than with the rows as a batch axis before the heads.
+        G = N // K
+        q_KMH = q.reshape(B, K, G, H).transpose(1, 0, 2, 3).reshape(K, B * G, H)
+        logits = jnp.einsum("KMH,KSH->KMS", q_KMH, keys, preferred_element_type=jnp.float32) * scale
+        mask = visible(q_pos, k_pos, window)  # [B,1,S] or, per head, [B,K,1,S]
+        mask = jnp.broadcast_to(mask[None] if mask.ndim == 3 else mask.transpose(1, 0, 2, 3), (K, B, G, P * ps))
+        probs = masked_probs(logits, mask.reshape(K, B * G, P * ps))
+        out = jnp.einsum("KMS,KSH->KMH", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        out = out.reshape(K, B, G, -1).transpose(1, 0, 2, 3)
+        return out.reshape(B, 1, N, values.shape[-1]).astype(q.dtype)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> PagedKVCache:
         """Run the allocator's copy-on-write copies (src -> dst pages)."""
@@ -309,5 +423,12 @@ class PagedLatentCache(PagedKVCache):
 
     def update(self, c: jax.Array, k_rope: jax.Array, pos: jax.Array) -> tuple[PagedLatentCache, LatentView]:
         """Append c `[B,T,Dc]`, k_rope `[B,T,Dr]` at positions `[B,T]`; the view gathers each row's pages."""
-        new, view = super().update(c[:, :, None], k_rope[:, :, None], pos)
-        return new, LatentView(view.k[:, 0], view.v[:, 0], view.pos)
+        return super().update(c[:, :, None], k_rope[:, :, None], pos)
+
+    def _gather(self) -> LatentView:
+        view = super()._gather()
+        return LatentView(view.k[:, 0], view.v[:, 0], view.pos)
+
+    @staticmethod
+    def _split(rows: LatentView, chunk: LatentView, pool) -> LatentView:
+        return rows._replace(split=RowSplit(rows, chunk))  # MLA attends to the gathered latents

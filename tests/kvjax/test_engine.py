@@ -60,7 +60,7 @@ def test_every_request_gets_what_it_gets_alone(gqa, requests, alone, slots, chun
 
 
 def test_preempted_requests_are_recomputed_to_the_same_tokens(gqa, requests, alone):
-    engine = Engine(gqa, n_pages=10, page_size=4, slots=4, chunk=8)  # 9 usable pages: too few for all at once
+    engine = Engine(gqa, n_pages=10, page_size=4, slots=4, chunk=4)  # 9 usable pages: too few for all at once
     completions = engine.run(requests)
     _check(completions, alone)
     assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0
@@ -86,7 +86,7 @@ def test_mla_latents_in_pages_with_prefix_hits_and_preemptions(make_model, reque
     """MLA's latents and RoPE keys in pages (`PagedLatentCache`): each request as Generator gives it alone."""
     mla = make_model("mla", "model.n_layers=2")[1]
     gen = Generator(mla, capacity=40)
-    engine = Engine(mla, n_pages=10, page_size=4, slots=4, chunk=8)
+    engine = Engine(mla, n_pages=10, page_size=4, slots=4, chunk=4)
     _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
     assert engine.stats.preemptions > 0 and engine.stats.cached_tokens > 0 and engine.pool.used_pages == 0
     assert engine.caches[0].k.shape[1:] == (1, 4, mla.config.mla.kv_lora_rank)

@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax.cache import init_caches
+from kvjax.ops import attention
 from kvjax.paged import NULL_PAGE, PagedKVCache, PagePool, PoolExhausted
+from kvjax.quant.packing import pack
 
 PS, PAGES, WIDTH = 4, 24, 8  # page size, pool pages, table columns
 
@@ -149,3 +151,75 @@ def test_a_reused_page_shows_nothing_of_its_previous_owner():
     cache = cache.replace(table=jnp.asarray(pool.table(["new"], 2)), length=jnp.zeros(1, jnp.int32))
     cache, view = cache.update(jnp.zeros((1, 2, 1, 2)), jnp.zeros((1, 2, 1, 2)), jnp.asarray([[0, 1]]))
     np.testing.assert_array_equal(view.pos[0], [0, 1] + [-1] * 6)
+
+
+def _scattered(rng, K, per_head=False, int8=False):
+    """A pool of 12 pages read by three rows: row 0 holds 10 tokens in pages 3, 7, 1; row 1 19 tokens in
+    5 pages, sharing page 7 with row 0 (a prefix hit); row 2 is padding. Every slot of the pool has
+    contents and a position, so a slot no row owns, or past a row's length, would be seen if not masked."""
+    P = 12
+    pos = np.stack([rng.permutation(P * PS).reshape(P, PS) % 24 for _ in range(K if per_head else 1)], 1)
+    if int8:
+        codes = {n: jnp.asarray(pack(jnp.asarray(rng.integers(0, 256, (P, K, PS, 8))), 8)) for n in "kv"}
+        scales = {f"{n}_scale": jnp.asarray(rng.uniform(0.01, 0.1, (P, K, PS, 1)), jnp.float32) for n in "kv"}
+        arrays = codes | scales
+    else:
+        arrays = {n: jnp.asarray(rng.normal(size=(P, K, PS, 8)), jnp.float32) for n in "kv"}
+    table = jnp.asarray([[3, 7, 1, 0, 0], [5, 7, 9, 11, 4], [0, 0, 0, 0, 0]], jnp.int32)
+    return PagedKVCache(pos=jnp.asarray(pos, jnp.int32), table=table, length=jnp.asarray([10, 19, 0], jnp.int32),
+                        **arrays)
+
+
+@pytest.mark.parametrize("N, K, window, per_head, int8", [
+    (4, 2, None, False, False), (4, 1, 6, False, False), (2, 2, None, True, False), (6, 2, None, False, True)])
+def test_attention_over_the_whole_pool_equals_attention_over_the_gathered_pages(N, K, window, per_head, int8):
+    """`attend_pool` (the engine's XLA decode path once tables span the pool) == the op over the view."""
+    rng = np.random.default_rng(0)
+    cache = _scattered(rng, K, per_head, int8)
+    q = jnp.asarray(rng.normal(size=(3, 1, N, 8)), jnp.float32)
+    q_pos = jnp.asarray([[23], [21], [-1]], jnp.int32)
+    view = cache.view()
+    out = cache.attend_pool(q, q_pos, window, scale=0.3)
+    np.testing.assert_allclose(out, attention(q, view.k, view.v, q_pos, view.pos, window=window, scale=0.3), atol=1e-5)
+    np.testing.assert_array_equal(out[2], 0.0)  # the padding row sees no key
+    shorter = cache.replace(length=cache.length.at[1].set(13))  # the length bounds what a row reads
+    cut = shorter.attend_pool(q, q_pos, window, scale=0.3)
+    short = shorter.view()
+    np.testing.assert_allclose(cut, attention(q, short.k, short.v, q_pos, short.pos, window=window, scale=0.3), atol=1e-5)
+    assert window is not None or not np.allclose(cut[1], out[1])
+
+
+def test_a_mixed_step_computes_what_the_decode_step_and_the_chunk_compute_apart(make_model):
+    """Two decoding rows and a chunk of a third row's prompt in one pass (`chunk_row`): the same logits
+    and the same pages as the decode step of the two rows, then the chunk alone."""
+    cfg, model = make_model("gqa", "model.n_layers=2")
+    rng = np.random.default_rng(1)
+    pool = PagePool(PAGES, PS)
+    prompts = {s: rng.integers(0, cfg.vocab_size, n) for s, n in zip("abc", (9, 6, 11))}
+    caches = _paged_caches(cfg, 3)
+    for s in "abc":  # a and b wholly prefilled, c's first 3 tokens (as if from the prefix cache)
+        n = len(prompts[s]) if s != "c" else 3
+        pool.admit(s), pool.reserve(s, len(prompts[s]) + 1)
+        caches = _with_tables(caches, pool, [s])
+        caches = tuple(c.replace(length=jnp.zeros(1, jnp.int32)) for c in caches)
+        _, caches = model(jnp.asarray(prompts[s][None, :n]), jnp.arange(n)[None], caches)
+        pool.advance(s, n)
+    step = jax.jit(lambda t, p, c: model.hidden(t, p, c))
+    nxt = rng.integers(0, cfg.vocab_size, 2)
+    chunk = prompts["c"][3:]
+    # apart: the decode rows [2,1], then the chunk [1,8]
+    apart = _with_tables(caches, pool, "ab")
+    rows_h, apart = step(jnp.asarray(nxt[:, None]), jnp.asarray([[9], [6]]), apart)
+    apart = tuple(c.replace(table=jnp.asarray(pool.table(["c"], WIDTH)), length=jnp.asarray([3], jnp.int32)) for c in apart)
+    chunk_h, apart = step(jnp.asarray(chunk[None]), jnp.arange(3, 11)[None], apart)
+    # together: rows a, b, c (c feeds no decode token), then c's chunk
+    mixed = tuple(c.replace(chunk_row=jnp.int32(2)) for c in _with_tables(caches, pool, "abc"))
+    ids = jnp.asarray(np.concatenate([nxt, [0], chunk])[None])
+    pos = jnp.asarray(np.concatenate([[9, 6, -1], np.arange(3, 11)])[None])
+    hidden, mixed = step(ids, pos, mixed)
+    np.testing.assert_allclose(hidden[0, :2], rows_h[:, 0], atol=1e-5)
+    np.testing.assert_allclose(hidden[0, 3:], chunk_h[0], atol=1e-5)
+    np.testing.assert_array_equal(mixed[0].length, [10, 7, 11])
+    for a, b in zip(apart, mixed):
+        np.testing.assert_allclose(b.k, a.k, atol=1e-6)
+        np.testing.assert_array_equal(b.pos, a.pos)

@@ -397,7 +397,7 @@ def _cmd_serve_bench(args) -> None:
                         shared_prefix=args.shared_prefix, seed=args.seed)
     model = _bench_model(args.model, args.overrides)
     figures = serve_bench(model, workload, memory_mib=args.memory_mib, page_size=args.page_size, slots=args.slots,
-                          chunk=args.chunk, policies=tuple(args.policies))
+                          chunk=args.chunk, decode_steps=args.decode_steps, policies=tuple(args.policies))
     print(render(figures))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -556,6 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--page-size", type=POSITIVE, default=16, help="tokens per page (default: 16)")
     sb.add_argument("--slots", type=POSITIVE, default=16, help="engine sequences decoding together (default: 16)")
     sb.add_argument("--chunk", type=POSITIVE, default=128, help="engine prefill chunk (default: 128)")
+    sb.add_argument("--decode-steps", type=POSITIVE, default=8,
+                    help="engine greedy decode steps per device call while no prompt prefills (default: 8)")
     sb.add_argument("--policies", nargs="+", default=[], help="also the engine with each policy: token eviction "
                     "applied after the prefill, optionally ending in int:8, e.g. snapkv:0.5 int:8 (default: none)")
     sb.add_argument("--json", help="also write the figures to this file")

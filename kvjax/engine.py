@@ -61,6 +61,7 @@ class Completion:
 @dataclasses.dataclass
 class EngineStats:
     steps: int = 0  # passes through the model (decode rows, with or without a prompt chunk)
+    calls: int = 0  # device calls: one per step, or one per `decode_steps` greedy steps
     prefill_chunks: int = 0  # steps that carried a prompt chunk
     prefill_tokens: int = 0  # prompt tokens computed (prefix-cache hits are not)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -93,29 +94,63 @@ def _with_rows(caches, table, length, chunk_row=None):
     return tuple(c.replace(table=table, length=length, chunk_row=chunk_row) for c in caches)
 
 
-def _step_logits(graphdef, params, caches, table, length, tokens, pos, chunk, chunk_pos, chunk_row, last):
+def _forward(model, caches, table, length, tokens, pos, chunk, chunk_pos, chunk_row, last):
     """One pass over a step's tokens: a decode token for each of the first R table rows (tokens, pos
     `[R]`; position -1 where a row feeds none), then, when C > 0, a prompt chunk of row `chunk_row`
     (chunk, chunk_pos `[C]`, padded with position -1), all through the weights once (`kvjax.paged`'s
     mixed step). Returns log-probabilities `[R(+1),V]`, after each row's token and (row R) after the
     chunk's token `last`, each row's greedy token and its log-probability (all a greedy batch reads
-    back), and the caches."""
+    back), the caches and the rows' new lengths."""
     R, C = tokens.shape[0], chunk.shape[0]
-    model = nnx.merge(graphdef, params)
     ids, at = jnp.concatenate([tokens, chunk])[None], jnp.concatenate([pos, chunk_pos])[None]
     hidden, rows = model.hidden(ids, at, _with_rows(caches, table[:R], length[:R], chunk_row))
     picked = jnp.arange(R) if C == 0 else jnp.concatenate([jnp.arange(R), R + last[None]])
     logp = jax.nn.log_softmax(model.logits(hidden[0, picked]))
     best = jnp.argmax(logp, axis=-1)
     caches = tuple(c.replace(**r._pools()) for c, r in zip(caches, rows))
-    return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches
+    return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches, rows[0].length
+
+
+def _step(graphdef, treedef, leaves, caches, table, length, tokens, pos, chunk, chunk_pos, chunk_row, last):
+    """`_forward` of the model whose parameters come as their flat leaves (`treedef` rebuilds them):
+    flattening the NNX state on every call cost more host time than a small model's whole step."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    return _forward(model, caches, table, length, tokens, pos, chunk, chunk_pos, chunk_row, last)[:4]
+
+
+def _greedy_steps(graphdef, treedef, leaves, caches, table, length, tokens, pos, stop, eos, *, steps):
+    """Up to `steps` greedy decode steps of R rows in one call (vLLM's multi-step scheduling: a small
+    model's step is shorter than the host's round trip): row r feeds tokens[r] at pos[r], then each
+    token it picks, for stop[r] steps (0: an empty row) or until it picks eos[r]. Returns the tokens and
+    log-probabilities picked `[steps,R]` (-1 and 0 after a row stops) and the caches."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    R = tokens.shape[0]
+    none = jnp.zeros(0, jnp.int32)
+
+    def body(carry):
+        i, caches, length, tok, pos, active, out_tok, out_lp = carry
+        _, best, best_lp, caches, length = _forward(model, caches, table, length, tok, jnp.where(active, pos, -1),
+                                                    none, none, jnp.int32(0), jnp.int32(0))
+        out_tok = out_tok.at[i].set(jnp.where(active, best, -1).astype(jnp.int32))
+        out_lp = out_lp.at[i].set(jnp.where(active, best_lp, 0.0))
+        active = active & (i + 1 < stop) & (best != eos)
+        return i + 1, caches, length, best.astype(jnp.int32), pos + 1, active, out_tok, out_lp
+
+    def cond(carry):
+        return (carry[0] < steps) & carry[5].any()
+
+    init = (jnp.int32(0), caches, length[:R], tokens, pos, stop > 0, jnp.full((steps, R), -1, jnp.int32),
+            jnp.zeros((steps, R), jnp.float32))
+    _, caches, _, _, _, _, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
+    return out_tok, out_lp, caches
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted(graphdef):
-    """The step function jitted for one model structure, shared by every Engine over it (so a second
-    engine on the same model compiles nothing)."""
-    return jax.jit(functools.partial(_step_logits, graphdef), donate_argnums=(1,))
+def _jitted(graphdef, treedef):
+    """The step and multi-step functions jitted for one model structure, shared by every Engine over it
+    (so a second engine on the same model compiles nothing)."""
+    return (jax.jit(functools.partial(_step, graphdef, treedef), donate_argnums=(1,)),
+            jax.jit(functools.partial(_greedy_steps, graphdef, treedef), donate_argnums=(1,), static_argnames=("steps",)))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -159,20 +194,21 @@ class Engine:
 
     def __init__(self, model: nnx.Module, *, n_pages: int, page_size: int = 16, slots: int = 8, chunk: int = 128,
                  max_tokens: int | None = None, prefix_cache: bool = True, mesh: jax.sharding.Mesh | None = None,
-                 policy: str | Policy | None = None):
+                 policy: str | Policy | None = None, decode_steps: int = 8):
         """`mesh` (axes `data` and `tensor`) spreads the step's rows (sequences) over `data` and the pages' KV
         heads over `tensor`, as training splits batch and heads; the parameters are replicated.
         `policy`: token eviction applied once after the prefill, optionally ending in `int:8` (see the
-        module docstring)."""
+        module docstring). `decode_steps`: while no prompt is being prefilled and every running request
+        decodes greedily, up to this many decode steps run in one device call (1: a call per step)."""
         cfg = model.config
         if not set(cfg.mixers) <= {"attention", "mla"} or cfg.attention.window is not None:
             raise ConfigError(f"the engine pages full-attention K/V and MLA latents; model mixers "
                               f"{sorted(set(cfg.mixers))} (window {cfg.attention.window}) are not supported yet")
-        if slots < 1 or chunk < 1:
-            raise ConfigError(f"slots={slots} and chunk={chunk} must be >= 1")
+        if slots < 1 or chunk < 1 or decode_steps < 1:
+            raise ConfigError(f"slots={slots}, chunk={chunk} and decode_steps={decode_steps} must be >= 1")
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
         self.model, self.pool = model, PagePool(n_pages, page_size)
-        self.slots, self.chunk = slots, chunk
+        self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
         self.prefix_cache = prefix_cache and self.policy is None
         self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
         att = cfg.attention
@@ -192,13 +228,15 @@ class Engine:
                               per_head_positions=per_head, int8=int8)
             for i in plan.producers)
         graphdef, self.params = nnx.split(model)
-        self._step = _jitted(graphdef)
+        self._leaves, treedef = jax.tree.flatten(self.params)
+        self._step, self._greedy_steps = _jitted(graphdef, treedef)
         self.mesh = mesh
         if mesh is not None:
             if slots % mesh.shape["data"] or att.n_kv_heads % mesh.shape["tensor"]:
                 raise ConfigError(f"slots={slots} must divide over data={mesh.shape['data']} and "
                                   f"n_kv_heads={att.n_kv_heads} over tensor={mesh.shape['tensor']}")
             self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
+            self._leaves = jax.tree.leaves(self.params)
             self.caches = tuple(self._placed(c) for c in self.caches)
         self._sync([])
         self.stats = EngineStats()
@@ -237,7 +275,7 @@ class Engine:
         seqs = [*seqs, *[None] * (self.slots - len(seqs))]
         table = self.pool.table(seqs, self.width)
         length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
-        self._table, self._length = self._rows_placed(jnp.asarray(table)), self._rows_placed(jnp.asarray(length))
+        self._table, self._length = self._rows_placed(table), self._rows_placed(length)  # numpy: jit moves it
 
     def _pick(self, logp, running: _Running, step: int, greedy: tuple[int, float] | None = None) -> int:
         """The next token from log-probabilities `[V]`: argmax when greedy (`greedy`, the (token,
@@ -347,7 +385,8 @@ class Engine:
             filling = min((r for r in seqs.values() if r.pending > 1), key=lambda r: r.index, default=None)
             self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)
             self.stats.peak_running = max(self.stats.peak_running, len(rows))
-            self._feed(rows, filling, seqs)
+            if filling is not None or not self._feed_greedy(rows, seqs):
+                self._feed(rows, filling, seqs)
         return self.done
 
     def _admit_waiting(self, waiting, seqs: dict) -> None:
@@ -375,24 +414,65 @@ class Engine:
         chunk[: len(piece)], chunk_pos[: len(piece)] = piece, np.arange(len(piece)) + (filling.at if filling else 0)
         self._sync([r.index for r in order])
         logp, best, best_lp, self.caches = self._step(
-            self.params, self.caches, self._table, self._length, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(chunk),
-            jnp.asarray(chunk_pos), jnp.int32(len(rows)), jnp.int32(max(len(piece) - 1, 0)))
+            self._leaves, self.caches, self._table, self._length, ids, pos, chunk, chunk_pos, np.int32(len(rows)),
+            np.int32(max(len(piece) - 1, 0)))
         self.stats.steps += 1
+        self.stats.calls += 1
         self.stats.prefill_chunks += bool(piece)
         best, best_lp = np.asarray(best), np.asarray(best_lp)
         fed = [(r, 1, i) for i, r in enumerate(rows)] + ([(filling, len(piece), R)] if filling else [])
-        sampling = any(self.requests[r.index].decoding.temperature > 0 for r, _, _ in fed)
+        sampling = any(self._samples(r) for r, _, _ in fed)
         logp = np.asarray(logp) if sampling else None  # the whole distribution only when some request samples
         for r, n, out in fed:
-            self.pool.advance(r.index, n)
-            self.stats.prefill_tokens += max(0, min(r.at + n, r.fill) - r.at)
-            r.at += n
-            filled = self.pool.lengths[r.index] // self.pool.page_size
-            if self.prefix_cache and filled > (self.pool.lengths[r.index] - n) // self.pool.page_size:
-                self.pool.register(r.index, r.tokens)  # every page once it fills, generated ones too (vLLM V1)
-            if r.pending == 0:
-                self._pick(None if logp is None else logp[out], r, len(r.done.tokens), (int(best[out]), float(best_lp[out])))
-                self._retire(r, seqs)
+            self._advance(r, n, seqs, None if logp is None else logp[out], (int(best[out]), float(best_lp[out])))
+
+    def _feed_greedy(self, rows: list[_Running], seqs: dict) -> bool:
+        """Up to `decode_steps` decode steps of `rows` in one call (`_greedy_steps`), when there are several
+        to run, every row decodes greedily and the pool holds pages for them all (False, nothing done,
+        otherwise: the caller takes one step)."""
+        stop = [self.requests[r.index].decoding.max_new_tokens - len(r.done.tokens) for r in rows]
+        if self.decode_steps == 1 or not rows or max(stop) < 2 or any(self._samples(r) for r in rows):
+            return False
+        stop = [min(n, self.decode_steps) for n in stop]
+        try:
+            for r, n in zip(rows, stop):
+                copies = self.pool.reserve(r.index, n)
+                self.caches = tuple(c.copy_pages(copies) for c in self.caches)
+        except PoolExhausted:
+            return False  # what was reserved stays with its rows, which fill it later
+        R = self._rows(len(rows))
+        ids, pos, eos = np.zeros(R, np.int32), np.full(R, -1, np.int32), np.full(R, -1, np.int32)
+        stops = np.zeros(R, np.int32)
+        for i, (r, n) in enumerate(zip(rows, stop)):
+            ids[i], pos[i], stops[i] = r.tokens[r.at], r.at, n
+            eos[i] = -1 if self.requests[r.index].decoding.eos_id is None else self.requests[r.index].decoding.eos_id
+        self._sync([r.index for r in rows])
+        tokens, logprobs, self.caches = self._greedy_steps(self._leaves, self.caches, self._table, self._length, ids,
+                                                           pos, stops, eos, steps=self.decode_steps)
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        self.stats.steps += int((tokens >= 0).any(axis=1).sum())
+        self.stats.calls += 1
+        for step_tokens, step_lps in zip(tokens, logprobs):
+            for r, tok, lp in zip(rows, step_tokens, step_lps):
+                if tok >= 0:
+                    self._advance(r, 1, seqs, None, (int(tok), float(lp)))
+        return True
+
+    def _samples(self, r: _Running) -> bool:
+        return self.requests[r.index].decoding.temperature > 0
+
+    def _advance(self, r: _Running, n: int, seqs: dict, logp, greedy: tuple[int, float]) -> None:
+        """Record that n more of r's pending tokens are in its pages; after its last, pick its next token
+        (from `logp` `[V]` when it samples, else `greedy`, the device's argmax and its log-probability)."""
+        self.pool.advance(r.index, n)
+        self.stats.prefill_tokens += max(0, min(r.at + n, r.fill) - r.at)
+        r.at += n
+        filled = self.pool.lengths[r.index] // self.pool.page_size
+        if self.prefix_cache and filled > (self.pool.lengths[r.index] - n) // self.pool.page_size:
+            self.pool.register(r.index, r.tokens)  # every page once it fills, generated ones too (vLLM V1)
+        if r.pending == 0:
+            self._pick(logp, r, len(r.done.tokens), greedy)
+            self._retire(r, seqs)
 
     def _chunk_bucket(self, n: int) -> int:
         """Padded length of a prompt chunk of n tokens: 0 for none, else the next power of two from

@@ -4,8 +4,8 @@ Servers compared at the same bytes of K/V memory:
 - **static batches** (`Generator`): requests in arrival order, `rows` at a time, each batch decoded to
   its longest output; without paging every row must reserve the workload's longest prompt plus its
   longest output, so rows = budget / (bytes per token x that reservation).
-- **engine** (`kvjax.Engine`): paged memory, continuous batching, chunked prefill, prefix cache; the
-  budget buys pages.
+- **engine** (`kvjax.Engine`): paged memory, continuous batching, chunked prefill mixed into the decode
+  steps, prefix cache; the budget buys pages.
 - **engine + policy** for each `--policies` entry (e.g. `snapkv:0.5`, `int:8`): the same budget buys
   pages of the policy's layout (int8 pages are smaller, so there are more), and compressed prompts take
   fewer of them, so more requests run at once.
@@ -89,7 +89,7 @@ def _timed_static(model, requests, rows: int, capacity: int) -> float:
 
 
 def serve_bench(model, workload: Workload, *, memory_mib: float, page_size: int = 16, slots: int = 16,
-                chunk: int = 128, policies: tuple[str, ...] = ()) -> dict:
+                chunk: int = 128, decode_steps: int = 8, policies: tuple[str, ...] = ()) -> dict:
     """Run every server on the workload at `memory_mib` MiB of K/V and return the figures (see the module
     docstring); a budget too small for the longest request, or a policy budget a prompt cannot meet, is
     a ConfigError before any compute."""
@@ -106,7 +106,7 @@ def serve_bench(model, workload: Workload, *, memory_mib: float, page_size: int 
     for policy in (None, *policies):  # each layout's pages in the budget; every request checked before compute
         n_pages = budget // page_bytes(model, page_size, policy) + 1  # + the null page
         engines[policy] = Engine(model, n_pages=n_pages, page_size=page_size, slots=slots, chunk=chunk,
-                                 max_tokens=longest, policy=policy)
+                                 max_tokens=longest, policy=policy, decode_steps=decode_steps)
         engines[policy].check(requests)
     new_tokens = sum(r.decoding.max_new_tokens for r in requests)
     out = {"model": cfg.name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
@@ -127,7 +127,8 @@ def serve_bench(model, workload: Workload, *, memory_mib: float, page_size: int 
             "pages": pool.n_pages - 1, "peak_pages": s.peak_pages, "page_bytes": per_page,
             "bytes_allocated": engine.nbytes(), "peak_bytes_used": s.peak_pages * per_page,
             "prefill_tokens": s.prefill_tokens, "cached_tokens": s.cached_tokens,
-            "prefix_hit_rate": pool.hits / lookups if lookups else 0.0, "steps": s.steps, "preemptions": s.preemptions,
+            "prefix_hit_rate": pool.hits / lookups if lookups else 0.0, "steps": s.steps, "calls": s.calls,
+            "preemptions": s.preemptions,
         })
     return out
 

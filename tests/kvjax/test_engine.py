@@ -68,6 +68,25 @@ def test_preempted_requests_are_recomputed_to_the_same_tokens(gqa, requests, alo
     assert [c.preempted for c in completions] == [0, 0, 1, 0, 0]
 
 
+def test_several_greedy_steps_a_call_give_the_same_tokens_and_stop_at_eos(gqa, requests, alone):
+    """`decode_steps`: the same tokens as one step a call, in fewer calls; a request whose EOS comes up
+    inside a multi-step call stops there, as Generator stops it."""
+    one = Engine(gqa, n_pages=40, page_size=4, slots=5, chunk=32, decode_steps=1)
+    many = Engine(gqa, n_pages=40, page_size=4, slots=5, chunk=32, decode_steps=4)
+    _check(one.run(requests), alone)
+    _check(many.run(requests), alone)
+    assert one.stats.calls == one.stats.steps and many.stats.calls < many.stats.steps
+    eos = int(alone[2].tokens[0, 4])  # request 2's fifth token (of 8)
+    stopping = [Request(r.prompt, dataclasses.replace(r.decoding, eos_id=eos)) for r in requests]
+    gen = Generator(gqa, capacity=40)
+    for got, r in zip(many.run(stopping), stopping):
+        want = gen([list(r.prompt)], r.decoding)
+        n = int(want.lengths[0])
+        assert got.tokens == list(want.tokens[0, :n]) and (got.tokens[-1] == eos or n == r.decoding.max_new_tokens)
+        np.testing.assert_allclose(got.logprobs, want.logprobs[0, :n], atol=1e-5)
+    assert len(many.done[2].tokens) < 8 and many.pool.used_pages == 0  # it stopped early
+
+
 def test_sampled_tokens_depend_on_the_request_not_on_the_batch(gqa, requests):
     """Sampling draws with each request's own key (its seed, index and step): the same tokens whatever
     the slots, chunking and preemptions, and other tokens under another seed."""

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # A small model that retrieves: the 0.9M-parameter `gqa` shape trained as a chain of runs (train.init),
-# then scored by `kvjax eval --task passkey` at 1,000 tokens, full cache and five eviction/selection policies.
+# then scored by `kvjax eval --task passkey` at 1,000 and 2,000 tokens, full cache and five eviction/selection
+# policies.
 #   1. induction: random strings repeated at a random period (data.repeats=1), 64-token rows;
 #   2. pass keys in KJV filler (data.passkey, answer weighted) with induction rows kept, 256 tokens;
-#   3. the same mix at 1,024 tokens (the model's context).
-# About 40 minutes on 2 CPU cores. Usage: scripts/train_retrieval.sh [OUT_DIR] (default runs/retrieval).
+#   3. the same mix at 1,024 tokens;
+#   4. the same mix at 2,048 tokens (the model's context), as many tokens a step.
+# About 50 minutes on 2 CPU cores. Usage: scripts/train_retrieval.sh [OUT_DIR] (default runs/retrieval).
 set -euo pipefail
 out=${1:-runs/retrieval}
 kvjax=${KVJAX:-.venv/bin/kvjax}
@@ -16,5 +18,7 @@ $kvjax train gqa train.init="$out/1-induction" $mix data.seq_len=256 \
   train.batch_size=32 train.steps=400 train.lr=1e-3 train.min_lr_ratio=1 train.warmup_steps=20 --run-dir "$out/2-passkey-256"
 $kvjax train gqa train.init="$out/2-passkey-256" $mix data.seq_len=1024 \
   train.batch_size=8 train.steps=400 train.lr=1e-3 train.min_lr_ratio=1 train.warmup_steps=20 --run-dir "$out/3-passkey-1024"
-$kvjax eval "$out/3-passkey-1024" --task passkey --lengths 1000 --trials 8 --policy streaming:0.75 \
+$kvjax train gqa train.init="$out/3-passkey-1024" $mix data.seq_len=2048 \
+  train.batch_size=4 train.steps=600 train.lr=1e-3 train.min_lr_ratio=1 train.warmup_steps=20 --run-dir "$out/4-passkey-2048"
+$kvjax eval "$out/4-passkey-2048" --task passkey --lengths 1000 2000 --trials 16 --policy streaming:0.75 \
   --policy h2o:0.75 --policy snapkv:0.75 --policy quest:0.75 --policy tova:0.75

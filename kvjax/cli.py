@@ -6,11 +6,14 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
+import shutil
 import sys
+import warnings
 from pathlib import Path
 
 from kvjax import memory
-from kvjax.config import ConfigError, load_config
+from kvjax.config import ConfigError, Note, load_config
 from kvjax.plan import KV_KINDS, SHARABLE_KINDS
 from kvjax.report import format_bytes, format_table
 
@@ -137,8 +140,8 @@ def _cmd_train(args) -> None:
         print(f"train.steps {trainer.extended_from} -> {steps}: the learning-rate schedule now decays over {steps} steps")
     done = " (finished: nothing to train)" if trainer.step >= steps else ""
     print(f"training {config.model.name} in {run_dir} from step {trainer.step} of {steps}{done}")
-    trainer.run(log=lambda row: print(json.dumps(row), flush=True) if "eval_loss" in row else None)
-    print(json.dumps({"step": trainer.step, **trainer.evaluate()}))
+    history = trainer.run(log=lambda row: print(json.dumps(row), flush=True) if "eval_loss" in row else None)
+    print(json.dumps({"step": trainer.step, **trainer.final_scores(history)}))
 
 
 def _cmd_uptrain(args) -> None:
@@ -160,24 +163,30 @@ def _cmd_uptrain(args) -> None:
 
 
 def _cmd_duo_train(args) -> None:
-    from kvjax.duo import default_pattern, save_pattern, streaming_heads
+    from kvjax.duo import check_pattern_target, is_run, learned_pattern_path, save_pattern, streaming_heads
     from training import compression_eval as ce
     from training.duo import GateTraining, learn_gates
     from training.loading import check_context, load_model
 
     cfg = GateTraining(steps=args.steps, length=args.length, keys=args.keys, words=args.words, sinks=args.sinks,
                        recent=args.recent, lr=args.lr, reg=args.reg, seed=args.seed)
+    out = Path(args.out) if args.out else learned_pattern_path(args.model, None)
+    if out is not None:
+        check_pattern_target(out, args.overwrite)  # before loading the model
     loaded = load_model(args.model)
     check_context(loaded, cfg.length, f"--length={cfg.length}", args.allow_long_context)
-    out = Path(args.out) if args.out else default_pattern(args.model, loaded.config.model.name)
+    if out is None:
+        out = learned_pattern_path(args.model, loaded.config.model.name)
+        check_pattern_target(out, args.overwrite)
     filler = ce.corpus_tokens(loaded.tokenizer, args.corpus or loaded.corpus)
     result = learn_gates(loaded.model, loaded.tokenizer, filler, cfg)
     save_pattern(out, result["gates"], model=loaded.config.model.name, training=dataclasses.asdict(cfg),
                  held_out_before=result["held_out_before"], held_out_after=result["held_out_after"],
                  seconds=round(result["seconds"], 1), history=result["history"])
     half = streaming_heads(result["gates"], 0.5)
+    use = "" if is_run(args.model) and not args.out else f"; use it with --policy duo:0.5:pattern={out}"
     print(f"held-out objective {result['held_out_before']:.5f} -> {result['held_out_after']:.5f} "
-          f"({cfg.steps} steps, {result['seconds']:.0f} s); wrote {out}")
+          f"({cfg.steps} steps, {result['seconds']:.0f} s); wrote {out}{use}")
     print("gates per layer (x = streaming at duo:0.5):")
     for layer, (g, s) in enumerate(zip(result["gates"], half)):
         print(f"  {layer:>3}: " + " ".join(f"{v:.2f}{'x' if h in s else ' '}" for h, v in enumerate(g)))
@@ -255,6 +264,7 @@ def _eval_compressed(args, task: str) -> None:
     loaded = load_model(args.model)
     policies = _resolve_duo([str(p) for p in parsed], args.model, loaded)
     _check_duo(policies, loaded)
+    _fit_to_context(args, loaded)
     model, tokenizer, corpus = loaded.model, loaded.tokenizer, args.corpus or loaded.corpus
     if task == "continuation":
         # One more token than scored: the first is predicted by the prefill itself, before compression.
@@ -287,6 +297,26 @@ def _eval_compressed(args, task: str) -> None:
     print(format_table(["policy", *(f"{n}/{d:g}" for n in args.lengths for d in args.depths)], table))
 
 
+PREFIX, CONTINUATION, DECODE_CONTEXT, LENGTHS = 1536, 255, 2048, (512, 1024)  # defaults, fitted to the model
+
+
+def _fit_to_context(args, loaded) -> None:
+    """Defaults for the lengths the user left unset that fit the model's trained context: a quarter of it
+    at most for the continuation, the rest (less the token the prefill predicts) for the prefix, the
+    context itself at most for decode timings and passkey prompts. Given values are checked as given."""
+    from training.compression_eval import ANSWER_TOKENS
+
+    ctx = loaded.context or 1 << 30
+    if getattr(args, "continuation", 0) is None:
+        args.continuation = min(CONTINUATION, max(1, ctx // 4))
+    if getattr(args, "prefix", 0) is None:
+        args.prefix = min(PREFIX, max(1, ctx - args.continuation - 1))
+    if getattr(args, "context", 0) is None:
+        args.context = min(DECODE_CONTEXT, ctx)
+    if getattr(args, "lengths", 0) is None:
+        args.lengths = [n for n in LENGTHS if n + ANSWER_TOKENS <= ctx] or [max(1, ctx - ANSWER_TOKENS)]
+
+
 def _cmd_generate(args) -> None:
     from kvjax.compress import parse_policy
     from kvjax.config import DecodingConfig
@@ -317,7 +347,15 @@ def _cmd_generate(args) -> None:
     )
     calibration = _calibration(loaded, [policy] if policy else [], args.corpus)
     out = generate(loaded.model, [prompt], decoding, policy=policy, calibration=calibration)
-    print(args.prompt + tokenizer.decode(out.tokens[0, : out.lengths[0]]))
+    print(args.prompt + completion(tokenizer, out.tokens[0, : out.lengths[0]]))
+
+
+def completion(tokenizer, tokens) -> str:
+    """The generated text: the end token a generation stopped at (a chat model's `<|im_end|>`) is not text."""
+    tokens = list(tokens)
+    if tokens and tokens[-1] == tokenizer.eos_id:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens)
 
 
 def _cmd_compare(args) -> None:
@@ -363,7 +401,11 @@ def _compare_policies(args) -> None:
 
     parsed = [parse_policy(text) for text, _ in ce.table_runs(args.policies, args.budgets)[1:]]  # before compute
     model_ref = args.model or str(_compare_dir(args) / "gqa")
+    if not args.model and not Path(model_ref).is_dir():
+        raise ConfigError(f"--policies compresses one model: pass --model (a run directory, a .gguf file or smollm2), "
+                          f"or train the default {model_ref} first with `kvjax compare{' --quick' if args.quick else ''}`")
     loaded = load_model(model_ref)
+    _fit_to_context(args, loaded)
     args.policies = _resolve_duo(args.policies, model_ref, loaded)
     _check_duo([text for text, _ in ce.table_runs(args.policies, args.budgets)[1:]], loaded)
     allow = args.allow_long_context
@@ -451,15 +493,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--policy", action="append", help="a compression policy, e.g. snapkv:0.5 (repeatable)")
     ev.add_argument("--task", choices=("ppl", "continuation", "passkey", "needle"),
                     help="default: ppl, or continuation when --policy is given")
-    ev.add_argument("--prefix", type=POSITIVE, default=1536,
-                    help="continuation: prefix tokens compressed (default: 1536)")
-    ev.add_argument("--continuation", type=POSITIVE, default=255,
-                    help="continuation: tokens scored after the prefix, each predicted through the compressed "
-                         "cache (default: 255; one more token is read, the one the prefill predicts)")
+    ev.add_argument("--prefix", type=POSITIVE,
+                    help=f"continuation: prefix tokens compressed (default: {PREFIX}, or what the model's context "
+                         "leaves after the continuation)")
+    ev.add_argument("--continuation", type=POSITIVE,
+                    help=f"continuation: tokens scored after the prefix, each predicted through the compressed "
+                         f"cache (default: {CONTINUATION}, at most a quarter of the model's context; one more token "
+                         "is read, the one the prefill predicts)")
     ev.add_argument("--samples", type=POSITIVE, default=1,
                     help="continuation: how many prefix/continuation pairs (default: 1)")
-    ev.add_argument("--lengths", type=POSITIVE, nargs="+", default=[512, 1024],
-                    help="passkey/needle prompt lengths (default: 512 1024)")
+    ev.add_argument("--lengths", type=POSITIVE, nargs="+",
+                    help=f"passkey/needle prompt lengths (default: {' '.join(map(str, LENGTHS))}, those the model's "
+                         "context holds, else its context less the answer)")
     ev.add_argument("--depths", type=UNIT, nargs="+", default=[0.1, 0.5, 0.9],
                     help="passkey/needle depths in [0, 1] (default: 0.1 0.5 0.9)")
     ev.add_argument("--trials", type=POSITIVE, default=4, help="passkey/needle prompts per cell (default: 4)")
@@ -490,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "yoco-swa:window=W, mla:d_c=R,rope_dims=D, joined by + (options pool=mean|first, "
                     "merge=mean|keep, select=norm|high); or a model config of the source's shape")
     up.add_argument("overrides", nargs="*", help="data.* and train.* overrides (an imported source starts from "
-                    "seq_len 256, 100 steps of batch 4 at lr 1e-4)")
+                    "seq_len 256, 100 steps of batch 4 at lr 1e-4, 10 warm-up steps, one checkpoint kept; a "
+                    "train.steps=N alone scales the warm-up with it)")
     up.add_argument("--run-dir", help="where the run goes; an existing one resumes "
                     "(default: runs/uptrain/<source>-<conversion>)")
     up.set_defaults(run=_cmd_uptrain)
@@ -507,7 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
     duo.add_argument("--reg", type=NON_NEGATIVE_FLOAT, default=0.05, help="L1 weight on the gates (default: 0.05)")
     duo.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
     duo.add_argument("--corpus", help="haystack text (default: the run's own; kjv for GGUF models)")
-    duo.add_argument("--out", help="pattern file (default: RUN/duo_pattern.json, or configs/duo/NAME.json)")
+    duo.add_argument("--out", help="pattern file (default: RUN/duo_pattern.json for a run, which duo:R then reads; "
+                     "runs/duo/NAME.json for an imported model, read with duo:R:pattern=PATH; the shipped "
+                     "configs/duo/ patterns are never written)")
+    duo.add_argument("--overwrite", action="store_true", help="replace an existing pattern file")
     duo.add_argument("--allow-long-context", action="store_true", help=long_help)
     duo.set_defaults(run=_cmd_duo_train)
 
@@ -532,12 +581,15 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--model", help=f"{model_help} (default: the gqa run of this comparison)")
     pol.add_argument("--budgets", type=OPEN_UNIT, nargs="+", default=[0.25, 0.5, 0.75],
                      help="fractions of the prefix kept, in (0, 1] (default: 0.25 0.5 0.75)")
-    pol.add_argument("--prefix", type=POSITIVE, default=1536,
-                     help="tokens compressed before the scored continuation (default: 1536)")
-    pol.add_argument("--continuation", type=POSITIVE, default=255,
-                     help="tokens scored after the prefix through the compressed cache (default: 255)")
+    pol.add_argument("--prefix", type=POSITIVE,
+                     help=f"tokens compressed before the scored continuation (default: {PREFIX}, or what the "
+                          "model's context leaves)")
+    pol.add_argument("--continuation", type=POSITIVE,
+                     help=f"tokens scored after the prefix through the compressed cache (default: {CONTINUATION}, "
+                          "at most a quarter of the model's context)")
     pol.add_argument("--samples", type=POSITIVE, default=1, help="prefix/continuation pairs scored (default: 1)")
-    pol.add_argument("--context", type=POSITIVE, default=2048, help="cache length for the decode speed (default: 2048)")
+    pol.add_argument("--context", type=POSITIVE,
+                     help=f"cache length for the decode speed (default: {DECODE_CONTEXT}, at most the model's context)")
     pol.add_argument("--passkey-length", type=POSITIVE, help="also passkey accuracy at this prompt length")
     pol.add_argument("--allow-long-context", action="store_true", help=long_help)
     cmp.set_defaults(run=_cmd_compare)
@@ -565,8 +617,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_notes() -> None:
+    """kvjax's own warnings (`kvjax.config.Note`) as one `kvjax: note:` line each; others as Python shows them."""
+    default = warnings.showwarning
+    if getattr(default, "kvjax_notes", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, Note):
+            print(f"kvjax: note: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    show.kvjax_notes = True
+    warnings.showwarning = show
+
+
+def as_typed(argv: list[str]) -> str:
+    """This command line as the user can type it again: `kvjax ...` when `kvjax` on PATH is this program,
+    else the path it was started by (e.g. `.venv/bin/kvjax`)."""
+    prog = sys.argv[0]
+    if Path(prog).name != "kvjax":  # python -m kvjax.cli, or called from Python
+        prog = "kvjax"
+    elif (found := shutil.which("kvjax")) and Path(found).resolve() == Path(prog).resolve():
+        prog = "kvjax"
+    return shlex.join([prog, *argv])
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    _show_notes()
     try:
         args.run(args)
     except KeyboardInterrupt:
@@ -575,8 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, *_user_errors()) as e:
         from training.trainer import TrainingInterrupted
 
-        if isinstance(e, TrainingInterrupted):  # Ctrl-C in training: the step was finished and saved
-            print(f"kvjax: {e}", file=sys.stderr)
+        if isinstance(e, TrainingInterrupted):  # Ctrl-C in training: what was saved, and how to go on
+            print(f"kvjax: {e}; resume with: {as_typed(argv)}", file=sys.stderr)
             return 130
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2

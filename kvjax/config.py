@@ -32,6 +32,11 @@ class ConfigError(ValueError):
     """A config value or file that kvjax cannot accept; the message says which and why."""
 
 
+class Note(UserWarning):
+    """Something kvjax did differently from what was asked, for a good reason the message gives (a
+    warning, so library users can filter it; the command line prints it as one `kvjax: note:` line)."""
+
+
 def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{field}={value!r} {allowed}")
@@ -489,6 +494,10 @@ class TrainConfig:
         _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{p}.b1/b2", (self.b1, self.b2), "must be in [0, 1)")
         _positive(p, self, "grad_clip")
         _require(self.trainable in TRAINABLE, f"{p}.trainable", self.trainable, f"must be one of {TRAINABLE}")
+
+    def warmup_for(self, steps: int) -> int:
+        """This warm-up scaled to a run of `steps` (the same fraction of it; at least 1 and below `steps`)."""
+        return min(steps - 1, max(1, round(self.warmup_steps * steps / self.steps))) if steps > 1 else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,8 +171,13 @@ class DuoKVCache(_Arrays):
 
 def streaming_heads(gates: list[np.ndarray], ratio: float) -> tuple[tuple[int, ...], ...]:
     """The streaming heads of each layer (gates `[K_l]` per layer): the round(ratio x all heads) heads
-    with the lowest gates over the whole model, ties to the lower layer and head (kvpress's
-    `DuoAttentionPress` rule; the reference's quantile threshold differs by at most a head)."""
+    with the lowest gates over the whole model (kvpress's `DuoAttentionPress` count; the reference's
+    quantile threshold differs by at most a head).
+
+    Ties at the cut go to the lower layer, then the lower head (a stable sort over the flattened gates).
+    kvpress sorts with `np.argsort`'s default quicksort, which is not stable, so where several heads
+    share the gate at the cut (SmolLM2's learned pattern has 30 heads at exactly 0) the two may stream
+    different heads of equal gates; the count, and every head whose gate differs from the cut's, agree."""
     flat = np.concatenate([np.asarray(g, np.float64) for g in gates])
     n = int(round(ratio * flat.size))
     chosen = set(np.argsort(flat, kind="stable")[:n].tolist())
@@ -232,11 +237,34 @@ def duo_heads(stage, cfg) -> tuple[tuple[int, ...], ...]:
 
 
 def default_pattern(model_ref: str, model_name: str) -> Path:
-    """Where a model's learned pattern lives: `duo_pattern.json` in a run directory trained here, else
-    `configs/duo/<model name>.json` (imported GGUF and Hugging Face models)."""
-    if (Path(model_ref) / "checkpoints").is_dir():
+    """Where `duo:R` reads a model's learned pattern: `duo_pattern.json` in a run directory trained here,
+    else the shipped `configs/duo/<model name>.json` (imported GGUF and Hugging Face models)."""
+    if is_run(model_ref):
         return Path(model_ref) / PATTERN_FILE
     return CONFIG_ROOT / "duo" / f"{model_name}.json"
+
+
+def learned_pattern_path(model_ref: str, model_name: str | None) -> Path | None:
+    """Where `kvjax duo-train` writes by default: the run directory's `duo_pattern.json`, else
+    `runs/duo/<model name>.json` (None while the name is unknown); never the shipped patterns."""
+    if is_run(model_ref):
+        return Path(model_ref) / PATTERN_FILE
+    return None if model_name is None else Path("runs") / "duo" / f"{model_name}.json"
+
+
+def check_pattern_target(path: Path, overwrite: bool) -> None:
+    """Refuse to write a pattern over a shipped one (read-only input) or, without `overwrite`, over any file."""
+    if path.resolve().is_relative_to(CONFIG_ROOT.resolve()):
+        raise ConfigError(f"--out={path} is inside kvjax's shipped configs ({CONFIG_ROOT}), which commands only "
+                          "read; write the pattern elsewhere and pass it as duo:R:pattern=PATH")
+    if path.exists() and not overwrite:
+        raise ConfigError(f"{path} exists (a pattern learned before); pass --overwrite to replace it, or --out "
+                          "another file")
+
+
+def is_run(model_ref: str) -> bool:
+    """A run directory trained here (it has checkpoints/)."""
+    return (Path(model_ref) / "checkpoints").is_dir()
 
 
 def with_pattern(policy_text: str, path: str | Path) -> str:

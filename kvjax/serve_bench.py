@@ -101,7 +101,8 @@ def serve_bench(model, workload: Workload, *, memory_mib: float, page_size: int 
     rows = budget // (memory.cache_bytes_per_token(cfg) * reserve)
     if rows < 1:
         raise ConfigError(f"--memory-mib={memory_mib}: {budget:,} bytes hold no static row of {reserve} tokens "
-                          f"({memory.cache_bytes_per_token(cfg)} bytes each); raise it")
+                          f"({memory.cache_bytes_per_token(cfg):,} bytes per token: "
+                          f"{memory.cache_bytes_per_token(cfg) * reserve / 2**20:.3g} MiB a row); raise it")
     engines = {}
     for policy in (None, *policies):  # each layout's pages in the budget; every request checked before compute
         n_pages = budget // page_bytes(model, page_size, policy) + 1  # + the null page

@@ -131,14 +131,15 @@ class Row:
     tokens_trained: int
     val_bpb: float  # the mean over seeds
     val_ppl: float
-    decode_tokens_per_s: float
-    val_bpb_interval: float = 0.0  # half-width of the 95% t-interval of the mean (0 with one seed)
+    decode_tokens_per_s: float  # the median of the timed rounds
+    val_bpb_interval: float | None = None  # half-width of the 95% t-interval of the mean (None: one seed)
     val_bpb_seeds: tuple[float, ...] = ()
     seeds: tuple[int, ...] = ()
     lr: float = 0.0  # the learning rate trained with (the best of the grid, when there is one)
     lr_selection: dict = dataclasses.field(default_factory=dict)  # grid rate -> selection-split bits/byte
     decode_curve: dict = dataclasses.field(default_factory=dict)  # context -> decode tokens/s (batch decode_batch)
     ffn_dim: int = 0  # the variant's model.ffn_dim (set per variant with match_params)
+    decode_tokens_per_s_rounds: tuple[float, ...] = ()  # each timed round (the table shows their spread)
 
 
 def selection_windows(corpus, data) -> np.ndarray:
@@ -155,9 +156,8 @@ def selection_windows(corpus, data) -> np.ndarray:
 def short_budget(cfg, steps: int, lr: float):
     """`cfg` trained for `steps` at `lr`, its warmup and evaluation scaled to the shorter run."""
     t = cfg.train
-    warmup = min(steps - 1, max(1, round(t.warmup_steps * steps / t.steps))) if steps > 1 else 0
     return dataclasses.replace(cfg, train=dataclasses.replace(
-        t, steps=steps, lr=lr, warmup_steps=warmup, eval_every=steps, checkpoint_every=steps))
+        t, steps=steps, lr=lr, warmup_steps=t.warmup_for(steps), eval_every=steps, checkpoint_every=steps))
 
 
 def pick_lr(cfg, exp, corpus, out_dir: Path, log) -> tuple[float, dict]:
@@ -222,8 +222,8 @@ def environment() -> dict:
 PREFILL_CHUNK = 512  # decode timings prefill their prompts in chunks: an 8 x 8k prompt unchunked needs 17 GB of scores
 
 
-def _decode_rounds(gen: Generator, logits, caches, lengths, new_tokens: int, repeats: int) -> tuple[float, tuple]:
-    """Median seconds of `repeats` greedy decodes of `new_tokens` tokens (after one that compiles), each
+def _decode_rounds(gen: Generator, logits, caches, lengths, new_tokens: int, repeats: int) -> tuple[list, tuple]:
+    """Seconds of each of `repeats` greedy decodes of `new_tokens` tokens (after one that compiles), each
     from a fresh copy of the prefilled caches (the decode donates them), and the last round's caches."""
     decoding = DecodingConfig(max_new_tokens=new_tokens)
     rng = jax.random.key(0)
@@ -234,17 +234,23 @@ def _decode_rounds(gen: Generator, logits, caches, lengths, new_tokens: int, rep
         result = gen.decode(fresh, logits, lengths, decoding, rng)
         jax.block_until_ready(result.caches)
         seconds.append(time.perf_counter() - start)
-    return float(np.median(seconds[1:])), result.caches
+    return seconds[1:], result.caches
 
 
-def decode_seconds(model, prompts: np.ndarray, new_tokens: int, repeats: int = 5) -> tuple[float, tuple]:
-    """(greedy decode seconds, final caches) for a batch of prompts that, with the new tokens, fill the
-    cache: prefilled once (in chunks of PREFILL_CHUNK), then the median of `repeats` timed decodes. The
-    decode samples `new_tokens` tokens with `new_tokens - 1` forward steps."""
+def decode_rounds(model, prompts: np.ndarray, new_tokens: int, repeats: int = 5) -> tuple[list, tuple]:
+    """(seconds of each of `repeats` timed greedy decodes, final caches) for a batch of prompts that,
+    with the new tokens, fill the cache: prefilled once (in chunks of PREFILL_CHUNK). The decode samples
+    `new_tokens` tokens with `new_tokens - 1` forward steps."""
     gen = Generator(model, capacity=prompts.shape[1] + new_tokens)
     tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
     logits, caches = gen.prefill(tokens, lengths, chunk=PREFILL_CHUNK)
     return _decode_rounds(gen, logits, caches, lengths, new_tokens, repeats)
+
+
+def decode_seconds(model, prompts: np.ndarray, new_tokens: int, repeats: int = 5) -> tuple[float, tuple]:
+    """(median seconds of `decode_rounds`, final caches)."""
+    seconds, caches = decode_rounds(model, prompts, new_tokens, repeats)
+    return float(np.median(seconds)), caches
 
 
 def decode_curve(model, stream: np.ndarray, exp: CompareConfig, repeats: int) -> dict[int, float]:
@@ -269,7 +275,7 @@ def generation_times(model, prompts: np.ndarray, new_tokens: int, repeats: int =
         logits, caches = jax.block_until_ready(gen.prefill(tokens, lengths))
         prefills.append(time.perf_counter() - start)
     decode_s, caches = _decode_rounds(gen, logits, caches, lengths, new_tokens, repeats)
-    return float(np.median(prefills[1:])), decode_s, caches
+    return float(np.median(prefills[1:])), float(np.median(decode_s)), caches
 
 
 def run_compare(
@@ -321,8 +327,9 @@ def run_compare(
         bpb, interval = mean_interval([sc["eval_bpb"] for sc in scores])
         prompt_len = exp.decode_context - exp.decode_tokens
         prompts = np.resize(corpus.val[:, :prompt_len], (exp.decode_batch, prompt_len))
-        decode_s, caches = decode_seconds(model, prompts, exp.decode_tokens, repeats=1 if quick else 5)
-        tok_s = exp.decode_batch * exp.decode_tokens / decode_s
+        decode_s, caches = decode_rounds(model, prompts, exp.decode_tokens, repeats=1 if quick else 5)
+        rounds = tuple(exp.decode_batch * exp.decode_tokens / s for s in decode_s)
+        tok_s = float(np.median(rounds))
         analytic = memory.cache_bytes(cfg.model, exp.decode_context, exp.decode_batch)
         measured = caches_nbytes(caches)
         if measured != analytic:
@@ -337,8 +344,9 @@ def run_compare(
             tokens_trained=cfg.train.steps * cfg.train.batch_size * cfg.data.seq_len,
             val_bpb=bpb,
             val_ppl=float(np.mean([sc["eval_ppl"] for sc in scores])),
-            decode_tokens_per_s=float(tok_s),
-            val_bpb_interval=interval,
+            decode_tokens_per_s=tok_s,
+            decode_tokens_per_s_rounds=rounds,
+            val_bpb_interval=interval if exp.seeds > 1 else None,
             val_bpb_seeds=tuple(float(sc["eval_bpb"]) for sc in scores),
             seeds=tuple(seeds),
             lr=cfg.train.lr,
@@ -379,10 +387,19 @@ def render(rows: list[Row], exp: CompareConfig) -> str:
         [r.variant, f"{r.params:,}", *([r.ffn_dim] if exp.match_params else []), r.kv_bytes_per_token,
          r.state_bytes_per_sequence, format_bytes(r.cache_bytes_analytic), format_bytes(r.cache_bytes_measured),
          f"{r.val_bpb:.4f}" + (f" +- {r.val_bpb_interval:.4f}" if exp.seeds > 1 else ""),
-         f"{r.val_ppl:.3f}", f"{r.decode_tokens_per_s:,.0f}", *([f"{r.lr:g}"] if exp.lr_grid else [])]
+         f"{r.val_ppl:.3f}", speed(r.decode_tokens_per_s_rounds), *([f"{r.lr:g}"] if exp.lr_grid else [])]
         for r in rows
     ]
     return format_table(headers, body)
+
+
+def speed(rounds: tuple[float, ...]) -> str:
+    """A timing's median with its spread across rounds (half the range, % of the median); one round is
+    marked as indicative."""
+    median = float(np.median(rounds))
+    if len(rounds) < 2:
+        return f"~{median:,.0f} (1 round)"
+    return f"{median:,.0f} +-{50 * (max(rounds) - min(rounds)) / median:.0f}%"
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -396,6 +413,14 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return front
 
 
+def front_line(points: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """The Pareto front as a staircase (steps-post) that runs on to the largest cache: nothing there beats
+    the front, and a front of one point is still a line the legend can show."""
+    front = pareto_front(points)
+    xs, ys = [points[i][0] for i in front], [points[i][1] for i in front]
+    return [*xs, max(x for x, _ in points)], [*ys, ys[-1]]
+
+
 def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path, name: str = "compare") -> None:
     import matplotlib
 
@@ -404,7 +429,8 @@ def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path, name: str 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     records = [dataclasses.asdict(r) for r in rows]
-    scalars = [{k: v for k, v in r.items() if not isinstance(v, tuple | list | dict)} for r in records]
+    scalars = [{k: "n/a" if v is None else v for k, v in r.items() if not isinstance(v, tuple | list | dict)}
+               for r in records]
     with open(out_dir / f"{name}.csv", "w", newline="") as f:  # per-seed and grid scores: in the JSON
         writer = csv.DictWriter(f, fieldnames=list(scalars[0]))
         writer.writeheader()
@@ -413,14 +439,18 @@ def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path, name: str 
         {"experiment": dataclasses.asdict(exp), "environment": environment(), "rows": records}, indent=2))
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     points = [(r.cache_bytes_analytic / (exp.decode_batch * exp.decode_context), r.val_bpb) for r in rows]
+    right = max(x for x, _ in points)
     for r, (per_token, bpb) in zip(rows, points):
         ax.errorbar(per_token, bpb, yerr=r.val_bpb_interval or None, fmt="o", ms=6, capsize=3)
-        ax.annotate(r.variant, (per_token, bpb), textcoords="offset points", xytext=(5, 5))
-    front = pareto_front(points)
-    ax.step([points[i][0] for i in front], [points[i][1] for i in front], where="post", color="grey", alpha=0.5,
-            label="Pareto front")
+        flip = per_token >= right / 2 and per_token > min(x for x, _ in points)  # labels point inwards
+        ax.annotate(r.variant, (per_token, bpb), textcoords="offset points", xytext=(-5 if flip else 5, 5),
+                    ha="right" if flip else "left", fontsize=8)
+    xs, ys = front_line(points)
+    ax.plot(xs, ys, drawstyle="steps-post", color="grey", alpha=0.6, marker="D", ms=9, mfc="none",
+            markevery=list(range(len(pareto_front(points)))), label="Pareto front", zorder=0)
     ax.legend(loc="upper right", fontsize=8)
     ax.set_xscale("log", base=2)
+    ax.margins(x=0.12, y=0.12)
     ax.set_xlabel(f"cache bytes per token at a {exp.decode_context}-token context (all layers)")
     ax.set_ylabel("validation bits per byte (lower is better)")
     seeds = f", mean and 95% interval of {exp.seeds} seeds" if exp.seeds > 1 else ""

@@ -149,8 +149,10 @@ def _haystack(tokenizer, filler: np.ndarray, length: int, needles: list[tuple[fl
     tail = tokenizer.encode(question)
     n_fill = length - len(head) - len(tail) - sum(len(p) for _, p in pieces)
     if n_fill < 1 or n_fill > len(filler):
+        fixed = length - n_fill  # intro, needles and question
         raise ConfigError(
-            f"length={length} leaves {n_fill} filler tokens around the needles and question (need 1 to {len(filler)})"
+            f"length={length} leaves {n_fill} filler tokens around the needles and question, which take {fixed}; "
+            f"the length must be {fixed + 1} to {fixed + len(filler)} tokens"
         )
     body = list(filler[:n_fill])
     for depth, ids in sorted(pieces, key=lambda p: -p[0]):  # deepest first, so earlier cuts stay put

@@ -134,6 +134,9 @@ def parse_conversion(text: str) -> Conversion:
             name, rest = "cla", ",".join(filter(None, [f"factor={name[3:]}", rest]))
         if name not in STAGES:
             raise ConfigError(f"conversion stage {stage!r}: {name!r} must be one of {STAGES} (or claN)")
+        if ":" in rest:
+            raise ConfigError(f"conversion stage {stage!r}: separate options with ',', not ':' "
+                              f"(e.g. {name}:{rest.replace(':', ',')})")
         options = dict(item.partition("=")[::2] for item in rest.split(",") if item)
         if unknown := set(options) - _OPTIONS[name]:
             raise ConfigError(f"conversion stage {stage!r}: unknown option(s) {sorted(unknown)}; "

@@ -114,6 +114,10 @@ def _text_files(pattern: str) -> list[Document]:
     if not paths:
         raise DataError(f"corpus 'text:{pattern}': no files match")
     docs = [Document(p, Path(p).read_text("utf-8", FILE_ERRORS)) for p in paths]
+    docs = [d for d in docs if d.text.strip()]
+    if not docs:
+        shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        raise DataError(f"corpus 'text:{pattern}': no text in {shown} (empty or whitespace only)")
     return split_file(docs[0].name, docs[0].text) if len(docs) == 1 else docs
 
 

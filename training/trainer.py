@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,10 +23,10 @@ import numpy as np
 import optax
 import yaml
 from flax import nnx, struct
-from tqdm.auto import tqdm
 
 from architectures import Decoder
 from kvjax.config import Config, ConfigError, ModelConfig, TrainConfig, from_dict
+from kvjax.progress import progress
 from training.checkpoint import Checkpointer, CheckpointError, abstract
 from training.data import BatchIterator, TrainingMix, load_corpus, pack, split_documents
 from training.sharding import make_mesh, shard_batch, shard_params
@@ -37,7 +38,8 @@ class TrainingError(RuntimeError):
 
 
 class TrainingInterrupted(TrainingError):
-    """Ctrl-C during training: the step in progress finished and was checkpointed."""
+    """Ctrl-C during training: the step in progress finished and was checkpointed (or, after a second
+    Ctrl-C, training stopped at once; the message says which steps that lost)."""
 
 
 RUN_CONFIG = "config.yaml"  # the resolved config of a run, beside its checkpoints
@@ -71,10 +73,13 @@ def drop_superseded_metrics(path: Path, step: int) -> None:
         os.replace(tmp, path)
 
 
+STOPPING = "kvjax: stopping after this step, which will be checkpointed; Ctrl-C again to abort without saving"
+
+
 @contextlib.contextmanager
 def _deferred_interrupt():
-    """Within the block, a first Ctrl-C only sets the returned flag (the loop stops at a clean point);
-    a second one interrupts at once. A no-op outside the main thread."""
+    """Within the block, a first Ctrl-C only sets the returned flag (the loop stops at a clean point) and
+    says so at once on stderr; a second one raises KeyboardInterrupt. A no-op outside the main thread."""
     flag = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield flag
@@ -83,7 +88,8 @@ def _deferred_interrupt():
 
     def handler(signum, frame):
         flag.set()
-        signal.signal(signal.SIGINT, previous)
+        print(f"\n{STOPPING}", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     signal.signal(signal.SIGINT, handler)
     try:
@@ -288,6 +294,13 @@ class Trainer:
         val = self.corpus.val[: self.config.data.eval_windows] if windows is None else windows
         return evaluate_windows(self._eval, self.state.params, val, self.corpus.tokenizer, self.config.train.batch_size)
 
+    def final_scores(self, history: list[dict]) -> dict:
+        """Validation scores at the current step: those `run` logged at its last step when it evaluated
+        there (it does at train.steps), else evaluated now."""
+        if history and history[-1]["step"] == self.step and "eval_loss" in history[-1]:
+            return {k: v for k, v in history[-1].items() if k.startswith("eval_")}
+        return self.evaluate()
+
     def _save(self, iterator: BatchIterator) -> None:
         record = {"step": self.step, "data_position": iterator.position, "config": self.config.to_dict()}
         self.checkpoints.save(self.step, self.state, record)
@@ -303,17 +316,19 @@ class Trainer:
         write_run_config(self.run_dir, self.config)
         drop_superseded_metrics(self.run_dir / "metrics.jsonl", self.step)
         history: list[dict] = []
+        self._done = self.step  # steps taken, readable on the host even while a step's buffers are donated
         tokens_per_step = cfg.batch_size * self.config.data.seq_len
-        bar = tqdm(total=cfg.steps, initial=self.step, disable=not self.progress, unit="step", leave=False)
+        bar = progress(cfg.steps, initial=self.step, enabled=self.progress)
         last_time, last_step = time.perf_counter(), self.step
         with (open(self.run_dir / "metrics.jsonl", "a") as metrics_file, jax.set_mesh(self.mesh),
-              _deferred_interrupt() as interrupted):
+              _deferred_interrupt() as interrupted, self._aborted(interrupted, bar)):
             while self.step < stop_at:
                 windows, weights = next(iterator)
                 batch = shard_batch(windows, self.mesh)
                 weights = None if weights is None else shard_batch(weights, self.mesh)
                 self.state, metrics = self._step(self.state, batch, weights)
-                row = {"step": self.step, **{k: float(v) for k, v in metrics.items()}}
+                self._done = self.step
+                row = {"step": self._done, **{k: float(v) for k, v in metrics.items()}}
                 if not math.isfinite(row["loss"]):
                     kept = self.checkpoints.latest_step()
                     where = f"step {kept} in {self.checkpoints.directory}" if kept is not None else "none yet"
@@ -340,11 +355,29 @@ class Trainer:
                     bar.close()
                     raise TrainingInterrupted(
                         f"stopped at step {self.step} of {cfg.steps} (Ctrl-C); last checkpoint: step {self.step} in "
-                        f"{self.checkpoints.directory}; resume with: kvjax train {self.run_dir}"
+                        f"{self.checkpoints.directory}"
                     )
         self.position = iterator.position
         bar.close()
         return history
+
+
+    @contextlib.contextmanager
+    def _aborted(self, interrupted: threading.Event, bar):
+        """A second Ctrl-C (KeyboardInterrupt after the first set `interrupted`) as TrainingInterrupted
+        saying which steps were lost and where the last checkpoint is."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            if not interrupted.is_set():
+                raise
+            bar.close()
+            kept, done = self.checkpoints.latest_step(), self._done
+            start = kept or 0
+            lost = f"steps {start + 1}-{done}" if done > start else "no step"
+            where = "none yet (a rerun starts from step 0)" if kept is None else f"step {kept} in {self.checkpoints.directory}"
+            raise TrainingInterrupted(f"aborted at step {done} of {self.config.train.steps} without saving "
+                                      f"(Ctrl-C twice): {lost} lost; last checkpoint: {where}") from None
 
 
 def init_from_run(run_dir: str | Path, model: ModelConfig) -> Decoder:

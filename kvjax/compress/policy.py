@@ -22,10 +22,11 @@ budget during decoding, evicting back to it every n steps (the cache holds budge
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 
-from kvjax.config import ConfigError
+from kvjax.config import ConfigError, Note
 
 SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest", "d2o", "scissorhands")
 QUANTIZERS = ("int", "kivi", "kvquant", "gear")  # `method:bits`; they keep every token and encode it (kvjax.quant)
@@ -306,11 +307,22 @@ def parse_policy(text: str) -> Policy:
     return Policy(tuple(parse_stage(part) for part in text.split("+")))
 
 
+class BudgetNote(Note):
+    """A ratio budget raised to the tokens its method always keeps (a short prompt, not a bad policy)."""
+
+
 def stage_counts(stage: Stage, lengths: np.ndarray, n_layers: int) -> np.ndarray:
     """Tokens each compressible layer keeps per row, `[n_layers, B]` (int), from the rows' current
-    lengths; checks the budget against sinks + window and the sequence before any compute."""
+    lengths; checks the budget against sinks + window and the sequence before any compute.
+
+    A ratio is a request: a row whose int(L x (1 - ratio)) falls below what the method always keeps
+    (sinks + window, at most the row) keeps those tokens instead, and at least one; a row no longer than
+    the protected tokens is not compressed (kvpress keeps a prompt shorter than SnapKV's window whole).
+    Each raise is reported once as a `BudgetNote` warning. A size is a contract: one that cannot be
+    met is a ConfigError."""
     lengths = np.asarray(lengths, np.int64)
     keep = np.array([stage.keep(int(n)) for n in lengths], np.int64)
+    raised = np.zeros(len(keep), bool)
     for row, (n, k) in enumerate(zip(lengths, keep)):
         protected = min(int(n), stage.n_sinks + stage.n_window(int(k)))
         if k > n and not stage.every:  # a decode-time budget is a cap: rows below it keep every token
@@ -318,6 +330,9 @@ def stage_counts(stage: Stage, lengths: np.ndarray, n_layers: int) -> np.ndarray
                 f"policy stage {stage.method!r}: size={k} is above row {row}'s sequence of {n} tokens"
                 " (a size budget applies to prompts longer than it; every=n makes it a cap)"
             )
+        if stage.ratio is not None and (k < protected or k < 1) and n >= 1:
+            keep[row] = k = max(protected, 1)
+            raised[row] = True
         if min(k, n) < protected or k < 1:
             sinks, window = stage.n_sinks, stage.n_window(int(k))
             capped = f", capped at the row's {n} tokens" if protected < sinks + window else ""
@@ -326,9 +341,17 @@ def stage_counts(stage: Stage, lengths: np.ndarray, n_layers: int) -> np.ndarray
                 f"tokens always kept (sinks {sinks} + window {window}{capped}); raise the budget "
                 f"or lower sinks/window"
             )
+    if raised.any():
+        fixed = stage.fixed_protected
+        warnings.warn(BudgetNote(
+            f"policy stage {_stage_text(stage)}: on short rows ratio={stage.ratio} would keep fewer tokens than "
+            f"the {max(fixed, 1)} it always keeps (sinks {stage.n_sinks} + window {fixed - stage.n_sinks}); those "
+            f"rows keep them instead, and a row of at most {max(fixed, 1)} tokens is not compressed"
+        ), stacklevel=2)
     counts = np.broadcast_to(keep, (n_layers, len(keep))).copy()
-    if stage.allocator == "pyramid" and n_layers > 1:
-        counts = np.stack([pyramid_counts(stage, int(n), n_layers) for n in lengths], axis=1)
+    if stage.allocator == "pyramid" and n_layers > 1:  # a raised row keeps its protected tokens in every layer
+        counts = np.stack([counts[:, b] if raised[b] else pyramid_counts(stage, int(n), n_layers)
+                           for b, n in enumerate(lengths)], axis=1)
     return counts
 
 

@@ -46,14 +46,18 @@ def top_slots(scores, pos, count, keep_cap: int, *, sinks, window, last_pos, flo
     slot when it has fewer (a budget is a cap). With `floor` (AdaKV) and the pool's `head` ids
     `[B,1,S]`, each head's best floor[b] entries are kept first.
     """
+    filled = pos >= 0
+    # Empty slots leave the ranking first: a scorer may rate them above real tokens (key norm scores a
+    # zero key 0, above every -||k||), and a head's guaranteed floor must go to its real tokens.
     s = jnp.where(protected(pos, sinks, window, last_pos), jnp.inf, scores.astype(jnp.float32))
+    s = jnp.where(filled, s, -jnp.inf)
     if floor is not None:
-        s = jnp.where(_within_head_rank(s, head) < floor[:, None, None], jnp.maximum(s, _FORCED), s)
-    s = jnp.where(pos >= 0, s, -jnp.inf)
+        guaranteed = (_within_head_rank(s, head) < floor[:, None, None]) & filled
+        s = jnp.where(guaranteed, jnp.maximum(s, _FORCED), s)
     C = min(keep_cap, s.shape[-1])
     _, idx = jax.lax.top_k(s, C)
-    filled = jnp.take_along_axis(pos, idx, axis=-1) >= 0  # empty slots rank last
-    valid = (jnp.arange(C)[None, None, :] < count[:, None, None]) & filled
+    chosen = jnp.take_along_axis(filled, idx, axis=-1)  # empty slots rank last
+    valid = (jnp.arange(C)[None, None, :] < count[:, None, None]) & chosen
     S = s.shape[-1]
     key = jnp.sort(jnp.where(valid, idx, S + idx), axis=-1)
     return jnp.where(key < S, key, key - S), key < S

@@ -1,6 +1,8 @@
 """Token-level compression: degenerate budgets change nothing, sinks and windows survive, bytes are exact,
 positions stay true, scorers compute what their papers define, and bad policies fail before compute."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from kvjax import DecodingConfig, Generator
 from kvjax.cache import KVView, KVCache, PooledKVCache, QuestKVCache, caches_nbytes
 from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
 from kvjax.compress.apply import observe_fn
-from kvjax.compress.policy import Stage, pyramid_counts, stage_counts
+from kvjax.compress.policy import BudgetNote, Stage, pyramid_counts, stage_counts
 from kvjax.compress.reducers import protected, top_slots
 from kvjax.compress.scorers import observe, pool, score
 from kvjax.config import ConfigError
@@ -358,14 +360,14 @@ def test_top_slots_keeps_budget_sinks_window_then_the_best(lengths, K, sinks, wi
 def test_allocators_budgets(lengths, ratio, layers):
     L = np.array(lengths)
     stage = Stage("streaming", ratio=ratio, sinks=0, window=1)
-    keep = np.array([int(n * (1 - ratio) + 1e-9) for n in L])
-    if (keep < 1).any():  # nothing would be kept: refused
-        with pytest.raises(ConfigError, match="would keep 0"):
-            stage_counts(stage, L, layers)
-        return
-    uniform = stage_counts(stage, L, layers)
+    keep = np.maximum([int(n * (1 - ratio) + 1e-9) for n in L], 1)  # a ratio keeps at least one token
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BudgetNote)
+        uniform = stage_counts(stage, L, layers)
     np.testing.assert_array_equal(uniform, np.broadcast_to(keep, (layers, len(L))))
-    pyr = stage_counts(Stage("streaming", ratio=ratio, sinks=0, window=1, allocator="pyramid"), L, layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BudgetNote)
+        pyr = stage_counts(Stage("streaming", ratio=ratio, sinks=0, window=1, allocator="pyramid"), L, layers)
     assert (np.diff(pyr, axis=0) <= 0).all()  # shrinks with depth
     assert (pyr >= 1).all() and (pyr <= L[None]).all()
     # the layers spend the uniform budget in all, up to rounding (exactly, for a whole budget)
@@ -504,7 +506,7 @@ def test_policies_run_on_every_token_cache_with_exact_bytes(make_model, variant)
 @pytest.mark.parametrize(
     "policy, message",
     [
-        ("snapkv:0.5", "would keep 20, below the 32 tokens always kept (sinks 0 + window 32"),
+        ("snapkv:20", "would keep 20, below the 32 tokens always kept (sinks 0 + window 32"),
         ("streaming:64", "above row 0's sequence of 40 tokens"),
         ("magic:0.5", "method='magic' must be one of"),
         ("h2o:1.5", "size '1.5' must be a whole number"),
@@ -525,10 +527,41 @@ def test_bad_policies_fail_before_compute(gqa, policy, message):
         gen.compression_plan(np.array([40, 29]), NEW)
 
 
-def test_a_budget_below_the_protected_tokens_says_what_it_adds_up_to():
+def test_a_size_below_the_protected_tokens_says_what_it_adds_up_to():
     with pytest.raises(ConfigError, match=r"keep 2, below the 5 tokens always kept \(sinks 0 \+ window 32, capped at "
                                           r"the row's 5 tokens\)"):
-        stage_counts(parse_policy("snapkv:0.5").stages[0], np.array([5]), 1)
+        stage_counts(parse_policy("snapkv:2").stages[0], np.array([5]), 1)
+
+
+def test_a_ratio_below_the_protected_tokens_keeps_them_with_a_note():
+    """A ratio is a request (issue 38): rows whose budget falls below sinks + window keep those tokens
+    (the whole row when it is shorter), other rows keep int(L (1 - r)); the raise is noted once."""
+    with pytest.warns(BudgetNote, match="keep fewer tokens than the 32 it always keeps"):
+        counts = stage_counts(parse_policy("snapkv:0.5").stages[0], np.array([5, 40, 100]), 2)
+    np.testing.assert_array_equal(counts, [[5, 32, 50]] * 2)
+    with pytest.warns(BudgetNote):  # PyramidKV leaves a raised row uniform across layers
+        counts = stage_counts(parse_policy("snapkv:0.9:allocator=pyramid").stages[0], np.array([20, 1000]), 3)
+    np.testing.assert_array_equal(counts[:, 0], [20, 20, 20])
+    assert counts[:, 1].sum() == 3 * 100 and counts[0, 1] > counts[2, 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to note when every row meets its budget
+        stage_counts(parse_policy("snapkv:0.5").stages[0], np.array([100]), 1)
+
+
+def test_adakv_floor_goes_to_real_tokens_when_a_scorer_rates_empty_slots_highest():
+    """Key norm scores an empty (zero) key 0, above every real key's -||k||: each head's guaranteed
+    floor must still go to its own real tokens (issue 38; it used to go to empty slots, then be dropped)."""
+    K, real, empty = 3, 30, 8
+    scores = np.zeros((K, real + empty), np.float32)
+    scores[0, :real] = -10 - np.arange(real)  # head 0's real keys all rank below the other heads'
+    scores[1:, :real] = -1 - 0.01 * np.arange(real)
+    pos = np.tile(np.r_[np.arange(real), -np.ones(empty)], (K, 1)).astype(np.int32)
+    head = np.repeat(np.arange(K), real + empty)[None, None]
+    idx, valid = top_slots(jnp.asarray(scores.reshape(1, 1, -1)), jnp.asarray(pos.reshape(1, 1, -1)),
+                           jnp.array([60]), 60, sinks=0, window=jnp.array([0]), last_pos=jnp.array([real - 1]),
+                           floor=jnp.array([4]), head=jnp.asarray(head))
+    kept = head[0, 0][np.asarray(idx[0, 0])][np.asarray(valid[0, 0])]
+    np.testing.assert_array_equal(np.bincount(kept, minlength=K), [4, 28, 28])
 
 
 def test_models_without_a_token_cache_or_methods_mla_cannot_use_are_refused(make_model):

@@ -10,7 +10,8 @@ import pytest
 
 from kvjax.cli import main
 from kvjax.config import ConfigError, load_config
-from training.compare import Row, load_experiment, mean_interval, pareto_front, selection_windows, separation
+from training.compare import (Row, front_line, load_experiment, mean_interval, pareto_front, selection_windows,
+                              separation, speed)
 from training.trainer import Trainer, prepare_corpus
 from tests.training.conftest import SMALL_CORPUS
 
@@ -55,7 +56,8 @@ def test_compare_quick_end_to_end(tmp_path, capsys):
     assert [r["variant"] for r in rows] == variants
     assert all(r["cache_bytes_analytic"] == r["cache_bytes_measured"] for r in rows)
     assert len({r["tokens_trained"] for r in rows}) == 1  # the same budget for every variant
-    by = {r["variant"]: {k: float(v) for k, v in r.items() if k != "variant"} for r in rows}
+    assert all(r["val_bpb_interval"] == "n/a" for r in rows)  # one seed: no interval, not a zero one
+    by = {r["variant"]: {k: float(v) for k, v in r.items() if k not in ("variant", "val_bpb_interval")} for r in rows}
     assert 4 * by["mla"]["kv_bytes_per_token"] == by["gqa"]["kv_bytes_per_token"]
     assert by["rwkv7"]["kv_bytes_per_token"] == 0 and by["rwkv7"]["state_bytes_per_sequence"] > 0
     assert json.loads((out_dir / "compare.json").read_text())["rows"][0]["variant"] == "gqa"
@@ -76,6 +78,9 @@ def test_intervals_separation_and_pareto_front_on_known_numbers():
     assert separation(rows, ()) == [("a", "b", "separated"), ("a", "c", "not separated"), ("a", "d", "one seed")]
     assert separation(rows, [("b", "c")]) == [("b", "c", "separated")]
     assert pareto_front([(4.0, 2.0), (1.0, 3.0), (2.0, 2.5), (3.0, 2.6), (8.0, 1.9)]) == [1, 2, 0, 4]
+    # A front of one point (the smallest cache is also the best) is still a line to the largest cache.
+    assert front_line([(1.0, 2.0), (4.0, 2.5)]) == ([1.0, 4.0], [2.0, 2.0])
+    assert speed((100.0,)) == "~100 (1 round)" and speed((90.0, 100.0, 110.0)) == "100 +-10%"
 
 
 @pytest.mark.slow

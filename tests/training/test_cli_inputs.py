@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from kvjax.cli import build_parser, main
+from kvjax.cli import build_parser, completion, main
+from kvjax.config import ConfigError
 from tests.training.test_cli import TINY
 
 
@@ -129,3 +131,90 @@ def test_running_out_of_memory_is_one_line(run, monkeypatch, capsys):
     assert main(["eval", run, "--windows", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvjax: error: out of memory (RESOURCE_EXHAUSTED") and len(err.strip().splitlines()) == 1
+
+
+# Issue 38: what a new user ran into.
+
+def test_a_ratio_on_a_prompt_shorter_than_the_window_compresses_nothing(run, capsys):
+    common = ["generate", run, "--prompt", "impo", "--temperature", "0", "--max-new-tokens", "6"]
+    assert main(common) == 0
+    full = capsys.readouterr().out
+    assert main([*common, "--policy", "snapkv:0.5"]) == 0  # 5 tokens, SnapKV's 32-token window: all kept
+    captured = capsys.readouterr()
+    assert captured.out == full
+    assert captured.err.startswith("kvjax: note: policy stage snapkv:0.5: on short rows") and len(
+        captured.err.splitlines()) == 1
+    assert main([*common, "--policy", "snapkv:2"]) == 2  # a size is a contract: refused
+    assert "would keep 2, below the 5 tokens always kept" in capsys.readouterr().err
+
+
+def test_duo_train_never_writes_a_shipped_pattern(capsys):
+    from kvjax.config import CONFIG_ROOT
+    from kvjax.duo import learned_pattern_path
+
+    shipped = {p: p.read_bytes() for p in (CONFIG_ROOT / "duo").glob("*.json")}
+    name = "smollm2-135m-8k-lc100k-mix1-ep2"
+    assert CONFIG_ROOT / "duo" / f"{name}.json" in shipped
+    assert learned_pattern_path("smollm2", name) == Path("runs/duo") / f"{name}.json"  # the default, for imports
+    for out in shipped:  # refused before the model loads, --overwrite or not
+        for extra in ([], ["--overwrite"]):
+            assert main(["duo-train", "smollm2", "--steps", "2", "--out", str(out), *extra]) == 2
+            assert "shipped configs" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in (CONFIG_ROOT / "duo").glob("*.json")} == shipped
+
+
+def test_compare_policies_without_a_model_says_how_to_get_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "--quick", "--policies", "snapkv", "streaming", "kivi:2"]) == 2
+    err = capsys.readouterr().err
+    assert "pass --model" in err and "with `kvjax compare --quick`" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["uptrain", "RUN", "mla:d_c=48:rope_dims=16"], "separate options with ',', not ':' (e.g. mla:d_c=48,rope_dims=16)"),
+    (["serve-bench", "gqa", "--memory-mib", "0.001"], "bytes per token"),
+    (["train", "gqa", "data.corpus=text:EMPTY"], "no text in EMPTY"),
+])
+def test_smaller_messages_say_what_they_mean(run, tmp_path, argv, message, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    argv = [a.replace("RUN", run).replace("EMPTY", str(empty)) for a in argv]
+    assert main([*argv, "--run-dir", str(tmp_path / "x")] if argv[0] == "train" else argv) == 2
+    assert message.replace("EMPTY", str(empty)) in capsys.readouterr().err
+
+
+def test_duo_training_text_too_short_says_the_minimum():
+    from training.compression_eval import _haystack
+    from training.tokenizer import ByteTokenizer
+
+    with pytest.raises(ConfigError, match=r"length=20 leaves -\d+ filler tokens .* which take \d+; the length must be "
+                                          r"\d+ to \d+ tokens"):
+        _haystack(ByteTokenizer(), np.zeros(100, np.int32), 20, [(0.5, "a needle")], "question?", bos=False)
+
+
+def test_generated_text_stops_before_the_end_token():
+    from training.tokenizer import ByteTokenizer
+
+    class Shown(ByteTokenizer):  # renders its end token, as SmolLM2's tokenizer shows <|im_end|>
+        def decode(self, ids):
+            return "".join("<|im_end|>" if i == self.eos_id else super(Shown, self).decode([i]) for i in ids)
+
+    tok = Shown()
+    assert completion(tok, [*tok.encode(" Paris."), tok.eos_id]) == " Paris."
+    assert completion(tok, tok.encode(" Paris")) == " Paris"  # stopped by --max-new-tokens: all of it
+
+
+def test_a_redirected_log_gets_a_line_per_tenth_not_a_bar_per_step():
+    import io
+
+    from kvjax.progress import progress
+
+    log = io.StringIO()  # not a terminal
+    bar = progress(1000, initial=200, file=log)
+    for _ in range(800):
+        bar.update(1)
+        bar.set_postfix(loss="1.23")
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 8 and lines[0].startswith("step 300/1000 (30%)") and lines[-1].startswith("step 1000/1000 (100%)")
+    assert "\r" not in log.getvalue() and lines[-1].endswith("loss=1.23")

@@ -116,11 +116,11 @@ def test_eval_cli_continuation_and_passkey(run, capsys):
 
 @pytest.mark.slow
 def test_compare_policy_table(run, tmp_path, capsys):
+    # No lengths given: the defaults (1536-token prefix ...) are fitted to the run's 32-token context.
     assert main(["compare", "--policies", "snapkv:obs_window=8", "kivi:2:group=8,residual=16",
-                 "--budgets", "0.5", "--model", run,
-                 "--prefix", "64", "--continuation", "8", "--context", "64", "--out", str(tmp_path),
-                 "--allow-long-context"]) == 0
+                 "--budgets", "0.5", "--model", run, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    assert "1 x (23-token prefix + 8 scored), decode at 32 tokens" in out
     assert "snapkv:0.5:obs_window=8" in out and "kivi:2" in out
     (table,) = tmp_path.glob("policies-*.json")
     rows = json.loads(table.read_text())
@@ -140,6 +140,10 @@ def test_duo_train_writes_the_runs_pattern_and_eval_reads_it(run, capsys):
     out = capsys.readouterr().out
     record = json.loads((Path(run) / "duo_pattern.json").read_text())
     assert len(record["gates"]) == 2 and record["training"]["steps"] == 3 and "held-out objective" in out
+    learned = (Path(run) / "duo_pattern.json").read_bytes()
+    assert main(["duo-train", run, "--steps", "1", *common]) == 2  # a learned pattern is kept unless --overwrite
+    assert "duo_pattern.json exists" in capsys.readouterr().err
+    assert (Path(run) / "duo_pattern.json").read_bytes() == learned
     assert main(["eval", run, "--prefix", "48", "--continuation", "8", *policy, *common]) == 0
     rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ")}

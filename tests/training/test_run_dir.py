@@ -2,17 +2,19 @@
 Ctrl-C that stops cleanly, and `kvjax train RUN_DIR` resuming or extending it as written."""
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
+import pytest
 import yaml
 
 from kvjax.cli import main
 from training.checkpoint import Checkpointer
-from training.trainer import Trainer
+from training.trainer import STOPPING, Trainer, TrainingInterrupted
 from tests.training.test_cli import TINY
 
 
@@ -69,7 +71,24 @@ def test_ctrl_c_checkpoints_the_step_and_says_how_to_resume(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     step = Checkpointer(run / "checkpoints").latest_step()
+    assert STOPPING in err  # the first Ctrl-C is acknowledged at once
     assert f"stopped at step {step} of 100000 (Ctrl-C); last checkpoint: step {step}" in err
-    assert f"resume with: kvjax train {run}" in err
+    assert f"resume with: {shlex.join(['kvjax', 'train', 'gqa', *long, '--run-dir', str(run)])}" in err  # as typed
     assert main(["train", str(run), f"train.steps={step + 2}"]) == 0
     assert Checkpointer(run / "checkpoints").latest_step() == step + 2
+
+
+def test_a_second_ctrl_c_aborts_and_says_what_was_lost_and_where_the_last_checkpoint_is(small_config, tmp_path):
+    cfg = small_config("train.steps=20", "train.checkpoint_every=4", "train.eval_every=1000", "train.log_every=1")
+    trainer = Trainer(cfg, tmp_path, progress=False)
+
+    def ctrl_c_twice(row):
+        if row["step"] == 6:
+            signal.raise_signal(signal.SIGINT)  # acknowledged; training would stop after this step...
+            signal.raise_signal(signal.SIGINT)  # ...but a second one aborts at once
+
+    with pytest.raises(TrainingInterrupted, match=rf"aborted at step 6 of 20 without saving \(Ctrl-C twice\): steps "
+                                                  rf"5-6 lost; last checkpoint: step 4 in {tmp_path}"):
+        trainer.run(log=ctrl_c_twice)
+    assert Checkpointer(tmp_path / "checkpoints").latest_step() == 4
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored

@@ -36,6 +36,8 @@ def test_uptraining_records_source_converted_and_trained_scores(source_run, tmp_
     assert record["after"]["step"] == 6 and record["tokens"] == 6 * 4 * 32
     assert record["after"]["eval_loss"] != record["before"]["eval_loss"]
     assert json.loads((tmp_path / "up" / "uptrain.json").read_text()) == record
+    again = uptrain(source_run, "mqa", tmp_path / "up", SHORT, progress=False, log=lambda _: None)
+    assert again["train_seconds"] == record["train_seconds"] and again["after"] == record["after"]  # nothing trained
     loaded = load_model(str(tmp_path / "up"))  # an ordinary run: kvjax eval / generate read it
     assert loaded.config.model.attention.n_kv_heads == 1 and loaded.context == 32
 
@@ -126,3 +128,19 @@ def test_a_target_model_config_names_the_conversion(source_run, tmp_path):
     assert record["kv_bytes_per_token"]["converted"] * 2 == record["kv_bytes_per_token"]["source"]
     with pytest.raises(ConfigError, match="differs from the source in model.n_layers 2 -> 4"):
         uptrain(source_run, "mqa-cla2", tmp_path / "x", SHORT, progress=False)
+
+
+def test_a_shorter_run_scales_its_warm_up_unless_given():
+    """`kvjax uptrain smollm2 mqa train.steps=5` once failed on the hidden default warmup_steps=10."""
+    from types import SimpleNamespace
+
+    from kvjax.config import load_config
+    from training.uptrain import uptrain_config
+
+    loaded = SimpleNamespace(config=load_config("gqa"), corpus="kjv")
+    model = loaded.config.model
+    imported = uptrain_config("smollm2", loaded, model, [])
+    assert (imported.train.steps, imported.train.warmup_steps, imported.train.keep_checkpoints) == (100, 10, 1)
+    assert uptrain_config("smollm2", loaded, model, ["train.steps=5"]).train.warmup_steps == 1
+    assert uptrain_config("smollm2", loaded, model, ["train.steps=1000"]).train.warmup_steps == 100
+    assert uptrain_config("smollm2", loaded, model, ["train.steps=50", "train.warmup_steps=0"]).train.warmup_steps == 0

@@ -540,9 +540,9 @@ def test_a_ratio_below_the_protected_tokens_keeps_them_with_a_note():
         counts = stage_counts(parse_policy("snapkv:0.5").stages[0], np.array([5, 40, 100]), 2)
     np.testing.assert_array_equal(counts, [[5, 32, 50]] * 2)
     with pytest.warns(BudgetNote):  # PyramidKV leaves a raised row uniform across layers
-        counts = stage_counts(parse_policy("snapkv:0.9:allocator=pyramid").stages[0], np.array([20, 1000]), 3)
+        counts = stage_counts(parse_policy("snapkv:0.3:allocator=pyramid").stages[0], np.array([20, 1000]), 3)
     np.testing.assert_array_equal(counts[:, 0], [20, 20, 20])
-    assert counts[:, 1].sum() == 3 * 100 and counts[0, 1] > counts[2, 1]
+    assert counts[:, 1].sum() == 3 * 700 and counts[0, 1] > counts[2, 1]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to note when every row meets its budget
         stage_counts(parse_policy("snapkv:0.5").stages[0], np.array([100]), 1)

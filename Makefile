@@ -8,7 +8,7 @@ export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup demo demo-quick test test-fast bench clean
+.PHONY: setup demo demo-quick test test-fast lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo-quick: setup  ## the same, with a short training run
 
 test: setup  ## the whole suite, slow end-to-end tests included
 	$(PYTEST)
+
+lint: setup  ## ruff: lint (pyflakes, pycodestyle, import order; 120-column lines) and formatting
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-fast: setup  ## everything but the tests marked slow
 	$(PYTEST) -m "not slow"

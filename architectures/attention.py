@@ -68,8 +68,17 @@ class Attention(nnx.Module):
         if shared.reader is not None:  # the view attends its own way (kvjax.cache.KVView)
             out = shared.reader.attend(q, positions, self.cfg.impl, self.cfg.window)
         else:
-            out = attention(q, shared.k, shared.v, positions, shared.pos, quant=shared.quant, paged=shared.paged,
-                            fresh=shared.fresh, **self._view_args(shared))
+            out = attention(
+                q,
+                shared.k,
+                shared.v,
+                positions,
+                shared.pos,
+                quant=shared.quant,
+                paged=shared.paged,
+                fresh=shared.fresh,
+                **self._view_args(shared),
+            )
         return self.o(out.reshape(B, T, cfg.n_heads * cfg.head_dim)), cache, shared
 
     def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:

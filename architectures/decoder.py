@@ -33,8 +33,9 @@ class Block(nnx.Module):
         self.mixer_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype)
         self.kv_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype) if cfg.uses_kv_norm(layer) else None
         if kind == "mla":
-            self.mixer = MLA(cfg.d_model, cfg.attention, cfg.mla, norm_eps=eps, std=std, dtype=dtype, rngs=rngs,
-                             layer=layer)
+            self.mixer = MLA(
+                cfg.d_model, cfg.attention, cfg.mla, norm_eps=eps, std=std, dtype=dtype, rngs=rngs, layer=layer
+            )
         elif kind == "rwkv":
             self.mixer = RWKVTimeMix(
                 cfg.d_model, cfg.rwkv, layer=layer, n_layers=cfg.n_layers, std=std, dtype=dtype, rngs=rngs
@@ -44,14 +45,32 @@ class Block(nnx.Module):
         elif kind == "gret":
             att, yoco = cfg.attention, cfg.yoco
             self.mixer = GatedRetention(
-                cfg.d_model, att.n_heads, att.head_dim, rope_theta=att.rope_theta, form=yoco.gret_form,
-                chunk=yoco.chunk, norm_eps=eps, std=std, dtype=dtype, rngs=rngs,
+                cfg.d_model,
+                att.n_heads,
+                att.head_dim,
+                rope_theta=att.rope_theta,
+                form=yoco.gret_form,
+                chunk=yoco.chunk,
+                norm_eps=eps,
+                std=std,
+                dtype=dtype,
+                rngs=rngs,
             )
         elif kind == "retnet":
             att, ret = cfg.attention, cfg.retnet
             self.mixer = GatedRetention(
-                cfg.d_model, att.n_heads, att.head_dim, rope_theta=att.rope_theta, form=ret.form, chunk=ret.chunk,
-                norm_eps=eps, std=std, dtype=dtype, rngs=rngs, decay="fixed", value_factor=ret.value_factor,
+                cfg.d_model,
+                att.n_heads,
+                att.head_dim,
+                rope_theta=att.rope_theta,
+                form=ret.form,
+                chunk=ret.chunk,
+                norm_eps=eps,
+                std=std,
+                dtype=dtype,
+                rngs=rngs,
+                decay="fixed",
+                value_factor=ret.value_factor,
             )
         else:
             att = cfg.attention_for(kind)
@@ -110,9 +129,7 @@ class Decoder(nnx.Module):
         self.blocks = nnx.List([Block(cfg, layer=i, rngs=rngs) for i in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype)
         self.lm_head = (
-            None
-            if cfg.tie_embeddings
-            else dense(cfg.d_model, cfg.vocab_size, std=cfg.init_std, dtype=dtype, rngs=rngs)
+            None if cfg.tie_embeddings else dense(cfg.d_model, cfg.vocab_size, std=cfg.init_std, dtype=dtype, rngs=rngs)
         )
 
     def __call__(
@@ -137,7 +154,8 @@ class Decoder(nnx.Module):
         """`hidden` that also observes attention for KV compressors (kvjax.compress): for each producer
         whose cache keeps tokens (KVCache, PooledKVCache, LatentCache), `reduce(probs, obs_pos, view, q)`
         of the probabilities `[B,K,W,G,S]` of the queries at token indices obs_index `[B,W]` (-1: none)
-        over its updated cache, and of those queries q `[B,W,N,H]` (None for MLA). Returns (hidden, caches, one reduction per producer or None)."""
+        over its updated cache, and of those queries q `[B,W,N,H]` (None for MLA). Returns (hidden, caches,
+        one reduction per producer or None)."""
         x, caches, observed = self._run(self.embed(tokens), positions, caches, self.plan.n_layers, (obs_index, reduce))
         return self.final_norm(x), caches, observed
 
@@ -166,7 +184,9 @@ class Decoder(nnx.Module):
             if observe is not None and isinstance(cache, KVCache | PooledKVCache | LatentCache):
                 obs_index, reduce = observe
                 x_obs = jnp.take_along_axis(x_in, jnp.maximum(obs_index, 0)[:, :, None], axis=1)
-                obs_pos = jnp.where(obs_index >= 0, jnp.take_along_axis(positions, jnp.maximum(obs_index, 0), axis=1), -1)
+                obs_pos = jnp.where(
+                    obs_index >= 0, jnp.take_along_axis(positions, jnp.maximum(obs_index, 0), axis=1), -1
+                )
                 probs, queries = block.observe(x_obs, obs_pos, views[i])
                 observed[slot] = reduce(probs, obs_pos, views[i], queries)
         return x, None if new_caches is None else tuple(new_caches), tuple(observed)

@@ -25,16 +25,24 @@ import jax.numpy as jnp
 from flax import nnx
 
 from architectures.layers import RMSNorm, apply_rope, dense
-from kvjax.rope import frequencies, rotate
 from kvjax.cache import LatentCache, LatentView, heads_first
 from kvjax.config import AttentionConfig, MLAConfig
 from kvjax.ops import attend, attention, blocked_decode, decode_block, kernel_impl, masked_softmax
+from kvjax.rope import frequencies, rotate
 from pallas_kernels import flash_attention, latent_decode_attention
 
 
 class MLA(nnx.Module):
     def __init__(
-        self, d_model: int, att: AttentionConfig, cfg: MLAConfig, *, norm_eps: float, std: float, dtype, rngs: nnx.Rngs,
+        self,
+        d_model: int,
+        att: AttentionConfig,
+        cfg: MLAConfig,
+        *,
+        norm_eps: float,
+        std: float,
+        dtype,
+        rngs: nnx.Rngs,
         layer: int = 0,
     ):
         self.att, self.cfg, self.layer = att, cfg, layer
@@ -112,10 +120,15 @@ class MLA(nnx.Module):
         q_latent = self._latent_query(q_nope)
         f32 = jnp.float32
         B, T, N, R = (*q_rope.shape[:3], self.cfg.rope_heads)
-        rope_logits = jnp.einsum("BTrgD,BSrD->BTrgS", q_rope.reshape(B, T, R, N // R, -1),
-                                 view.k_rope.reshape(*view.k_rope.shape[:2], R, -1), preferred_element_type=f32)
+        rope_logits = jnp.einsum(
+            "BTrgD,BSrD->BTrgS",
+            q_rope.reshape(B, T, R, N // R, -1),
+            view.k_rope.reshape(*view.k_rope.shape[:2], R, -1),
+            preferred_element_type=f32,
+        )
         logits = jnp.einsum("BTNC,BSC->BTNS", q_latent, view.c, preferred_element_type=f32) + rope_logits.reshape(
-            B, T, N, -1)
+            B, T, N, -1
+        )
         # One shared "KV head": the [B,1,T,N,S] layout of the attention op with K = 1, G = N.
         return masked_softmax(logits[:, None] * self.scale, positions, view.pos)
 
@@ -129,9 +142,7 @@ class MLA(nnx.Module):
         k = jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1)
         v = self.v_up(view.c).reshape(B, S, N, cfg.v_head_dim)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
-        return attention(
-            q, heads_first(k), heads_first(v), positions, view.pos, scale=self.scale, impl=self.att.impl
-        )
+        return attention(q, heads_first(k), heads_first(v), positions, view.pos, scale=self.scale, impl=self.att.impl)
 
     def _absorbed(self, q_nope, q_rope, view: LatentView, positions) -> jax.Array:
         """Attend over the latents: W_UK moves into the query, W_UV onto the d_c-dim output."""
@@ -147,7 +158,9 @@ class MLA(nnx.Module):
             # With one query per row, [B,T=1,N,.] is also the [B,K=1,G=N,.] of one shared latent "head".
             latents = view.c[:, None]
             parts = ((self._latent_query(q_nope), latents), (q_rope, view.k_rope[:, None]))
-            out_latent = blocked_decode(parts, latents, positions, view.pos, None, self.scale, block).astype(latents.dtype)
+            out_latent = blocked_decode(parts, latents, positions, view.pos, None, self.scale, block).astype(
+                latents.dtype
+            )
         else:
             out_latent = attend(self._latent_probs(q_nope, q_rope, view, positions), view.c[:, None])  # [B,T,N,Dc]
         return jnp.einsum("BTNC,CNd->BTNd", out_latent, w_uv).astype(q_nope.dtype)
@@ -158,8 +171,9 @@ class MLA(nnx.Module):
         worth it in a compute-bound prefill). Returns `[B,T,N,Dc]` fp32."""
         q_latent = self._latent_query(q_nope)
         if q_nope.shape[1] == 1:
-            out = latent_decode_attention(q_latent[:, 0], q_rope[:, 0], view.c, view.k_rope, positions[:, 0], view.pos,
-                                          scale=self.scale)
+            out = latent_decode_attention(
+                q_latent[:, 0], q_rope[:, 0], view.c, view.k_rope, positions[:, 0], view.pos, scale=self.scale
+            )
             return out[:, None]
         q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
         k = jnp.concatenate([view.c, view.k_rope.astype(view.c.dtype)], axis=-1)[:, None]

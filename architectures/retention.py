@@ -105,8 +105,22 @@ class GatedRetention(nnx.Module):
     """Gated retention (`decay="gated"`, YOCO) or RetNet's multi-scale retention (`decay="fixed"`, with
     values `value_factor` times wider): see the module docstring."""
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int, *, rope_theta: float, form: str, chunk: int,
-                 norm_eps: float, std: float, dtype, rngs: nnx.Rngs, decay: str = "gated", value_factor: int = 1):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        *,
+        rope_theta: float,
+        form: str,
+        chunk: int,
+        norm_eps: float,
+        std: float,
+        dtype,
+        rngs: nnx.Rngs,
+        decay: str = "gated",
+        value_factor: int = 1,
+    ):
         self.n_heads, self.head_dim, self.rope_theta = n_heads, head_dim, rope_theta
         self.form, self.chunk, self.norm_eps, self.decay = form, chunk, norm_eps, decay
         width, value_width = n_heads * head_dim, n_heads * head_dim * value_factor

@@ -118,7 +118,9 @@ class RWKVTimeMix(nnx.Module):
         xr, xw, xk, xv, xa, xg = (x + mu[i][None, None] * (_shifted(x, prev) - x) for i in range(6))
         r, k, v = self.r(xr).astype(f32), self.k(xk).astype(f32), self.v(xv).astype(f32)
         lw = jnp.tanh(self.w_down(xw)).astype(f32)
-        w = jnp.exp(-jax.nn.sigmoid(self.w_up(lw.astype(x.dtype)).astype(f32) + self.w0[...][None, None]) / math.sqrt(math.e))
+        w = jnp.exp(
+            -jax.nn.sigmoid(self.w_up(lw.astype(x.dtype)).astype(f32) + self.w0[...][None, None]) / math.sqrt(math.e)
+        )
         a = jax.nn.sigmoid(self.a_up(self.a_down(xa)).astype(f32) + self.a0[...][None, None])
         g = self.g_up(jax.nn.sigmoid(self.g_down(xg))).astype(f32)
         kk = k * self.k_k[...][None, None]

@@ -136,8 +136,9 @@ class _SlotCache(_Positioned):
             return self.replace(k=self.k[:, :, :capacity], v=self.v[:, :, :capacity], pos=self.pos[..., :capacity])
         pad = ((0, 0), (0, 0), (0, extra), (0, 0))
         pos_pad = [(0, 0)] * (self.pos.ndim - 1) + [(0, extra)]
-        return self.replace(k=jnp.pad(self.k, pad), v=jnp.pad(self.v, pad),
-                            pos=jnp.pad(self.pos, pos_pad, constant_values=-1))
+        return self.replace(
+            k=jnp.pad(self.k, pad), v=jnp.pad(self.v, pad), pos=jnp.pad(self.pos, pos_pad, constant_values=-1)
+        )
 
 
 @struct.dataclass
@@ -172,10 +173,14 @@ class QuestKVCache(KVCache):
         k = jnp.pad(cache.k, pad).reshape(B, K, P, page_size, H)
         valid = valid.reshape(B, 1, P, page_size, 1)
         return cls(
-            k=cache.k, v=cache.v, pos=cache.pos, length=cache.length,
+            k=cache.k,
+            v=cache.v,
+            pos=cache.pos,
+            length=cache.length,
             page_min=jnp.where(valid, k, jnp.inf).min(axis=3).astype(cache.k.dtype),
             page_max=jnp.where(valid, k, -jnp.inf).max(axis=3).astype(cache.k.dtype),
-            page_size=page_size, read_pages=read_pages,
+            page_size=page_size,
+            read_pages=read_pages,
         )
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[QuestKVCache, KVView]:
@@ -417,7 +422,9 @@ def init_caches(cfg: ModelConfig, batch: int, capacity: int, *, fresh: bool = Fa
             return SSMState.init(batch, m.d_conv, m.expand * cfg.d_model, m.d_state, dtype)
         att = cfg.attention_for(kind)
         cls = KVCache if att.window is None else RingKVCache
-        return cls.init(batch, layer_slots(att.window, capacity), att.n_kv_heads, att.head_dim, dtype).replace(fresh=fresh)
+        return cls.init(batch, layer_slots(att.window, capacity), att.n_kv_heads, att.head_dim, dtype).replace(
+            fresh=fresh
+        )
 
     return tuple(init(plan.mixers[i]) for i in plan.producers)
 

@@ -19,7 +19,13 @@ DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "pallas", "auto")  # kvjax.ops.attention's backends
 TRAINABLE = ("all", "kv")  # train.trainable: every parameter, or only the K/V projections and norms
 MIXER_KINDS = ("attention", "mla", "swa", "gret", "mamba", "rwkv", "retnet")  # what a layer of the plan may be
-PATTERN_KINDS = ("attention", "mla", "mamba", "rwkv", "retnet")  # what model.layer_pattern may name (YOCO places its own)
+PATTERN_KINDS = (
+    "attention",
+    "mla",
+    "mamba",
+    "rwkv",
+    "retnet",
+)  # what model.layer_pattern may name (YOCO places its own)
 RWKV_FORMS = ("scan", "associative")
 MAMBA_SCANS = ("associative", "sequential")
 YOCO_SELF_MIXERS = ("swa", "gret")
@@ -113,13 +119,20 @@ class MLAConfig:
     def __post_init__(self):
         p = "model.mla"
         _positive(p, self, "kv_lora_rank", "v_head_dim", "rope_heads")
-        _require(self.qk_nope_head_dim >= 0, f"{p}.qk_nope_head_dim", self.qk_nope_head_dim,
-                 "must be >= 0 (0: every query/key dim carries RoPE)")
+        _require(
+            self.qk_nope_head_dim >= 0,
+            f"{p}.qk_nope_head_dim",
+            self.qk_nope_head_dim,
+            "must be >= 0 (0: every query/key dim carries RoPE)",
+        )
         if self.rope_pairs is not None:
             for layer, heads in enumerate(self.rope_pairs):
-                _require(len(heads) == self.rope_heads and all(len(k) * 2 == self.qk_rope_head_dim for k in heads),
-                         f"{p}.rope_pairs[{layer}]", heads,
-                         f"must list rope_heads={self.rope_heads} heads of qk_rope_head_dim/2 pair indices")
+                _require(
+                    len(heads) == self.rope_heads and all(len(k) * 2 == self.qk_rope_head_dim for k in heads),
+                    f"{p}.rope_pairs[{layer}]",
+                    heads,
+                    f"must list rope_heads={self.rope_heads} heads of qk_rope_head_dim/2 pair indices",
+                )
         _require(self.q_lora_rank >= 0, f"{p}.q_lora_rank", self.q_lora_rank, "must be >= 0 (0 turns it off)")
         _require(
             self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
@@ -147,7 +160,12 @@ class MambaConfig:
         p = "model.mamba"
         _positive(p, self, "d_state", "d_conv", "expand")
         _require(self.dt_rank is None or self.dt_rank > 0, f"{p}.dt_rank", self.dt_rank, "must be > 0 or null")
-        _require(0 < self.dt_min < self.dt_max, f"{p}.dt_min/dt_max", (self.dt_min, self.dt_max), "must satisfy 0 < dt_min < dt_max")
+        _require(
+            0 < self.dt_min < self.dt_max,
+            f"{p}.dt_min/dt_max",
+            (self.dt_min, self.dt_max),
+            "must satisfy 0 < dt_min < dt_max",
+        )
         _require(self.scan in MAMBA_SCANS, f"{p}.scan", self.scan, f"must be one of {MAMBA_SCANS}")
 
 
@@ -195,7 +213,12 @@ class YOCOConfig:
 
     def __post_init__(self):
         p = "model.yoco"
-        _require(self.self_mixer in YOCO_SELF_MIXERS, f"{p}.self_mixer", self.self_mixer, f"must be one of {YOCO_SELF_MIXERS}")
+        _require(
+            self.self_mixer in YOCO_SELF_MIXERS,
+            f"{p}.self_mixer",
+            self.self_mixer,
+            f"must be one of {YOCO_SELF_MIXERS}",
+        )
         _positive(p, self, "window", "chunk")
         _require(self.gret_form in GRET_FORMS, f"{p}.gret_form", self.gret_form, f"must be one of {GRET_FORMS}")
 
@@ -321,20 +344,41 @@ class ModelConfig:
             for field, value, default, why in (
                 ("layer_pattern", self.layer_pattern, ("attention",), "YOCO places its own mixers"),
                 ("kv_sharing.kind", self.kv_sharing.kind, "none", "YOCO's cross-decoder defines the sharing"),
-                ("attention.window", self.attention.window, None, "the cross-decoder attends globally; set model.yoco.window"),
+                (
+                    "attention.window",
+                    self.attention.window,
+                    None,
+                    "the cross-decoder attends globally; set model.yoco.window",
+                ),
             ):
                 _require(value == default, f"model.{field}", value, f"must be {default!r} with model.yoco ({why})")
         if "mla" in self.layer_pattern:
             mla, att = self.mla, self.attention
-            _require(att.n_heads % mla.rope_heads == 0, "model.mla.rope_heads", mla.rope_heads,
-                     f"must divide model.attention.n_heads={att.n_heads}")
-            _require(mla.rope_heads == 1 or att.impl != "pallas", "model.attention.impl", att.impl,
-                     "has no Pallas kernel for MLA with several RoPE key heads (model.mla.rope_heads); use xla or auto")
+            _require(
+                att.n_heads % mla.rope_heads == 0,
+                "model.mla.rope_heads",
+                mla.rope_heads,
+                f"must divide model.attention.n_heads={att.n_heads}",
+            )
+            _require(
+                mla.rope_heads == 1 or att.impl != "pallas",
+                "model.attention.impl",
+                att.impl,
+                "has no Pallas kernel for MLA with several RoPE key heads (model.mla.rope_heads); use xla or auto",
+            )
             if mla.rope_pairs is not None:
-                _require(len(mla.rope_pairs) == self.n_layers, "model.mla.rope_pairs", len(mla.rope_pairs),
-                         f"must have one entry per layer (model.n_layers={self.n_layers})")
-                _require(all(0 <= k < att.head_dim // 2 for heads in mla.rope_pairs for ks in heads for k in ks),
-                         "model.mla.rope_pairs", "...", f"pair indices must be in [0, head_dim/2={att.head_dim // 2})")
+                _require(
+                    len(mla.rope_pairs) == self.n_layers,
+                    "model.mla.rope_pairs",
+                    len(mla.rope_pairs),
+                    f"must have one entry per layer (model.n_layers={self.n_layers})",
+                )
+                _require(
+                    all(0 <= k < att.head_dim // 2 for heads in mla.rope_pairs for ks in heads for k in ks),
+                    "model.mla.rope_pairs",
+                    "...",
+                    f"pair indices must be in [0, head_dim/2={att.head_dim // 2})",
+                )
             _require(
                 self.attention.window is None,
                 "model.attention.window",
@@ -442,11 +486,19 @@ class DataConfig:
         _positive(p, self, "eval_windows")
         _require(0 <= self.passkey <= 1, f"{p}.passkey", self.passkey, "must be a fraction in [0, 1]")
         _require(self.passkey_weight > 0, f"{p}.passkey_weight", self.passkey_weight, "must be > 0")
-        _require(self.passkey > 0 or self.passkey_weight == 1, f"{p}.passkey_weight", self.passkey_weight,
-                 "applies only with data.passkey > 0 (pass-key samples in the mix); leave it at 1")
+        _require(
+            self.passkey > 0 or self.passkey_weight == 1,
+            f"{p}.passkey_weight",
+            self.passkey_weight,
+            "applies only with data.passkey > 0 (pass-key samples in the mix); leave it at 1",
+        )
         _require(0 <= self.repeats <= 1, f"{p}.repeats", self.repeats, "must be a fraction in [0, 1]")
-        _require(self.passkey + self.repeats <= 1, f"{p}.repeats", self.repeats,
-                 f"plus data.passkey={self.passkey} must be <= 1 (each row is one kind)")
+        _require(
+            self.passkey + self.repeats <= 1,
+            f"{p}.repeats",
+            self.repeats,
+            f"plus data.passkey={self.passkey} must be <= 1 (each row is one kind)",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,7 +526,15 @@ class TrainConfig:
     def __post_init__(self):
         p = "train"
         _positive(
-            p, self, "steps", "batch_size", "grad_accum", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every"
+            p,
+            self,
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "eval_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "log_every",
         )
         _require(
             self.batch_size % self.grad_accum == 0,

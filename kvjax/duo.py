@@ -29,6 +29,7 @@ from flax import struct
 from kvjax.cache import KVCache, KVView, RingKVCache, _Arrays, heads_first
 from kvjax.config import CONFIG_ROOT, ConfigError
 from kvjax.ops import attend, attention, attention_probs
+from kvjax.plan import compressible, kv_heads
 
 SINKS, RECENT = 64, 256  # the reference evaluation scripts' deployment sinks and recent window
 PATTERN_FILE = "duo_pattern.json"  # the learned gates of a run, next to its checkpoints
@@ -102,8 +103,11 @@ class _DuoView:
             if view is self.full or T == 1:  # a decode query's streaming view holds exactly its sinks + window
                 outs.append(attention(q_part, view.k, view.v, q_pos, view.pos, impl=impl))
             else:
-                outs.append(streaming_attention(q_part, view.k, view.v, q_pos, view.pos, sinks=cache.sinks,
-                                                recent=cache.recent, impl=impl))
+                outs.append(
+                    streaming_attention(
+                        q_part, view.k, view.v, q_pos, view.pos, sinks=cache.sinks, recent=cache.recent, impl=impl
+                    )
+                )
             order.append(idx)
         out = jnp.concatenate(outs, axis=2)
         return out[:, :, np.argsort(np.concatenate(order))]
@@ -163,8 +167,12 @@ class DuoKVCache(_Arrays):
             if self.sink is not None:
                 sink, sink_view = self.sink.update(ks, vs, jnp.where(pos < self.sinks, pos, -1))
                 new = new.replace(sink=sink)
-                stream = KVView(*(jnp.concatenate([a, b], axis=-2 if a.ndim == 4 else -1)
-                                  for a, b in zip(sink_view[:3], ring_view[:3])))
+                stream = KVView(
+                    *(
+                        jnp.concatenate([a, b], axis=-2 if a.ndim == 4 else -1)
+                        for a, b in zip(sink_view[:3], ring_view[:3])
+                    )
+                )
         main = full if full is not None else stream
         return new, KVView(main.k, main.v, main.pos, reader=_DuoView(new, full, stream))
 
@@ -225,8 +233,6 @@ def load_pattern(path: str | Path, heads: tuple[int, ...]) -> tuple[list[np.ndar
 
 def duo_heads(stage, cfg) -> tuple[tuple[int, ...], ...]:
     """The streaming heads of each compressible cache of `cfg` for a `duo:RATIO` stage, from its pattern."""
-    from kvjax.compress.apply import compressible, kv_heads
-
     if not stage.pattern:
         raise ConfigError(
             "policy stage 'duo' needs the model's learned pattern: pass pattern=PATH (the kvjax command finds "
@@ -255,11 +261,14 @@ def learned_pattern_path(model_ref: str, model_name: str | None) -> Path | None:
 def check_pattern_target(path: Path, overwrite: bool) -> None:
     """Refuse to write a pattern over a shipped one (read-only input) or, without `overwrite`, over any file."""
     if path.resolve().is_relative_to(CONFIG_ROOT.resolve()):
-        raise ConfigError(f"--out={path} is inside kvjax's shipped configs ({CONFIG_ROOT}), which commands only "
-                          "read; write the pattern elsewhere and pass it as duo:R:pattern=PATH")
+        raise ConfigError(
+            f"--out={path} is inside kvjax's shipped configs ({CONFIG_ROOT}), which commands only "
+            "read; write the pattern elsewhere and pass it as duo:R:pattern=PATH"
+        )
     if path.exists() and not overwrite:
-        raise ConfigError(f"{path} exists (a pattern learned before); pass --overwrite to replace it, or --out "
-                          "another file")
+        raise ConfigError(
+            f"{path} exists (a pattern learned before); pass --overwrite to replace it, or --out another file"
+        )
 
 
 def is_run(model_ref: str) -> bool:

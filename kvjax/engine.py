@@ -129,8 +129,9 @@ def _greedy_steps(graphdef, treedef, leaves, caches, table, length, tokens, pos,
 
     def body(carry):
         i, caches, length, tok, pos, active, out_tok, out_lp = carry
-        _, best, best_lp, caches, length = _forward(model, caches, table, length, tok, jnp.where(active, pos, -1),
-                                                    none, none, jnp.int32(0), jnp.int32(0))
+        _, best, best_lp, caches, length = _forward(
+            model, caches, table, length, tok, jnp.where(active, pos, -1), none, none, jnp.int32(0), jnp.int32(0)
+        )
         out_tok = out_tok.at[i].set(jnp.where(active, best, -1).astype(jnp.int32))
         out_lp = out_lp.at[i].set(jnp.where(active, best_lp, 0.0))
         active = active & (i + 1 < stop) & (best != eos)
@@ -139,8 +140,16 @@ def _greedy_steps(graphdef, treedef, leaves, caches, table, length, tokens, pos,
     def cond(carry):
         return (carry[0] < steps) & carry[5].any()
 
-    init = (jnp.int32(0), caches, length[:R], tokens, pos, stop > 0, jnp.full((steps, R), -1, jnp.int32),
-            jnp.zeros((steps, R), jnp.float32))
+    init = (
+        jnp.int32(0),
+        caches,
+        length[:R],
+        tokens,
+        pos,
+        stop > 0,
+        jnp.full((steps, R), -1, jnp.int32),
+        jnp.zeros((steps, R), jnp.float32),
+    )
     _, caches, _, _, _, _, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
     return out_tok, out_lp, caches
 
@@ -149,8 +158,10 @@ def _greedy_steps(graphdef, treedef, leaves, caches, table, length, tokens, pos,
 def _jitted(graphdef, treedef):
     """The step and multi-step functions jitted for one model structure, shared by every Engine over it
     (so a second engine on the same model compiles nothing)."""
-    return (jax.jit(functools.partial(_step, graphdef, treedef), donate_argnums=(1,)),
-            jax.jit(functools.partial(_greedy_steps, graphdef, treedef), donate_argnums=(1,), static_argnames=("steps",)))
+    return (
+        jax.jit(functools.partial(_step, graphdef, treedef), donate_argnums=(1,)),
+        jax.jit(functools.partial(_greedy_steps, graphdef, treedef), donate_argnums=(1,), static_argnames=("steps",)),
+    )
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -183,8 +194,10 @@ def check_engine_policy(policy: Policy) -> tuple[bool, bool]:
         elif stage.method not in EVICTION:
             raise ConfigError(f"{where}: the engine pages token eviction and int:8; {stage.method} is not supported")
         elif stage.every or stage.allocator != "uniform":
-            raise ConfigError(f"{where}: the engine compresses once after the prefill with one budget for every "
-                              f"layer and head (every={stage.every}, allocator={stage.allocator!r} are not supported)")
+            raise ConfigError(
+                f"{where}: the engine compresses once after the prefill with one budget for every "
+                f"layer and head (every={stage.every}, allocator={stage.allocator!r} are not supported)"
+            )
     return any(s.per_head for s in policy.stages if not s.quantizes), policy.stages[-1].quantizes
 
 
@@ -192,9 +205,20 @@ class Engine:
     """Serve requests on `model` with `n_pages` pages of `page_size` tokens per K/V-producing layer, at
     most `slots` sequences admitted together, prompts prefilled `chunk` tokens a step."""
 
-    def __init__(self, model: nnx.Module, *, n_pages: int, page_size: int = 16, slots: int = 8, chunk: int = 128,
-                 max_tokens: int | None = None, prefix_cache: bool = True, mesh: jax.sharding.Mesh | None = None,
-                 policy: str | Policy | None = None, decode_steps: int = 8):
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        n_pages: int,
+        page_size: int = 16,
+        slots: int = 8,
+        chunk: int = 128,
+        max_tokens: int | None = None,
+        prefix_cache: bool = True,
+        mesh: jax.sharding.Mesh | None = None,
+        policy: str | Policy | None = None,
+        decode_steps: int = 8,
+    ):
         """`mesh` (axes `data` and `tensor`) spreads the step's rows (sequences) over `data` and the pages' KV
         heads over `tensor`, as training splits batch and heads; the parameters are replicated.
         `policy`: token eviction applied once after the prefill, optionally ending in `int:8` (see the
@@ -202,8 +226,10 @@ class Engine:
         decodes greedily, up to this many decode steps run in one device call (1: a call per step)."""
         cfg = model.config
         if not set(cfg.mixers) <= {"attention", "mla"} or cfg.attention.window is not None:
-            raise ConfigError(f"the engine pages full-attention K/V and MLA latents; model mixers "
-                              f"{sorted(set(cfg.mixers))} (window {cfg.attention.window}) are not supported yet")
+            raise ConfigError(
+                f"the engine pages full-attention K/V and MLA latents; model mixers "
+                f"{sorted(set(cfg.mixers))} (window {cfg.attention.window}) are not supported yet"
+            )
         if slots < 1 or chunk < 1 or decode_steps < 1:
             raise ConfigError(f"slots={slots}, chunk={chunk} and decode_steps={decode_steps} must be >= 1")
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
@@ -221,20 +247,40 @@ class Engine:
             self._prefill_capacity(self.width * page_size)
         plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
         self.caches = tuple(
-            PagedLatentCache.init(n_pages, page_size, slots, self.width, 1, mla.kv_lora_rank, dtype,
-                                  value_dim=mla.rope_heads * mla.qk_rope_head_dim)
-            if plan.mixers[i] == "mla" else
-            PagedKVCache.init(n_pages, page_size, slots, self.width, att.n_kv_heads, att.head_dim, dtype,
-                              per_head_positions=per_head, int8=int8)
-            for i in plan.producers)
+            PagedLatentCache.init(
+                n_pages,
+                page_size,
+                slots,
+                self.width,
+                1,
+                mla.kv_lora_rank,
+                dtype,
+                value_dim=mla.rope_heads * mla.qk_rope_head_dim,
+            )
+            if plan.mixers[i] == "mla"
+            else PagedKVCache.init(
+                n_pages,
+                page_size,
+                slots,
+                self.width,
+                att.n_kv_heads,
+                att.head_dim,
+                dtype,
+                per_head_positions=per_head,
+                int8=int8,
+            )
+            for i in plan.producers
+        )
         graphdef, self.params = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(self.params)
         self._step, self._greedy_steps = _jitted(graphdef, treedef)
         self.mesh = mesh
         if mesh is not None:
             if slots % mesh.shape["data"] or att.n_kv_heads % mesh.shape["tensor"]:
-                raise ConfigError(f"slots={slots} must divide over data={mesh.shape['data']} and "
-                                  f"n_kv_heads={att.n_kv_heads} over tensor={mesh.shape['tensor']}")
+                raise ConfigError(
+                    f"slots={slots} must divide over data={mesh.shape['data']} and "
+                    f"n_kv_heads={att.n_kv_heads} over tensor={mesh.shape['tensor']}"
+                )
             self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
             self._leaves = jax.tree.leaves(self.params)
             self.caches = tuple(self._placed(c) for c in self.caches)
@@ -287,8 +333,15 @@ class Engine:
             lp = greedy[1] if greedy else float(logp[tok])
         else:
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(decoding.seed), running.index), step)
-            tok = int(sample(jnp.asarray(logp)[None], key, temperature=decoding.temperature, top_k=decoding.top_k,
-                             top_p=decoding.top_p)[0])
+            tok = int(
+                sample(
+                    jnp.asarray(logp)[None],
+                    key,
+                    temperature=decoding.temperature,
+                    top_k=decoding.top_k,
+                    top_p=decoding.top_p,
+                )[0]
+            )
             lp = float(logp[tok])
         running.done.tokens.append(tok)
         running.done.logprobs.append(lp)
@@ -298,7 +351,9 @@ class Engine:
     def _finished(self, running: _Running) -> bool:
         decoding = self.requests[running.index].decoding
         out = running.done.tokens
-        return len(out) >= decoding.max_new_tokens or (decoding.eos_id is not None and bool(out) and out[-1] == decoding.eos_id)
+        return len(out) >= decoding.max_new_tokens or (
+            decoding.eos_id is not None and bool(out) and out[-1] == decoding.eos_id
+        )
 
     # --- scheduling -------------------------------------------------------------------------------
     def _admit(self, index: int) -> _Running | None:
@@ -360,8 +415,10 @@ class Engine:
                 raise ConfigError(f"request {i}: the prompt is empty")
             total = self._kept(r.prompt) + r.decoding.max_new_tokens
             if self.pool.pages_for(total) > min(self.width, self.pool.n_pages - 1):
-                raise ConfigError(f"request {i}: {total} tokens need {self.pool.pages_for(total)} pages; a sequence "
-                                  f"may hold {min(self.width, self.pool.n_pages - 1)}")
+                raise ConfigError(
+                    f"request {i}: {total} tokens need {self.pool.pages_for(total)} pages; a sequence "
+                    f"may hold {min(self.width, self.pool.n_pages - 1)}"
+                )
 
     def run(self, requests: list[Request]) -> list[Completion]:
         """Serve `requests` (in arrival order) to completion; returns one Completion per request.
@@ -408,14 +465,23 @@ class Engine:
         ids, pos = np.zeros(R, np.int32), np.full(R, -1, np.int32)
         for i, r in enumerate(rows):
             ids[i], pos[i] = r.tokens[r.at], r.at
-        piece = filling.tokens[filling.at:filling.at + self.chunk] if filling else []
+        piece = filling.tokens[filling.at : filling.at + self.chunk] if filling else []
         C = self._chunk_bucket(len(piece))
         chunk, chunk_pos = np.zeros(C, np.int32), np.full(C, -1, np.int32)
         chunk[: len(piece)], chunk_pos[: len(piece)] = piece, np.arange(len(piece)) + (filling.at if filling else 0)
         self._sync([r.index for r in order])
         logp, best, best_lp, self.caches = self._step(
-            self._leaves, self.caches, self._table, self._length, ids, pos, chunk, chunk_pos, np.int32(len(rows)),
-            np.int32(max(len(piece) - 1, 0)))
+            self._leaves,
+            self.caches,
+            self._table,
+            self._length,
+            ids,
+            pos,
+            chunk,
+            chunk_pos,
+            np.int32(len(rows)),
+            np.int32(max(len(piece) - 1, 0)),
+        )
         self.stats.steps += 1
         self.stats.calls += 1
         self.stats.prefill_chunks += bool(piece)
@@ -447,8 +513,9 @@ class Engine:
             ids[i], pos[i], stops[i] = r.tokens[r.at], r.at, n
             eos[i] = -1 if self.requests[r.index].decoding.eos_id is None else self.requests[r.index].decoding.eos_id
         self._sync([r.index for r in rows])
-        tokens, logprobs, self.caches = self._greedy_steps(self._leaves, self.caches, self._table, self._length, ids,
-                                                           pos, stops, eos, steps=self.decode_steps)
+        tokens, logprobs, self.caches = self._greedy_steps(
+            self._leaves, self.caches, self._table, self._length, ids, pos, stops, eos, steps=self.decode_steps
+        )
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         self.stats.steps += int((tokens >= 0).any(axis=1).sum())
         self.stats.calls += 1

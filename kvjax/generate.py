@@ -17,8 +17,14 @@ import numpy as np
 from flax import nnx, struct
 
 from kvjax.cache import init_caches
-from kvjax.compress import Policy, check_policy, compress_caches, compressible, plan_stages
-from kvjax.compress import d2o
+from kvjax.compress import (
+    Policy,
+    check_policy,
+    compress_caches,
+    compressible,
+    d2o,
+    plan_stages,
+)
 from kvjax.compress.apply import observe_fn
 from kvjax.compress.scorers import observed_queries
 from kvjax.config import ConfigError, DecodingConfig
@@ -72,7 +78,9 @@ def _prefill(graphdef, params, tokens, lengths, *, capacity):
     B, T = tokens.shape
     idx = jnp.arange(T, dtype=jnp.int32)[None, :]
     positions = jnp.where(idx < lengths[:, None], idx, -1)
-    last, caches = model.prefill_last(tokens, positions, init_caches(model.config, B, capacity, fresh=True), lengths - 1)
+    last, caches = model.prefill_last(
+        tokens, positions, init_caches(model.config, B, capacity, fresh=True), lengths - 1
+    )
     return model.logits(last), caches
 
 
@@ -144,7 +152,9 @@ def _decode_step(model, tokens, pos, caches, stats, step, evict):
     return model.logits(hidden), caches, stats
 
 
-def _decode(graphdef, params, caches, logits, lengths, rng, stats, evict_arrays, *, n_new, sampling, eos_id, pad_id, evict):
+def _decode(
+    graphdef, params, caches, logits, lengths, rng, stats, evict_arrays, *, n_new, sampling, eos_id, pad_id, evict
+):
     """Sample n_new tokens: the first from the prefill logits, each next one after a decode step."""
     model = nnx.merge(graphdef, params)
     B = logits.shape[0]
@@ -317,8 +327,9 @@ class Generator:
         caches = init_caches(self.config, B, self.capacity)
         hidden = jnp.zeros((B, self.config.d_model), self.config.dtype)
         for start in range(0, T, chunk):
-            hidden, caches = self._prefill_chunk(self.params, caches, hidden, padded[:, start : start + chunk],
-                                                 lengths, jnp.int32(start))
+            hidden, caches = self._prefill_chunk(
+                self.params, caches, hidden, padded[:, start : start + chunk], lengths, jnp.int32(start)
+            )
         return self._logits(self.params, hidden), caches
 
     def compression_plan(self, lengths: np.ndarray, max_new_tokens: int, sized_for: int | None = None):
@@ -330,17 +341,22 @@ class Generator:
         counts = None
         if self.policy.stages[-1].method == "d2o":
             if self._layer_counts is None or not np.array_equal(self._layer_counts[0], lengths):
-                raise ConfigError("policy stage 'd2o' plans its layer budgets at the prefill: prefill these "
-                                  "prompts first (prefill_compressed)")
+                raise ConfigError(
+                    "policy stage 'd2o' plans its layer budgets at the prefill: prefill these "
+                    "prompts first (prefill_compressed)"
+                )
             counts = self._layer_counts[1]
         plans = plan_stages(self.config, self.policy.stages, lengths, headroom, self._bases, self._streaming, counts)
         if sized_for is None:
             return plans
         sized = plan_stages(self.config, self.policy.stages, [sized_for], headroom, self._bases, self._streaming)
-        return tuple(dataclasses.replace(p, keep_caps=s.keep_caps, capacities=s.capacities) for p, s in zip(plans, sized))
+        return tuple(
+            dataclasses.replace(p, keep_caps=s.keep_caps, capacities=s.capacities) for p, s in zip(plans, sized)
+        )
 
-    def prefill_compressed(self, tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int,
-                           sized_for: int | None = None):
+    def prefill_compressed(
+        self, tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int, sized_for: int | None = None
+    ):
         """Prefill, then compress with the policy: (logits `[B,V]`, compressed caches, scorer statistics
         for decode-time eviction). The caches leave room for max_new_tokens (or the policy's `every`)."""
         window = max(observed_queries(st, tokens.shape[1]) for st in self.policy.stages)
@@ -349,13 +365,20 @@ class Generator:
         slots = compressible(self.config)
         if self.policy.stages[-1].method == "d2o":  # layer budgets from the prefill's attention, then compress
             logits, caches, observed, sigma = self._prefill_densities(
-                self.params, tokens, lengths, obs_index, capacity=self.capacity, stages=self.policy.stages, slots=slots)
+                self.params, tokens, lengths, obs_index, capacity=self.capacity, stages=self.policy.stages, slots=slots
+            )
             keep = 1 - self.policy.stages[-1].ratio
             counts = d2o.layer_counts(np.asarray(sigma), lengths, keep, never=int(lengths.max()) + max_new_tokens)
             self._layer_counts = (np.array(lengths), counts)
             plans = self.compression_plan(lengths, max_new_tokens)
-            caches, stats = self._compress(caches, observed, tuple(p.static for p in plans),
-                                           tuple(p.arrays for p in plans), jnp.asarray(lengths) - 1, slots=slots)
+            caches, stats = self._compress(
+                caches,
+                observed,
+                tuple(p.static for p in plans),
+                tuple(p.arrays for p in plans),
+                jnp.asarray(lengths) - 1,
+                slots=slots,
+            )
             return logits, caches, stats
         plans = self.compression_plan(lengths, max_new_tokens, sized_for)
         return self._prefill_compressed(
@@ -400,7 +423,15 @@ class Generator:
         if forced.min() < 0 or forced.max() >= self.config.vocab_size:
             raise ValueError(f"continuation token ids must be in [0, {self.config.vocab_size})")
         logprobs, full = self._score(
-            self.params, caches, logits, jnp.asarray(lengths), stats, arrays, forced, evict=evict, keep_logits=keep_logits
+            self.params,
+            caches,
+            logits,
+            jnp.asarray(lengths),
+            stats,
+            arrays,
+            forced,
+            evict=evict,
+            keep_logits=keep_logits,
         )
         return np.asarray(logprobs), None if full is None else np.asarray(full)
 

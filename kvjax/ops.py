@@ -167,8 +167,16 @@ def causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl, block: int = PREFI
     for start in range(0, T, block):
         end = min(T, start + block)
         lo = 0 if window is None else max(0, start - window + 1)
-        probs = attention_probs(q[:, start:end], k[:, :, lo:end], v[:, :, lo:end], q_pos[:, start:end],
-                                k_pos[..., lo:end], window=window, scale=scale, impl=impl)
+        probs = attention_probs(
+            q[:, start:end],
+            k[:, :, lo:end],
+            v[:, :, lo:end],
+            q_pos[:, start:end],
+            k_pos[..., lo:end],
+            window=window,
+            scale=scale,
+            impl=impl,
+        )
         outs.append(attend(probs, v[:, :, lo:end]))
     return jnp.concatenate(outs, axis=1).astype(q.dtype)
 
@@ -210,10 +218,24 @@ def _quant_decode(q, quant, q_pos, window, scale, K: int) -> jax.Array:
     B, _, N, H = q.shape
     scale = H**-0.5 if scale is None else scale
     q4, qp = q.reshape(B, K, N // K, H), q_pos[:, 0]
-    parts = [quant_decode_partials(
-        q4, quant.k_codes, quant.k_scale, quant.k_zero, quant.v_codes, quant.v_scale, quant.v_zero, qp, quant.pos,
-        bits=quant.bits, key_group=quant.key_group, value_group=quant.value_group, scale=scale, window=window,
-    )]
+    parts = [
+        quant_decode_partials(
+            q4,
+            quant.k_codes,
+            quant.k_scale,
+            quant.k_zero,
+            quant.v_codes,
+            quant.v_scale,
+            quant.v_zero,
+            qp,
+            quant.pos,
+            bits=quant.bits,
+            key_group=quant.key_group,
+            value_group=quant.value_group,
+            scale=scale,
+            window=window,
+        )
+    ]
     if quant.res_k is not None:
         parts.append(decode_partials(((q4, quant.res_k),), quant.res_v, qp, quant.res_pos, scale=scale, window=window))
     o, m, l = (jnp.concatenate(x, axis=2) for x in zip(*parts))
@@ -224,8 +246,17 @@ def _paged_decode(q, paged, q_pos, window, scale, K: int) -> jax.Array:
     """One query per row over a paged cache: the paged kernel reads the pages through the block tables."""
     B, _, N, H = q.shape
     scale = H**-0.5 if scale is None else scale
-    out = paged_decode_attention(q.reshape(B, K, N // K, H), paged.k, paged.v, paged.pos, paged.table, paged.length,
-                                 q_pos[:, 0], scale=scale, window=window)
+    out = paged_decode_attention(
+        q.reshape(B, K, N // K, H),
+        paged.k,
+        paged.v,
+        paged.pos,
+        paged.table,
+        paged.length,
+        q_pos[:, 0],
+        scale=scale,
+        window=window,
+    )
     return out.reshape(B, 1, N, paged.v.shape[-1]).astype(q.dtype)
 
 
@@ -257,12 +288,17 @@ def blocked_decode(parts, v, q_pos, k_pos, window, scale: float, block: int) -> 
 
 def blocked_probs(parts, q_pos, k_pos, window, scale: float, block: int) -> jax.Array:
     """The probabilities `[B,K,C,G,block]` (fp32) of `blocked_decode`: one softmax over the C key blocks."""
-    (B, K, G, _), S = parts[0][0].shape, parts[0][1].shape[2]
+    (B, K, _, _), S = parts[0][0].shape, parts[0][1].shape[2]
     C = S // block
-    logits = sum(
-        jnp.einsum("BKGH,BKCSH->BKCGS", q, k.reshape(B, K, C, block, k.shape[-1]), preferred_element_type=jnp.float32)
-        for q, k in parts
-    ) * scale
+    logits = (
+        sum(
+            jnp.einsum(
+                "BKGH,BKCSH->BKCGS", q, k.reshape(B, K, C, block, k.shape[-1]), preferred_element_type=jnp.float32
+            )
+            for q, k in parts
+        )
+        * scale
+    )
     mask = visible(q_pos, k_pos, window)[..., 0, :]  # [B,S] or, per head, [B,K,S]
     return masked_probs(logits, mask.reshape(B, -1, C, 1, block), axis=(2, 4))
 

@@ -86,11 +86,13 @@ class PagePool:
         prompt = np.asarray(prompt)
         if self.pages_for(len(prompt)) > self.n_pages - 1:
             del self.tables[seq], self.lengths[seq]
-            raise ValueError(f"a prompt of {len(prompt)} tokens needs {self.pages_for(len(prompt))} pages of "
-                             f"{self.page_size}; the whole pool has {self.n_pages - 1}")
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens needs {self.pages_for(len(prompt))} pages of "
+                f"{self.page_size}; the whole pool has {self.n_pages - 1}"
+            )
         key = b""
         for i in range((len(prompt) - 1) // self.page_size):
-            key = page_hash(key, prompt[i * self.page_size:(i + 1) * self.page_size])
+            key = page_hash(key, prompt[i * self.page_size : (i + 1) * self.page_size])
             page = self.cached.get(key)
             if page is None:
                 break
@@ -130,7 +132,7 @@ class PagePool:
         """Enter `seq`'s full pages into the prefix cache, keyed by `history` (its tokens from the start)."""
         key, history = b"", np.asarray(history)
         for i, page in enumerate(self.tables[seq][: min(len(history), self.lengths[seq]) // self.page_size]):
-            key = page_hash(key, history[i * self.page_size:(i + 1) * self.page_size])
+            key = page_hash(key, history[i * self.page_size : (i + 1) * self.page_size])
             if key not in self.cached and page not in self.page_key:
                 self.cached[key], self.page_key[page] = page, key
 
@@ -201,6 +203,7 @@ class RowSplit(NamedTuple):
     def attend(self, q: jax.Array, q_pos: jax.Array, impl: str, window: int | None) -> jax.Array:
         """`KVView.reader`: kvjax.ops.attention over each part (the paged kernel reads the decode rows'
         pages under Pallas)."""
+
         def op(q, view, pos):
             return attention(q, view.k, view.v, pos, view.pos, window=window, impl=impl, paged=view.paged)
 
@@ -231,17 +234,34 @@ class PagedKVCache(_Arrays):
     chunk_row: jax.Array | None = None
 
     @classmethod
-    def init(cls, n_pages: int, page_size: int, batch: int, max_pages: int, n_kv_heads: int, head_dim: int, dtype,
-             *, value_dim: int | None = None, per_head_positions: bool = False, int8: bool = False):
+    def init(
+        cls,
+        n_pages: int,
+        page_size: int,
+        batch: int,
+        max_pages: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype,
+        *,
+        value_dim: int | None = None,
+        per_head_positions: bool = False,
+        int8: bool = False,
+    ):
         shape = (n_pages, n_kv_heads, page_size, head_dim)
         v_shape = (*shape[:3], value_dim or head_dim)
         pos_heads = n_kv_heads if per_head_positions else 1
         scales = {}
         if int8:
             scales = dict(k_scale=jnp.zeros((*shape[:3], 1), dtype), v_scale=jnp.zeros((*shape[:3], 1), dtype))
-        return cls(k=jnp.zeros(shape, jnp.uint8 if int8 else dtype), v=jnp.zeros(v_shape, jnp.uint8 if int8 else dtype),
-                   pos=jnp.full((n_pages, pos_heads, page_size), -1, jnp.int32),
-                   table=jnp.zeros((batch, max_pages), jnp.int32), length=jnp.zeros((batch,), jnp.int32), **scales)
+        return cls(
+            k=jnp.zeros(shape, jnp.uint8 if int8 else dtype),
+            v=jnp.zeros(v_shape, jnp.uint8 if int8 else dtype),
+            pos=jnp.full((n_pages, pos_heads, page_size), -1, jnp.int32),
+            table=jnp.zeros((batch, max_pages), jnp.int32),
+            length=jnp.zeros((batch,), jnp.int32),
+            **scales,
+        )
 
     @property
     def page_size(self) -> int:
@@ -314,12 +334,17 @@ class PagedKVCache(_Arrays):
             flat, added = self.slots(pos).reshape(-1), (pos >= 0).sum(axis=1, dtype=jnp.int32)
         else:
             if pos.shape[1] < self.table.shape[0]:
-                raise ValueError(f"a mixed step's {pos.shape[1]} tokens must start with one per row "
-                                 f"({self.table.shape[0]})")
+                raise ValueError(
+                    f"a mixed step's {pos.shape[1]} tokens must start with one per row ({self.table.shape[0]})"
+                )
             flat, added = self._mixed_slots(pos)
         Kp = self.pos.shape[1]
-        new = self._write(flat, k=k.reshape(-1, K, k.shape[-1]), v=v.reshape(-1, K, v.shape[-1]),
-                          pos=jnp.broadcast_to(pos[..., None], (*pos.shape, Kp)).reshape(-1, Kp))
+        new = self._write(
+            flat,
+            k=k.reshape(-1, K, k.shape[-1]),
+            v=v.reshape(-1, K, v.shape[-1]),
+            pos=jnp.broadcast_to(pos[..., None], (*pos.shape, Kp)).reshape(-1, Kp),
+        )
         new = new.replace(length=self.length + added)
         return new, new.view()
 
@@ -388,7 +413,9 @@ class PagedKVCache(_Arrays):
         # [B,P]: where each page sits in each row's table (-1: absent). The null page pads a table after
         # its pages, so its column lies past the row's length, which masks it like any unwritten slot.
         column = jnp.full((B, P), -1, jnp.int32).at[rows, self.table].max(jnp.arange(M, dtype=jnp.int32)[None])
-        mine = (column[:, :, None] >= 0) & (column[:, :, None] * ps + jnp.arange(ps)[None, None] < self.length[:, None, None])
+        mine = (column[:, :, None] >= 0) & (
+            column[:, :, None] * ps + jnp.arange(ps)[None, None] < self.length[:, None, None]
+        )
         k_pos = jnp.where(mine[:, :, None], self.pos[None], -1).transpose(0, 2, 1, 3).reshape(B, Kp, P * ps)
         k_pos = k_pos[:, 0] if Kp == 1 else k_pos
         if self.quantized:

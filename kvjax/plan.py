@@ -11,7 +11,6 @@ import dataclasses
 
 from kvjax.config import MIXER_KINDS, ConfigError, ModelConfig, check_kv_source
 
-
 SHARABLE_KINDS = ("attention", "swa")  # mixers with a K/V cache another layer can attend to
 KV_KINDS = (*SHARABLE_KINDS, "mla")  # mixers that cache K/V (or an MLA latent) per token
 
@@ -23,9 +22,7 @@ class LayerPlan:
 
     def __post_init__(self):
         if len(self.mixers) != len(self.kv_source):
-            raise ConfigError(
-                f"layer plan: {len(self.mixers)} mixers but {len(self.kv_source)} kv_source entries"
-            )
+            raise ConfigError(f"layer plan: {len(self.mixers)} mixers but {len(self.kv_source)} kv_source entries")
         for i, kind in enumerate(self.mixers):
             if kind not in MIXER_KINDS:
                 raise ConfigError(f"layer plan: mixers[{i}]={kind!r} must be one of {MIXER_KINDS}")
@@ -53,3 +50,21 @@ class LayerPlan:
     def cache_index(self, layer: int) -> int:
         """Position in the cache tuple of the cache that `layer` reads."""
         return self.producers.index(self.kv_source[layer])
+
+
+def compressible(cfg: ModelConfig) -> tuple[int, ...]:
+    """Cache indices (positions in the model's cache tuple) of the caches a policy compresses."""
+    plan = LayerPlan.from_config(cfg)
+    out = []
+    for slot, layer in enumerate(plan.producers):
+        kind = plan.mixers[layer]
+        if kind == "mla" or (kind in ("attention", "swa") and cfg.attention_for(kind).window is None):
+            out.append(slot)
+    return tuple(out)
+
+
+def kv_heads(cfg: ModelConfig, slot: int) -> int:
+    """KV heads of compressible cache `slot` (1 for an MLA latent, which serves every head)."""
+    plan = LayerPlan.from_config(cfg)
+    kind = plan.mixers[plan.producers[slot]]
+    return 1 if kind == "mla" else cfg.attention_for(kind).n_kv_heads

@@ -48,8 +48,12 @@ class LogProgress:
         rate = (self.n - self.start_n) / elapsed if elapsed > 0 else 0.0
         eta = f", eta {(self.total - self.n) / rate:.0f} s" if rate > 0 and self.n < self.total else ""
         extra = f", {self.postfix}" if self.postfix else ""
-        print(f"{self.unit} {self.n}/{self.total} ({100 * self.n / self.total:.0f}%), {rate:.3g} {self.unit}/s"
-              f"{eta}{extra}", file=self.file, flush=True)
+        print(
+            f"{self.unit} {self.n}/{self.total} ({100 * self.n / self.total:.0f}%), {rate:.3g} {self.unit}/s"
+            f"{eta}{extra}",
+            file=self.file,
+            flush=True,
+        )
 
     def close(self) -> None:
         """Nothing to clear: every line written stays in the log."""

@@ -78,7 +78,7 @@ def _timed_static(model, requests, rows: int, capacity: int) -> float:
 
     def serve(reqs):
         for i in range(0, len(reqs), rows):
-            batch = reqs[i:i + rows]
+            batch = reqs[i : i + rows]
             longest = max(r.decoding.max_new_tokens for r in batch)
             jax.block_until_ready(gen([list(r.prompt) for r in batch], DecodingConfig(max_new_tokens=longest)).tokens)
 
@@ -88,8 +88,17 @@ def _timed_static(model, requests, rows: int, capacity: int) -> float:
     return time.perf_counter() - start
 
 
-def serve_bench(model, workload: Workload, *, memory_mib: float, page_size: int = 16, slots: int = 16,
-                chunk: int = 128, decode_steps: int = 8, policies: tuple[str, ...] = ()) -> dict:
+def serve_bench(
+    model,
+    workload: Workload,
+    *,
+    memory_mib: float,
+    page_size: int = 16,
+    slots: int = 16,
+    chunk: int = 128,
+    decode_steps: int = 8,
+    policies: tuple[str, ...] = (),
+) -> dict:
     """Run every server on the workload at `memory_mib` MiB of K/V and return the figures (see the module
     docstring); a budget too small for the longest request, or a policy budget a prompt cannot meet, is
     a ConfigError before any compute."""
@@ -100,37 +109,74 @@ def serve_bench(model, workload: Workload, *, memory_mib: float, page_size: int 
     reserve = max(len(r.prompt) for r in requests) + max(r.decoding.max_new_tokens for r in requests)
     rows = budget // (memory.cache_bytes_per_token(cfg) * reserve)
     if rows < 1:
-        raise ConfigError(f"--memory-mib={memory_mib}: {budget:,} bytes hold no static row of {reserve} tokens "
-                          f"({memory.cache_bytes_per_token(cfg):,} bytes per token: "
-                          f"{memory.cache_bytes_per_token(cfg) * reserve / 2**20:.3g} MiB a row); raise it")
+        raise ConfigError(
+            f"--memory-mib={memory_mib}: {budget:,} bytes hold no static row of {reserve} tokens "
+            f"({memory.cache_bytes_per_token(cfg):,} bytes per token: "
+            f"{memory.cache_bytes_per_token(cfg) * reserve / 2**20:.3g} MiB a row); raise it"
+        )
     engines = {}
     for policy in (None, *policies):  # each layout's pages in the budget; every request checked before compute
         n_pages = budget // page_bytes(model, page_size, policy) + 1  # + the null page
-        engines[policy] = Engine(model, n_pages=n_pages, page_size=page_size, slots=slots, chunk=chunk,
-                                 max_tokens=longest, policy=policy, decode_steps=decode_steps)
+        engines[policy] = Engine(
+            model,
+            n_pages=n_pages,
+            page_size=page_size,
+            slots=slots,
+            chunk=chunk,
+            max_tokens=longest,
+            policy=policy,
+            decode_steps=decode_steps,
+        )
         engines[policy].check(requests)
     new_tokens = sum(r.decoding.max_new_tokens for r in requests)
-    out = {"model": cfg.name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-           "workload": dataclasses.asdict(workload), "kv_budget_bytes": budget, "new_tokens": new_tokens,
-           "prompt_tokens": sum(len(r.prompt) for r in requests), "servers": []}
+    out = {
+        "model": cfg.name,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "workload": dataclasses.asdict(workload),
+        "kv_budget_bytes": budget,
+        "new_tokens": new_tokens,
+        "prompt_tokens": sum(len(r.prompt) for r in requests),
+        "servers": [],
+    }
     static_s = _timed_static(model, requests, rows, reserve)
-    out["servers"].append({"server": "static batches", "policy": None, "seconds": static_s, "concurrent": rows,
-                           "tokens_per_s": new_tokens / static_s, "requests_per_s": len(requests) / static_s,
-                           "bytes_allocated": rows * reserve * memory.cache_bytes_per_token(cfg),
-                           "prefill_tokens": out["prompt_tokens"]})
+    out["servers"].append(
+        {
+            "server": "static batches",
+            "policy": None,
+            "seconds": static_s,
+            "concurrent": rows,
+            "tokens_per_s": new_tokens / static_s,
+            "requests_per_s": len(requests) / static_s,
+            "bytes_allocated": rows * reserve * memory.cache_bytes_per_token(cfg),
+            "prefill_tokens": out["prompt_tokens"],
+        }
+    )
     for policy, engine in engines.items():
         seconds = _timed(engine, requests)
         s, pool, per_page = engine.stats, engine.pool, engine.page_nbytes()
         lookups = pool.hits + pool.misses
-        out["servers"].append({
-            "server": "engine", "policy": policy, "seconds": seconds, "concurrent": s.peak_running,
-            "tokens_per_s": new_tokens / seconds, "requests_per_s": len(requests) / seconds,
-            "pages": pool.n_pages - 1, "peak_pages": s.peak_pages, "page_bytes": per_page,
-            "bytes_allocated": engine.nbytes(), "peak_bytes_used": s.peak_pages * per_page,
-            "prefill_tokens": s.prefill_tokens, "cached_tokens": s.cached_tokens,
-            "prefix_hit_rate": pool.hits / lookups if lookups else 0.0, "steps": s.steps, "calls": s.calls,
-            "preemptions": s.preemptions,
-        })
+        out["servers"].append(
+            {
+                "server": "engine",
+                "policy": policy,
+                "seconds": seconds,
+                "concurrent": s.peak_running,
+                "tokens_per_s": new_tokens / seconds,
+                "requests_per_s": len(requests) / seconds,
+                "pages": pool.n_pages - 1,
+                "peak_pages": s.peak_pages,
+                "page_bytes": per_page,
+                "bytes_allocated": engine.nbytes(),
+                "peak_bytes_used": s.peak_pages * per_page,
+                "prefill_tokens": s.prefill_tokens,
+                "cached_tokens": s.cached_tokens,
+                "prefix_hit_rate": pool.hits / lookups if lookups else 0.0,
+                "steps": s.steps,
+                "calls": s.calls,
+                "preemptions": s.preemptions,
+            }
+        )
     return out
 
 
@@ -143,12 +189,38 @@ def render(figures: dict) -> str:
         name = s["server"] + (f" + {s['policy']}" if s["policy"] else "")
         pages = f"{s['peak_pages']}/{s['pages']}" if "pages" in s else "-"
         hit = f"{s['prefix_hit_rate']:.0%}" if "prefix_hit_rate" in s else "-"
-        rows.append([name, s["concurrent"], f"{s['tokens_per_s']:,.1f}", f"{s['tokens_per_s'] / base:.2f}x",
-                     f"{s['requests_per_s']:.2f}", f"{s['seconds']:.1f}", f"{s['prefill_tokens']:,}", hit, pages,
-                     s.get("preemptions", "-")])
-    head = (f"{figures['model']}: {w['requests']} requests, prompts {w['prompt'][0]}-{w['prompt'][1]} (+{w['shared_prefix']} "
-            f"shared), outputs {w['new'][0]}-{w['new'][1]}, seed {w['seed']}; K/V budget "
-            f"{figures['kv_budget_bytes'] / 2**20:g} MiB ({figures['device']}, jax {figures['jax']})")
-    table = format_table(["server", "concurrent", "tokens/s", "vs static", "requests/s", "seconds", "prefill tokens",
-                          "prefix hits", "peak pages", "preemptions"], rows)
+        rows.append(
+            [
+                name,
+                s["concurrent"],
+                f"{s['tokens_per_s']:,.1f}",
+                f"{s['tokens_per_s'] / base:.2f}x",
+                f"{s['requests_per_s']:.2f}",
+                f"{s['seconds']:.1f}",
+                f"{s['prefill_tokens']:,}",
+                hit,
+                pages,
+                s.get("preemptions", "-"),
+            ]
+        )
+    head = (
+        f"{figures['model']}: {w['requests']} requests, prompts {w['prompt'][0]}-{w['prompt'][1]} "
+        f"(+{w['shared_prefix']} shared), outputs {w['new'][0]}-{w['new'][1]}, seed {w['seed']}; K/V budget "
+        f"{figures['kv_budget_bytes'] / 2**20:g} MiB ({figures['device']}, jax {figures['jax']})"
+    )
+    table = format_table(
+        [
+            "server",
+            "concurrent",
+            "tokens/s",
+            "vs static",
+            "requests/s",
+            "seconds",
+            "prefill tokens",
+            "prefix hits",
+            "peak pages",
+            "preemptions",
+        ],
+        rows,
+    )
     return f"{head}\n{table}"

@@ -45,8 +45,9 @@ def _decode_kernel(qpos_ref, *refs, n_parts, shared_values, scale, block, window
     def logits(keys):
         return sum(dot_t(q, k_ref[keys, :]) for q, (_, k_ref) in zip(queries, parts))
 
-    o, m, l = walk(kpos_ref.shape[1] // block, block, q_pos, kpos_ref, window, logits, weighted(v_ref),
-                   start(*o_ref.shape))
+    o, m, l = walk(
+        kpos_ref.shape[1] // block, block, q_pos, kpos_ref, window, logits, weighted(v_ref), start(*o_ref.shape)
+    )
     o_ref[...], m_ref[...], l_ref[...] = o, m, l
 
 
@@ -64,8 +65,17 @@ def _splits(n_blocks: int) -> int:
     return max(c for c in range(1, target + 1) if n_blocks % c == 0)
 
 
-def decode_partials(parts, v, q_pos, k_pos, *, scale: float, window: int | None = None, backend: str | None = None,
-                    block: int | None = None):
+def decode_partials(
+    parts,
+    v,
+    q_pos,
+    k_pos,
+    *,
+    scale: float,
+    window: int | None = None,
+    backend: str | None = None,
+    block: int | None = None,
+):
     """Split-K partials (o `[B,K,C,Gp,Hv]`, m and l `[B,K,C,Gp,1]`, fp32) of one query per row, for
     callers that merge them with other parts (`combine`). The logits are the sum over `parts` of
     q `[B,K,G,Hp]` . k `[B,K,S,Hp]`; v `[B,K,S,Hv]`, or None when the values are the first part's keys
@@ -90,13 +100,16 @@ def decode_partials(parts, v, q_pos, k_pos, *, scale: float, window: int | None 
     per_head = kpos.shape[1] > 1
     in_specs = [pl.BlockSpec((None, None, 1, 1), lambda b, h, c: (b, 0, 0, 0))]
     for q, k in parts:
-        in_specs += [pl.BlockSpec((None, None, Gp, q.shape[-1]), lambda b, h, c: (b, h, 0, 0)),
-                     pl.BlockSpec((None, None, L, k.shape[-1]), lambda b, h, c: (b, h, c, 0))]
+        in_specs += [
+            pl.BlockSpec((None, None, Gp, q.shape[-1]), lambda b, h, c: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, L, k.shape[-1]), lambda b, h, c: (b, h, c, 0)),
+        ]
     if v is not None:
         in_specs.append(pl.BlockSpec((None, None, L, Hv), lambda b, h, c: (b, h, c, 0)))
     in_specs.append(pl.BlockSpec((None, None, 1, L), lambda b, h, c: (b, h if per_head else 0, 0, c)))
-    kernel = functools.partial(_decode_kernel, n_parts=len(parts), shared_values=v is None, scale=scale,
-                               block=block, window=window)
+    kernel = functools.partial(
+        _decode_kernel, n_parts=len(parts), shared_values=v is None, scale=scale, block=block, window=window
+    )
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, K, C),
@@ -117,16 +130,27 @@ def decode_partials(parts, v, q_pos, k_pos, *, scale: float, window: int | None 
     return o[..., :Hv_out], m, l
 
 
-def decode_attention(q, k, v, q_pos, k_pos, *, scale: float, window: int | None = None, backend: str | None = None,
-                     block: int | None = None) -> jax.Array:
+def decode_attention(
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    *,
+    scale: float,
+    window: int | None = None,
+    backend: str | None = None,
+    block: int | None = None,
+) -> jax.Array:
     """Attention of one query per row: q `[B,K,G,H]` (the G query heads of each KV head), k `[B,K,S,H]`,
     v `[B,K,S,Hv]`, q_pos `[B]`, k_pos `[B,S]` or `[B,K,S]` -> `[B,K,G,Hv]` fp32."""
     o, m, l = decode_partials(((q, k),), v, q_pos, k_pos, scale=scale, window=window, backend=backend, block=block)
     return combine(o, m, l)[:, :, : q.shape[2]]
 
 
-def latent_decode_attention(q_latent, q_rope, c, k_rope, q_pos, k_pos, *, scale: float, backend: str | None = None,
-                            block: int | None = None) -> jax.Array:
+def latent_decode_attention(
+    q_latent, q_rope, c, k_rope, q_pos, k_pos, *, scale: float, backend: str | None = None, block: int | None = None
+) -> jax.Array:
     """MLA's absorbed decode (DeepSeek-V2, sec. 2.1.2): logits q_latent . c + q_rope . k_rope over the
     latent cache, values the latents themselves, read once per block. q_latent `[B,N,Dc]`, q_rope
     `[B,N,Dr]`, c `[B,S,Dc]`, k_rope `[B,S,Dr]` -> `[B,N,Dc]` fp32 (one shared latent "KV head")."""

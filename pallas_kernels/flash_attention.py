@@ -38,8 +38,16 @@ def _flash_kernel(qpos_ref, q_ref, k_ref, v_ref, kpos_ref, o_ref, lse_ref, *, sc
     q = q_ref[...].astype(jnp.float32) * scale
     q_pos = qpos_ref[...]
 
-    o, m, l = walk(k_ref.shape[0] // block, block, q_pos, kpos_ref, window,
-                   lambda keys: dot_t(q, k_ref[keys, :]), weighted(v_ref), start(*o_ref.shape))
+    o, m, l = walk(
+        k_ref.shape[0] // block,
+        block,
+        q_pos,
+        kpos_ref,
+        window,
+        lambda keys: dot_t(q, k_ref[keys, :]),
+        weighted(v_ref),
+        start(*o_ref.shape),
+    )
     seen = l > 0
     o_ref[...] = jnp.where(seen, o / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
@@ -60,14 +68,21 @@ def _operands(rows, row_pos, k, v, k_pos, backend):
     bq, bk = block_size(R), block_size(S)
     R_pad, S_pad = -(-R // bq) * bq, -(-S // bk) * bk
     kpos = (k_pos[:, None] if k_pos.ndim == 2 else k_pos)[:, :, None, :].astype(jnp.int32)
-    return (pad_to(rows, 2, R_pad), pad_to(row_pos, 2, R_pad, -1), pad_to(k, 2, S_pad), pad_to(v, 2, S_pad),
-            pad_to(kpos, 3, S_pad, -1), (bq, bk))
+    return (
+        pad_to(rows, 2, R_pad),
+        pad_to(row_pos, 2, R_pad, -1),
+        pad_to(k, 2, S_pad),
+        pad_to(v, 2, S_pad),
+        pad_to(kpos, 3, S_pad, -1),
+        (bq, bk),
+    )
 
 
 def _specs(R: int, S: int, row_widths, key_widths, per_head: bool, rows_block: int | None, keys_block: int | None):
     """in_specs over the grid (row, KV head, i) for: the row positions `[R,1]`, row arrays `[R, width]`,
     key arrays `[S, width]`, the key positions `[1,S]`. Rows come in blocks of `rows_block` (block i),
     or all of them when None; keys likewise with `keys_block`."""
+
     def spec(n, block, width):
         if block is None:
             return pl.BlockSpec((None, None, n, width), lambda b, h, i: (b, h, 0, 0))
@@ -75,8 +90,15 @@ def _specs(R: int, S: int, row_widths, key_widths, per_head: bool, rows_block: i
 
     heads = (lambda h: h) if per_head else (lambda h: 0)
     row_pos = pl.BlockSpec((None, None, rows_block or R, 1), lambda b, h, i: (b, 0, 0 if rows_block is None else i, 0))
-    key_pos = pl.BlockSpec((None, None, 1, keys_block or S), lambda b, h, i: (b, heads(h), 0, 0 if keys_block is None else i))
-    return [row_pos, *(spec(R, rows_block, w) for w in row_widths), *(spec(S, keys_block, w) for w in key_widths), key_pos]
+    key_pos = pl.BlockSpec(
+        (None, None, 1, keys_block or S), lambda b, h, i: (b, heads(h), 0, 0 if keys_block is None else i)
+    )
+    return [
+        row_pos,
+        *(spec(R, rows_block, w) for w in row_widths),
+        *(spec(S, keys_block, w) for w in key_widths),
+        key_pos,
+    ]
 
 
 def _forward(rows, row_pos, k, v, k_pos, *, scale, window, backend):
@@ -93,8 +115,10 @@ def _forward(rows, row_pos, k, v, k_pos, *, scale, window, backend):
             pl.BlockSpec((None, None, bq, Hv), lambda b, h, i: (b, h, i, 0)),
             pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((B, K, R_pad, Hv), jnp.float32),
-                   jax.ShapeDtypeStruct((B, K, R_pad, 1), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, K, R_pad, Hv), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, R_pad, 1), jnp.float32),
+        ],
         name="kvjax_flash_attention",
         **call_options(backend),
     )(row_pos, rows, k, v, kpos)
@@ -107,8 +131,9 @@ def _probs_and_ds(q, d_o, lse, delta, k, v, vis, scale):
     return p, p * (dot_t(d_o, v) - delta)
 
 
-def _dkdv_kernel(qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kpos_ref, dk_ref, dv_ref, *, scale,
-                 block, window):
+def _dkdv_kernel(
+    qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kpos_ref, dk_ref, dv_ref, *, scale, block, window
+):
     """One (row, KV head, key block): every row's q `[R,H]`, dO `[R,Hv]`, lse, D and position `[R,1]`; the
     block's k `[bk,H]`, v `[bk,Hv]` and key positions `[1,bk]`; out dk `[bk,H]`, dv `[bk,Hv]`."""
     k, v, k_pos = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32), kpos_ref[...]
@@ -121,8 +146,10 @@ def _dkdv_kernel(qpos_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kpos
             dk, dv = carry
             q, d_o = q_ref[rows, :].astype(jnp.float32), do_ref[rows, :].astype(jnp.float32)
             p, ds = _probs_and_ds(q, d_o, lse_ref[rows, :], delta_ref[rows, :], k, v, vis, scale)
-            return (dk + jnp.dot(ds.T, q, preferred_element_type=jnp.float32) * scale,
-                    dv + jnp.dot(p.T, d_o, preferred_element_type=jnp.float32))
+            return (
+                dk + jnp.dot(ds.T, q, preferred_element_type=jnp.float32) * scale,
+                dv + jnp.dot(p.T, d_o, preferred_element_type=jnp.float32),
+            )
 
         return jax.lax.cond(any_visible(vis), fold, lambda c: c, carry)
 
@@ -195,8 +222,9 @@ def _attention_rows_bwd(scale, window, backend, residuals, d_o):
 _attention_rows.defvjp(_attention_rows_fwd, _attention_rows_bwd)
 
 
-def flash_attention(q, k, v, q_pos, k_pos, *, scale: float, window: int | None = None,
-                    backend: str | None = None) -> jax.Array:
+def flash_attention(
+    q, k, v, q_pos, k_pos, *, scale: float, window: int | None = None, backend: str | None = None
+) -> jax.Array:
     """softmax(q k^T * scale, masked by positions) v for q `[B,T,N,H]`, k `[B,K,S,H]`, v `[B,K,S,Hv]`,
     q_pos `[B,T]`, k_pos `[B,S]` or `[B,K,S]` -> `[B,T,N,Hv]` fp32; differentiable in q, k and v."""
     B, T, N, H = q.shape

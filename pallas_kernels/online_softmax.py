@@ -19,8 +19,11 @@ def visible(q_pos, k_pos, window: int | None):
 
 def start(rows: int, width: int):
     """(o, m, l) before any key: zeros, MASKED (finite, so an all-masked row never makes NaN), zeros."""
-    return (jnp.zeros((rows, width), jnp.float32), jnp.full((rows, 1), MASKED, jnp.float32),
-            jnp.zeros((rows, 1), jnp.float32))
+    return (
+        jnp.zeros((rows, width), jnp.float32),
+        jnp.full((rows, 1), MASKED, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+    )
 
 
 def update(carry, logits, vis, weigh):

@@ -1,11 +1,12 @@
 """Paged decode attention (PagedAttention, Kwon et al. 2023, sec. 4.1): one query per row over K/V held
 in a shared pool of pages, read through each row's block table, never gathered into a dense copy.
 
-The pools are `[P,K,page_size,H]` (head-major pages, `kvjax.paged.PagedKVCache`), a position per pool
-slot `[P,page_size]` (or per head and slot, `[P,K,page_size]`), and per row a block table `[B,M]` of page ids and a length: slot j of row b is
-page `table[b, j // page_size]`, offset `j % page_size`, and holds a token of the row when j < length[b]
-and its position is visible from the query's (as in `kvjax.ops.visible`). The query heads of one KV
-head go through together (GQA), and the online softmax of FlashAttention-2 folds in one page at a time.
+The pools are `[P,K,page_size,H]` (head-major pages, `kvjax.paged.PagedKVCache`), a position per pool slot
+`[P,page_size]` (or per head and slot, `[P,K,page_size]`), and per row a block table `[B,M]` of page ids and
+a length: slot j of row b is page `table[b, j // page_size]`, offset `j % page_size`, and holds a token of
+the row when j < length[b] and its position is visible from the query's (as in `kvjax.ops.visible`). The
+query heads of one KV head go through together (GQA), and the online softmax of FlashAttention-2 folds in
+one page at a time.
 Two designs, one per compiler, the same arithmetic:
 
 - `gather` (Triton, and interpret mode): a program per (row, KV head, split of the table's columns),
@@ -62,8 +63,7 @@ def _gather_kernel(meta_ref, table_ref, q_ref, k_ref, v_ref, pos_ref, o_ref, m_r
     o_ref[...], m_ref[...], l_ref[...] = o, m, l
 
 
-def _grid_kernel(table_ref, length_ref, qpos_ref, q_ref, k_ref, v_ref, pos_ref, o_ref, m_ref, l_ref, *, scale,
-                 window):
+def _grid_kernel(table_ref, length_ref, qpos_ref, q_ref, k_ref, v_ref, pos_ref, o_ref, m_ref, l_ref, *, scale, window):
     """One (row, KV head, page): the carry lives in the output blocks, resident across the page axis."""
     b, col = pl.program_id(0), pl.program_id(2)
     ps, length = k_ref.shape[0], length_ref[b]
@@ -76,8 +76,9 @@ def _grid_kernel(table_ref, length_ref, qpos_ref, q_ref, k_ref, v_ref, pos_ref, 
     def _():
         q = q_ref[...].astype(jnp.float32) * scale
         carry = (o_ref[...], m_ref[...], l_ref[...])
-        o_ref[...], m_ref[...], l_ref[...] = _fold_page(carry, q, k_ref[...], v_ref[...], pos_ref[...], col * ps,
-                                                        length, qpos_ref[b], window)
+        o_ref[...], m_ref[...], l_ref[...] = _fold_page(
+            carry, q, k_ref[...], v_ref[...], pos_ref[...], col * ps, length, qpos_ref[b], window
+        )
 
 
 def _gather_call(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale, window, backend):
@@ -137,25 +138,51 @@ def _grid_call(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale, w
         out_shape=[jax.ShapeDtypeStruct((B, K, 1, Gp, w), jnp.float32) for w in (Hv, 1, 1)],
         name="kvjax_paged_decode_attention",
         **options,
-    )(table.astype(jnp.int32), length.astype(jnp.int32), q_pos.astype(jnp.int32), q, k_pages, v_pages,
-      pos_pages[:, :, None])
+    )(
+        table.astype(jnp.int32),
+        length.astype(jnp.int32),
+        q_pos.astype(jnp.int32),
+        q,
+        k_pages,
+        v_pages,
+        pos_pages[:, :, None],
+    )
 
 
-def paged_decode_partials(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale: float,
-                          window: int | None = None, backend: str | None = None, design: str | None = None):
+def paged_decode_partials(
+    q,
+    k_pages,
+    v_pages,
+    pos_pages,
+    table,
+    length,
+    q_pos,
+    *,
+    scale: float,
+    window: int | None = None,
+    backend: str | None = None,
+    design: str | None = None,
+):
     """Split partials (o `[B,K,C,Gp,Hv]`, m and l `[B,K,C,Gp,1]`, fp32; merge with `combine`) of one query
     per row q `[B,K,G,H]` over pages k_pages `[P,K,ps,H]`, v_pages `[P,K,ps,Hv]`, positions pos_pages
-    `[P,ps]` or per head `[P,K,ps]`, through table `[B,M]` and length `[B]`; q_pos `[B]`. `design` defaults to `grid` on TPU and
-    `gather` elsewhere (see the module docstring)."""
+    `[P,ps]` or per head `[P,K,ps]`, through table `[B,M]` and length `[B]`; q_pos `[B]`. `design` defaults
+    to `grid` on TPU and `gather` elsewhere (see the module docstring)."""
     design = design or ("grid" if resolve(backend) == "tpu" else "gather")
     if design not in DESIGNS:
         raise ValueError(f"paged decode design={design!r} must be one of {DESIGNS}")
     P, K, ps, H = k_pages.shape
     pos_pages = pos_pages[:, None] if pos_pages.ndim == 2 else pos_pages
-    if (q.ndim != 4 or q.shape[1] != K or q.shape[3] != H or v_pages.shape[:3] != (P, K, ps)
-            or pos_pages.shape not in ((P, 1, ps), (P, K, ps))):
-        raise ValueError(f"q {q.shape} must be [B,K={K},G,H={H}] and v_pages {v_pages.shape} / pos_pages "
-                         f"{pos_pages.shape} match k_pages {k_pages.shape} ([P,K,page_size,H] / [P,(K,)page_size])")
+    if (
+        q.ndim != 4
+        or q.shape[1] != K
+        or q.shape[3] != H
+        or v_pages.shape[:3] != (P, K, ps)
+        or pos_pages.shape not in ((P, 1, ps), (P, K, ps))
+    ):
+        raise ValueError(
+            f"q {q.shape} must be [B,K={K},G,H={H}] and v_pages {v_pages.shape} / pos_pages "
+            f"{pos_pages.shape} match k_pages {k_pages.shape} ([P,K,page_size,H] / [P,(K,)page_size])"
+        )
     if resolve(backend) == "triton" and (ps < 16 or ps & (ps - 1)):
         raise ValueError(f"page_size={ps}: the Triton paged kernel needs a power of two >= 16 (its dot operands)")
     G = q.shape[2]
@@ -165,18 +192,31 @@ def paged_decode_partials(q, k_pages, v_pages, pos_pages, table, length, q_pos, 
     return call(q, k_pages, v_pages, pos_pages, table, length, q_pos, scale=scale, window=window, backend=backend)
 
 
-def paged_decode_attention(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale: float,
-                           window: int | None = None, backend: str | None = None,
-                           design: str | None = None) -> jax.Array:
+def paged_decode_attention(
+    q,
+    k_pages,
+    v_pages,
+    pos_pages,
+    table,
+    length,
+    q_pos,
+    *,
+    scale: float,
+    window: int | None = None,
+    backend: str | None = None,
+    design: str | None = None,
+) -> jax.Array:
     """Attention `[B,K,G,Hv]` fp32 of one query per row over its pages (arguments as `paged_decode_partials`)."""
     Hv = v_pages.shape[-1]
-    o, m, l = paged_decode_partials(q, k_pages, v_pages, pos_pages, table, length, q_pos, scale=scale, window=window,
-                                    backend=backend, design=design)
+    o, m, l = paged_decode_partials(
+        q, k_pages, v_pages, pos_pages, table, length, q_pos, scale=scale, window=window, backend=backend, design=design
+    )
     return combine(o, m, l)[:, :, : q.shape[2], :Hv]
 
 
-def paged_decode_reference(q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale: float,
-                           window: int | None = None) -> jax.Array:
+def paged_decode_reference(
+    q, k_pages, v_pages, pos_pages, table, length, q_pos, *, scale: float, window: int | None = None
+) -> jax.Array:
     """The same attention over the rows' pages gathered into dense `[B,K,M*ps,H]` K/V, in plain jnp."""
     B, M = table.shape
     _, K, ps, _ = k_pages.shape

@@ -40,8 +40,9 @@ def _plane(codes, j: int, bits: int):
     return ((codes >> (j * bits)) & ((1 << bits) - 1)).astype(jnp.float32)
 
 
-def _quant_kernel(qpos_ref, q_ref, kc_ref, ks_ref, *refs, bits, key_group, value_group, unit, has_kz, has_vz,
-                  scale, block, window):
+def _quant_kernel(
+    qpos_ref, q_ref, kc_ref, ks_ref, *refs, bits, key_group, value_group, unit, has_kz, has_vz, scale, block, window
+):
     """One (row, KV head, split). q `[P,Gp,Wk]` (the query's channels by plane), key codes `[L,Wk]`,
     key scales `[1,L]` per token or `[L/key_group,H]` per channel (zeros likewise), value codes
     `[L,Wv]`, value scales `[n_groups,L]` (zeros likewise), key positions `[1,L]`; out o `[U,Gp,unit]`
@@ -84,8 +85,16 @@ def _quant_kernel(qpos_ref, q_ref, kc_ref, ks_ref, *refs, bits, key_group, value
         return tuple(out)
 
     o0, m0, l0 = start(*o_ref.shape[1:])
-    o, m, l = walk(kpos_ref.shape[1] // block, block, qpos_ref[...], kpos_ref, window, logits, weigh,
-                   ((o0,) * o_ref.shape[0], m0, l0))
+    o, m, l = walk(
+        kpos_ref.shape[1] // block,
+        block,
+        qpos_ref[...],
+        kpos_ref,
+        window,
+        logits,
+        weigh,
+        ((o0,) * o_ref.shape[0], m0, l0),
+    )
     for u, o_u in enumerate(o):
         o_ref[u] = o_u
     m_ref[...], l_ref[...] = m, l
@@ -108,7 +117,12 @@ def check(bits: int, head_dim: int, key_group: int | None, value_group: int, bac
         raise ValueError(f"fused quantized decode: head_dim={head_dim} must be whole value groups of {value_group}")
     if resolve(backend) == "triton":
         pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
-        if unit < 16 or not pow2(W) or not pow2(head_dim // value_group) or (key_group and (key_group < 16 or not pow2(key_group))):
+        if (
+            unit < 16
+            or not pow2(W)
+            or not pow2(head_dim // value_group)
+            or (key_group and (key_group < 16 or not pow2(key_group)))
+        ):
             raise ValueError(
                 f"fused quantized decode on Triton: a plane of {W} bytes, value runs of {unit} channels, "
                 f"{head_dim // value_group} value groups and key groups of {key_group} tokens must be powers "
@@ -116,9 +130,24 @@ def check(bits: int, head_dim: int, key_group: int | None, value_group: int, bac
             )
 
 
-def quant_decode_partials(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, q_pos, k_pos, *, bits: int,
-                          key_group: int | None, value_group: int, scale: float, window: int | None = None,
-                          backend: str | None = None):
+def quant_decode_partials(
+    q,
+    k_codes,
+    k_scale,
+    k_zero,
+    v_codes,
+    v_scale,
+    v_zero,
+    q_pos,
+    k_pos,
+    *,
+    bits: int,
+    key_group: int | None,
+    value_group: int,
+    scale: float,
+    window: int | None = None,
+    backend: str | None = None,
+):
     """Split-K partials (o `[B,K,C,Gp,H]`, m and l `[B,K,C,Gp,1]`, fp32; merge with `combine`) of one
     query per row over quantized keys and values.
 
@@ -146,7 +175,11 @@ def quant_decode_partials(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     rows = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, h, c: (b, h, c, 0))  # noqa: E731
     cols = lambda n: pl.BlockSpec((None, None, n, L), lambda b, h, c: (b, h, 0, c))  # noqa: E731
     key_scales = cols(1) if key_group is None else rows(L // key_group, H)
-    arrays = [q_planes, pad_to(k_codes, 2, S_pad), pad_to(k_scale, 3 if key_group is None else 2, S_pad // (key_group or 1))]
+    arrays = [
+        q_planes,
+        pad_to(k_codes, 2, S_pad),
+        pad_to(k_scale, 3 if key_group is None else 2, S_pad // (key_group or 1)),
+    ]
     specs = [pl.BlockSpec((None, None, P, Gp, Wk), lambda b, h, c: (b, h, 0, 0, 0)), rows(L, Wk), key_scales]
     if k_zero is not None:
         arrays.append(pad_to(k_zero, 3 if key_group is None else 2, S_pad // (key_group or 1)))
@@ -160,8 +193,16 @@ def quant_decode_partials(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     specs.append(pl.BlockSpec((None, None, 1, L), lambda b, h, c: (b, h if per_head else 0, 0, c)))
     U = H // unit
     kernel = functools.partial(
-        _quant_kernel, bits=bits, key_group=key_group, value_group=value_group, unit=unit,
-        has_kz=k_zero is not None, has_vz=v_zero is not None, scale=scale, block=block, window=window,
+        _quant_kernel,
+        bits=bits,
+        key_group=key_group,
+        value_group=value_group,
+        unit=unit,
+        has_kz=k_zero is not None,
+        has_vz=v_zero is not None,
+        scale=scale,
+        block=block,
+        window=window,
     )
     o, m, l = pl.pallas_call(
         kernel,

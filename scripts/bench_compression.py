@@ -31,8 +31,8 @@ from bench_mla import filled_cache  # noqa: E402
 
 from kvjax import Generator  # noqa: E402
 from kvjax.cache import caches_nbytes, init_caches  # noqa: E402
-from kvjax.config import ConfigError  # noqa: E402
 from kvjax.compress import compress_caches, compressible, parse_policy, plan_stages  # noqa: E402
+from kvjax.config import ConfigError  # noqa: E402
 from kvjax.quant.lowrank import calibrate  # noqa: E402
 from kvjax.report import format_bytes, format_table  # noqa: E402
 
@@ -74,28 +74,50 @@ def main() -> None:
     rows = [["full", "1", format_bytes(full_bytes), f"{base * 1e3:.1f}", "1.00x", "1.00x", "1.00"]]
     slots = compressible(cfg)
     rng_tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64))
-    runs = [(f"{name}:{1 - budget:g}" + (f":{options}" if options else ""), f"{budget:g}")
-            for budget in args.budgets for name, _, options in (layout.partition(":") for layout in LAYOUTS)]
+    runs = [
+        (f"{name}:{1 - budget:g}" + (f":{options}" if options else ""), f"{budget:g}")
+        for budget in args.budgets
+        for name, _, options in (layout.partition(":") for layout in LAYOUTS)
+    ]
     if args.policies:
         runs = [(text, "1") for text in args.policies]
     else:
         runs += [(text, "1") for text in QUANTIZED]
     for text, kept in runs:
         policy = parse_policy(text)
-        bases = calibrate(model, rng_tokens, slots, policy.stages[-1].ratio, policy.stages[-1].heads) if "palu" in text else None
+        bases = (
+            calibrate(model, rng_tokens, slots, policy.stages[-1].ratio, policy.stages[-1].heads)
+            if "palu" in text
+            else None
+        )
         plans = plan_stages(cfg, policy.stages, lengths, headroom=room, bases=bases)
         caches, _ = compress_caches(
-            full, (None,) * len(full), tuple(p.static for p in plans), tuple(p.arrays for p in plans),
-            jnp.asarray(lengths - 1), slots,
+            full,
+            (None,) * len(full),
+            tuple(p.static for p in plans),
+            tuple(p.arrays for p in plans),
+            jnp.asarray(lengths - 1),
+            slots,
         )
         step, _ = decode_step_time(gen, caches, logits, lengths, args.steps, args.repeats)
         # What the bytes predict: the step reads the weights and the cache (issue 23's yardstick).
         predicted = (weights + caches_nbytes(caches)) / (weights + full_bytes)
-        rows.append([str(policy), kept, format_bytes(caches_nbytes(caches)), f"{step * 1e3:.1f}", f"{step / base:.2f}x",
-                     f"{predicted:.2f}x", f"{step / base / predicted:.2f}"])
-    print(f"{cfg.name}, batch {B}, context {n}, fp32, weights {format_bytes(weights)}: decode step time (ms) per "
-          "cache layout; 'bytes predict' = (weights + cache bytes) / (weights + full cache bytes), 'ratio' = "
-          "vs full / bytes predict")
+        rows.append(
+            [
+                str(policy),
+                kept,
+                format_bytes(caches_nbytes(caches)),
+                f"{step * 1e3:.1f}",
+                f"{step / base:.2f}x",
+                f"{predicted:.2f}x",
+                f"{step / base / predicted:.2f}",
+            ]
+        )
+    print(
+        f"{cfg.name}, batch {B}, context {n}, fp32, weights {format_bytes(weights)}: decode step time (ms) per "
+        "cache layout; 'bytes predict' = (weights + cache bytes) / (weights + full cache bytes), 'ratio' = "
+        "vs full / bytes predict"
+    )
     print(format_table(["policy", "kept", "cache bytes", "step ms", "vs full", "bytes predict", "ratio"], rows))
 
 

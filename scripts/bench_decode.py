@@ -143,7 +143,10 @@ def main() -> None:
                 ["decode step time", f"{step * 1e3:.2f} ms"],
                 ["step / roofline", f"{step / roofline:.2f}x"],
                 ["decode tokens/s (batch)", f"{args.batch / step:,.0f}"],
-                ["weights-bound step (128-slot cache)", f"{small_step * 1e3:.2f} ms ({small_step / small_roofline:.2f}x)"],
+                [
+                    "weights-bound step (128-slot cache)",
+                    f"{small_step * 1e3:.2f} ms ({small_step / small_roofline:.2f}x)",
+                ],
                 ["attention op alone, all layers", f"{attn * 1e3:.2f} ms ({attn / (cache_bytes / bandwidth):.2f}x)"],
             ],
         )

@@ -4,7 +4,7 @@
 it without training, since a decode step's time does not depend on the weights' values: every variant
 is built at its initialization in the experiment's shape (its FFN width matched when the experiment
 says `match_params`) and timed at each context, batch `decode_batch`, `decode_tokens` greedy tokens after
-a prompt of KJV text prefilled in chunks (`training.compare.decode_seconds`). Variants run one after
+a prompt of KJV text prefilled in chunks (`kvjax.timing.decode_seconds`). Variants run one after
 another in one process, so nothing else competes for the CPU.
 
     python scripts/bench_decode_curve.py [--experiment study] [--contexts 512 1024 2048 4096 8192]
@@ -54,13 +54,21 @@ def main() -> None:
         per_token = memory.cache_bytes(cfg.model, args.contexts[-1], 1) / args.contexts[-1]
         rows.append([variant, format_bytes(per_token), *(f"{curves[variant][c]:,.0f}" for c in args.contexts)])
         print(f"... {variant} done", file=sys.stderr, flush=True)
-    print(f"decode tokens/s, batch {exp.decode_batch}, {exp.decode_tokens} new tokens, median of {args.repeats}; "
-          f"experiment {args.experiment}")
+    print(
+        f"decode tokens/s, batch {exp.decode_batch}, {exp.decode_tokens} new tokens, median of {args.repeats}; "
+        f"experiment {args.experiment}"
+    )
     print(format_table(["variant", f"cache/token at {args.contexts[-1]}", *map(str, args.contexts)], rows))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        record = {"experiment": args.experiment, "batch": exp.decode_batch, "new_tokens": exp.decode_tokens,
-                  "repeats": args.repeats, "environment": environment(), "curves": curves}
+        record = {
+            "experiment": args.experiment,
+            "batch": exp.decode_batch,
+            "new_tokens": exp.decode_tokens,
+            "repeats": args.repeats,
+            "environment": environment(),
+            "curves": curves,
+        }
         (args.out / "decode-curve.json").write_text(json.dumps(record, indent=2))
         plot_decode_curves(curves, exp.decode_batch, args.out / "decode-curve.png")
         print(f"wrote {args.out}/decode-curve.json and decode-curve.png")

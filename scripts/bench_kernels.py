@@ -90,12 +90,14 @@ def main() -> None:
     device = jax.devices()[0]
     kernels = jax.default_backend() in ("tpu", "gpu")
     impls = ("xla", "pallas") if kernels else ("xla",)
-    print(f"{device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, {args.dtype}, SmolLM2 attention "
-          f"(N={SHAPE['N']}, K={SHAPE['K']}, H={SHAPE['H']})")
+    print(
+        f"{device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, {args.dtype}, SmolLM2 attention "
+        f"(N={SHAPE['N']}, K={SHAPE['K']}, H={SHAPE['H']})"
+    )
     if not kernels:
         print("CPU: Pallas kernels only run in interpret mode here (for correctness); timing the XLA path only.")
     rows = []
-    N, K, H = SHAPE["N"], SHAPE["K"], SHAPE["H"]
+    N, H = SHAPE["N"], SHAPE["H"]
     for context in args.contexts:
         q, k, v, q_pos, k_pos = decode_inputs(args.batch, context, dtype)
         kv_bytes = k.nbytes + v.nbytes

@@ -36,8 +36,11 @@ VARIANTS = {"gqa": ("gqa", []), "mla naive": ("mla", ["model.mla.absorb=false"])
 
 def filled_cache(cache, length: int):
     """`cache` holding random entries at positions 0..length-1 in its first `length` slots."""
-    payload = [f.name for f in dataclasses.fields(cache)
-               if f.name not in ("pos", "length") and f.metadata.get("pytree_node", True)]  # arrays, not flags
+    payload = [
+        f.name
+        for f in dataclasses.fields(cache)
+        if f.name not in ("pos", "length") and f.metadata.get("pytree_node", True)
+    ]  # arrays, not flags
     keys = jax.random.split(jax.random.key(0), len(payload))
     B, S = cache.pos.shape
     slots = jnp.arange(S, dtype=jnp.int32)

@@ -60,11 +60,11 @@ def train_tokens_per_s(model: Decoder, batch: int, seq_len: int, repeats: int) -
 def decode_time(model: Decoder, batch: int, context: int, steps: int, repeats: int) -> float:
     cfg = model.config
     filled = context - steps - 1
-    caches = tuple(
-        filled_cache(c, filled) if hasattr(c, "pos") else c for c in init_caches(cfg, batch, context)
-    )
+    caches = tuple(filled_cache(c, filled) if hasattr(c, "pos") else c for c in init_caches(cfg, batch, context))
     logits = jnp.zeros((batch, cfg.vocab_size))
-    step, _ = decode_step_time(Generator(model, capacity=context), caches, logits, np.full((batch,), filled), steps, repeats)
+    step, _ = decode_step_time(
+        Generator(model, capacity=context), caches, logits, np.full((batch,), filled), steps, repeats
+    )
     return step
 
 
@@ -84,20 +84,39 @@ def main() -> None:
         train = train_tokens_per_s(model, args.batch, args.seq_len, args.repeats)
         short, long = (decode_time(model, args.decode_batch, c, args.steps, args.repeats) for c in args.contexts)
         base = base or {"train": train, "decode": args.decode_batch / long}
-        rows.append([
-            name, f"{train:,.0f}", f"{train / base['train']:.2f}x",
-            f"{args.decode_batch / long:,.0f}", f"{args.decode_batch / long / base['decode']:.2f}x",
-            f"{short * 1e3:.2f}", f"{long * 1e3:.2f}", f"{long / short:.2f}x",
-        ])
+        rows.append(
+            [
+                name,
+                f"{train:,.0f}",
+                f"{train / base['train']:.2f}x",
+                f"{args.decode_batch / long:,.0f}",
+                f"{args.decode_batch / long / base['decode']:.2f}x",
+                f"{short * 1e3:.2f}",
+                f"{long * 1e3:.2f}",
+                f"{long / short:.2f}x",
+            ]
+        )
         print(f"... {name} done", file=sys.stderr)
     lo, hi = args.contexts
-    print(f"compare shape (d_model 128, 4 layers), fp32; training batch {args.batch} x {args.seq_len}, "
-          f"decode batch {args.decode_batch}; ratios against GQA in this run")
-    print(format_table(
-        ["variant", "train tok/s", "vs GQA", f"decode tok/s @{hi}", "vs GQA", f"step ms @{lo}", f"step ms @{hi}",
-         f"@{hi} / @{lo}"],
-        rows,
-    ))
+    print(
+        f"compare shape (d_model 128, 4 layers), fp32; training batch {args.batch} x {args.seq_len}, "
+        f"decode batch {args.decode_batch}; ratios against GQA in this run"
+    )
+    print(
+        format_table(
+            [
+                "variant",
+                "train tok/s",
+                "vs GQA",
+                f"decode tok/s @{hi}",
+                "vs GQA",
+                f"step ms @{lo}",
+                f"step ms @{hi}",
+                f"@{hi} / @{lo}",
+            ],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

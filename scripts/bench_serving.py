@@ -8,7 +8,7 @@ policies) against static batching with `Generator`, on a synthetic workload. The
 
 import sys
 
-from kvjax.cli import main
+from kvjax.commands import main
 
 if __name__ == "__main__":
     sys.exit(main(["serve-bench", *sys.argv[1:]]))

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvjax.report import format_table
-from training.compare import generation_times
+from kvjax.timing import generation_times
 from training.gguf_import import load_gguf_model, resolve_gguf
 
 
@@ -61,12 +61,27 @@ def main() -> None:
         prefill_s, decode_s, _ = generation_times(model, prompts, args.new_tokens, repeats=args.repeats)
         ours = (prompts.size / prefill_s, batch * (args.new_tokens - 1) / decode_s)
         theirs = torch_speeds(reference, prompts, args.new_tokens, args.repeats)
-        rows.append([batch, f"{ours[0]:,.0f}", f"{theirs[0]:,.0f}", f"{ours[0] / theirs[0]:.2f}x",
-                     f"{ours[1]:,.1f}", f"{theirs[1]:,.1f}", f"{ours[1] / theirs[1]:.2f}x"])
-    print(f"SmolLM2-135M, fp32, context {args.context}, jax {jax.__version__}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__} (sdpa), {torch.get_num_threads()} torch threads")
-    print(format_table(["batch", "prefill tok/s kvjax", "transformers", "ratio",
-                        "decode tok/s kvjax", "transformers", "ratio"], rows))
+        rows.append(
+            [
+                batch,
+                f"{ours[0]:,.0f}",
+                f"{theirs[0]:,.0f}",
+                f"{ours[0] / theirs[0]:.2f}x",
+                f"{ours[1]:,.1f}",
+                f"{theirs[1]:,.1f}",
+                f"{ours[1] / theirs[1]:.2f}x",
+            ]
+        )
+    print(
+        f"SmolLM2-135M, fp32, context {args.context}, jax {jax.__version__}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__} (sdpa), {torch.get_num_threads()} torch threads"
+    )
+    print(
+        format_table(
+            ["batch", "prefill tok/s kvjax", "transformers", "ratio", "decode tok/s kvjax", "transformers", "ratio"],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,11 @@ class Checkpointer:
             ) from None
 
     def restore(
-        self, abstract_state: Any, step: int | None = None, *, expect_config: dict | None = None,
+        self,
+        abstract_state: Any,
+        step: int | None = None,
+        *,
+        expect_config: dict | None = None,
         may_differ: tuple[str, ...] = (),
     ):
         """Load step `step` (default: the latest) into the structure of `abstract_state`.

@@ -19,21 +19,27 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from architectures.decoder import Decoder
 from kvjax import memory
 from kvjax.cache import caches_nbytes
-from kvjax.config import CONFIG_ROOT, ConfigError, DecodingConfig, from_dict, load_config, load_yaml_tree
-from kvjax.generate import Generator
+from kvjax.config import (
+    CONFIG_ROOT,
+    ConfigError,
+    from_dict,
+    load_config,
+    load_yaml_tree,
+)
 from kvjax.report import format_bytes, format_table
+from kvjax.timing import decode_seconds, decode_timings
 from training.trainer import Trainer, prepare_corpus
+from training.uptrain_compare import UptrainExperiment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +66,9 @@ class CompareConfig:
         if self.seeds < 1:
             raise ConfigError(f"seeds={self.seeds} must be >= 1")
         if any(c <= self.decode_tokens for c in self.decode_contexts):
-            raise ConfigError(f"decode_contexts={list(self.decode_contexts)} must each exceed decode_tokens={self.decode_tokens}")
+            raise ConfigError(
+                f"decode_contexts={list(self.decode_contexts)} must each exceed decode_tokens={self.decode_tokens}"
+            )
         if any(lr <= 0 for lr in self.lr_grid) or (self.lr_steps is not None and self.lr_steps < 1):
             raise ConfigError(f"lr_grid={list(self.lr_grid)} must hold rates > 0 and lr_steps={self.lr_steps} be >= 1")
         for pair in self.pairs:
@@ -76,8 +84,6 @@ class CompareConfig:
 def load_experiment(name: str | Path | None = None):
     """An experiment YAML file, or a name under configs/experiments/ (default `compare`); `base:` inherits.
     A file naming `conversions` is an uptraining experiment (`training.uptrain_compare`)."""
-    from training.uptrain_compare import UptrainExperiment
-
     shipped = CONFIG_ROOT / "experiments"
     path = Path(name) if name else shipped / "compare.yaml"
     if not path.is_file() and (shipped / f"{name}.yaml").is_file():
@@ -91,8 +97,6 @@ def load_experiment(name: str | Path | None = None):
 
 def count_params(cfg) -> int:
     """Parameters of a model config, from its abstract shapes (nothing allocated)."""
-    from architectures.decoder import Decoder
-
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     return int(sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param))))
 
@@ -110,12 +114,15 @@ def match_params(configs: dict) -> dict:
         here = count_params(cfg.model)
         slope = (count_params(dataclasses.replace(cfg.model, ffn_dim=base + 8)) - here) / 8
         if slope == 0:
-            raise ConfigError(f"match_params: {variant}'s parameters do not depend on model.ffn_dim, so they cannot "
-                              f"be matched to {first}'s {target:,}")
+            raise ConfigError(
+                f"match_params: {variant}'s parameters do not depend on model.ffn_dim, so they cannot "
+                f"be matched to {first}'s {target:,}"
+            )
         ffn = base + round((target - here) / slope)
         if ffn < 1:
-            raise ConfigError(f"match_params: {variant} would need model.ffn_dim={ffn} (< 1) to have {first}'s "
-                              f"{target:,} parameters")
+            raise ConfigError(
+                f"match_params: {variant} would need model.ffn_dim={ffn} (< 1) to have {first}'s {target:,} parameters"
+            )
         out[variant] = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ffn_dim=ffn))
     return out
 
@@ -147,17 +154,23 @@ def selection_windows(corpus, data) -> np.ndarray:
     reported score never picks a rate."""
     windows = corpus.val[data.eval_windows : 2 * data.eval_windows]
     if len(windows) == 0:
-        raise ConfigError(f"the learning-rate grid selects on validation windows after the {data.eval_windows} "
-                          f"reported ones, and there are none ({len(corpus.val)} in all): lower data.eval_windows "
-                          "or raise data.val_fraction")
+        raise ConfigError(
+            f"the learning-rate grid selects on validation windows after the {data.eval_windows} "
+            f"reported ones, and there are none ({len(corpus.val)} in all): lower data.eval_windows "
+            "or raise data.val_fraction"
+        )
     return windows
 
 
 def short_budget(cfg, steps: int, lr: float):
     """`cfg` trained for `steps` at `lr`, its warmup and evaluation scaled to the shorter run."""
     t = cfg.train
-    return dataclasses.replace(cfg, train=dataclasses.replace(
-        t, steps=steps, lr=lr, warmup_steps=t.warmup_for(steps), eval_every=steps, checkpoint_every=steps))
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(
+            t, steps=steps, lr=lr, warmup_steps=t.warmup_for(steps), eval_every=steps, checkpoint_every=steps
+        ),
+    )
 
 
 def pick_lr(cfg, exp, corpus, out_dir: Path, log) -> tuple[float, dict]:
@@ -167,12 +180,17 @@ def pick_lr(cfg, exp, corpus, out_dir: Path, log) -> tuple[float, dict]:
     selection = selection_windows(corpus, cfg.data)
     scores = {}
     for lr in exp.lr_grid:
-        trainer = Trainer(short_budget(cfg, steps, lr), out_dir / "lr-grid" / f"{cfg.model.name}-lr{lr:g}", corpus=corpus)
+        trainer = Trainer(
+            short_budget(cfg, steps, lr), out_dir / "lr-grid" / f"{cfg.model.name}-lr{lr:g}", corpus=corpus
+        )
         trainer.run()
         scores[lr] = float(trainer.evaluate(selection)["eval_bpb"])
     best = min(scores, key=scores.get)
-    log(f"    learning rate {best:g} (selection bits/byte: "
-        + ", ".join(f"{lr:g} {bpb:.3f}" for lr, bpb in scores.items()) + ")")
+    log(
+        f"    learning rate {best:g} (selection bits/byte: "
+        + ", ".join(f"{lr:g} {bpb:.3f}" for lr, bpb in scores.items())
+        + ")"
+    )
     return best, scores
 
 
@@ -213,44 +231,18 @@ def environment() -> dict:
     import optax
 
     device = jax.devices()[0]
-    return {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "flax": flax.__version__, "optax": optax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "platform": device.platform, "device_kind": device.device_kind, "devices": jax.device_count(),
-            "machine": platform.machine()}
-
-
-PREFILL_CHUNK = 512  # decode timings prefill their prompts in chunks: an 8 x 8k prompt unchunked needs 17 GB of scores
-
-
-def _decode_rounds(gen: Generator, logits, caches, lengths, new_tokens: int, repeats: int) -> tuple[list, tuple]:
-    """Seconds of each of `repeats` greedy decodes of `new_tokens` tokens (after one that compiles), each
-    from a fresh copy of the prefilled caches (the decode donates them), and the last round's caches."""
-    decoding = DecodingConfig(max_new_tokens=new_tokens)
-    rng = jax.random.key(0)
-    seconds = []
-    for _ in range(1 + repeats):
-        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, caches))
-        start = time.perf_counter()
-        result = gen.decode(fresh, logits, lengths, decoding, rng)
-        jax.block_until_ready(result.caches)
-        seconds.append(time.perf_counter() - start)
-    return seconds[1:], result.caches
-
-
-def decode_rounds(model, prompts: np.ndarray, new_tokens: int, repeats: int = 5) -> tuple[list, tuple]:
-    """(seconds of each of `repeats` timed greedy decodes, final caches) for a batch of prompts that,
-    with the new tokens, fill the cache: prefilled once (in chunks of PREFILL_CHUNK). The decode samples
-    `new_tokens` tokens with `new_tokens - 1` forward steps."""
-    gen = Generator(model, capacity=prompts.shape[1] + new_tokens)
-    tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
-    logits, caches = gen.prefill(tokens, lengths, chunk=PREFILL_CHUNK)
-    return _decode_rounds(gen, logits, caches, lengths, new_tokens, repeats)
-
-
-def decode_seconds(model, prompts: np.ndarray, new_tokens: int, repeats: int = 5) -> tuple[float, tuple]:
-    """(median seconds of `decode_rounds`, final caches)."""
-    seconds, caches = decode_rounds(model, prompts, new_tokens, repeats)
-    return float(np.median(seconds)), caches
+    return {
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "devices": jax.device_count(),
+        "machine": platform.machine(),
+    }
 
 
 def decode_curve(model, stream: np.ndarray, exp: CompareConfig, repeats: int) -> dict[int, float]:
@@ -262,20 +254,6 @@ def decode_curve(model, stream: np.ndarray, exp: CompareConfig, repeats: int) ->
         seconds, _ = decode_seconds(model, prompts, exp.decode_tokens, repeats)
         curve[context] = exp.decode_batch * exp.decode_tokens / seconds
     return curve
-
-
-def generation_times(model, prompts: np.ndarray, new_tokens: int, repeats: int = 5) -> tuple[float, float, tuple]:
-    """(prefill seconds, decode seconds, final caches): `decode_seconds`, with the one-pass prefill timed
-    as well (the median of `repeats` rounds after one that compiles)."""
-    gen = Generator(model, capacity=prompts.shape[1] + new_tokens)
-    tokens, lengths = gen.pad(prompts.tolist(), new_tokens)
-    prefills = []
-    for _ in range(1 + repeats):
-        start = time.perf_counter()
-        logits, caches = jax.block_until_ready(gen.prefill(tokens, lengths))
-        prefills.append(time.perf_counter() - start)
-    decode_s, caches = _decode_rounds(gen, logits, caches, lengths, new_tokens, repeats)
-    return float(np.median(prefills[1:])), float(np.median(decode_s)), caches
 
 
 def run_compare(
@@ -319,15 +297,17 @@ def run_compare(
                 log(f"[{i}/{len(configs)}] {variant}{which}: reusing the finished run in {where} ({steps} steps)")
             else:
                 resume = f", resuming at step {trainer.step}" if trainer.step else ""
-                log(f"[{i}/{len(configs)}] {variant}{which}: training {steps} steps of {cfg.train.batch_size} x "
-                    f"{cfg.data.seq_len} tokens{resume}")
+                log(
+                    f"[{i}/{len(configs)}] {variant}{which}: training {steps} steps of {cfg.train.batch_size} x "
+                    f"{cfg.data.seq_len} tokens{resume}"
+                )
             trainer.run()
             scores.append(trainer.evaluate())
             model = model or trainer.model()  # speed and bytes: the first seed's model
         bpb, interval = mean_interval([sc["eval_bpb"] for sc in scores])
         prompt_len = exp.decode_context - exp.decode_tokens
         prompts = np.resize(corpus.val[:, :prompt_len], (exp.decode_batch, prompt_len))
-        decode_s, caches = decode_rounds(model, prompts, exp.decode_tokens, repeats=1 if quick else 5)
+        decode_s, caches = decode_timings(model, prompts, exp.decode_tokens, repeats=1 if quick else 5)
         rounds = tuple(exp.decode_batch * exp.decode_tokens / s for s in decode_s)
         tok_s = float(np.median(rounds))
         analytic = memory.cache_bytes(cfg.model, exp.decode_context, exp.decode_batch)
@@ -375,8 +355,17 @@ def run_compare(
 
 def render(rows: list[Row], exp: CompareConfig) -> str:
     ctx = f"@{exp.decode_context} x{exp.decode_batch}"
-    headers = ["variant", "params", "KV B/token", "state B/seq", f"cache {ctx} (analytic)", "(measured)",
-               "val bits/byte", "val ppl", "decode tok/s"]
+    headers = [
+        "variant",
+        "params",
+        "KV B/token",
+        "state B/seq",
+        f"cache {ctx} (analytic)",
+        "(measured)",
+        "val bits/byte",
+        "val ppl",
+        "decode tok/s",
+    ]
     if exp.seeds > 1:
         headers[6] = f"val bits/byte ({exp.seeds} seeds, 95%)"
     if exp.lr_grid:
@@ -384,10 +373,19 @@ def render(rows: list[Row], exp: CompareConfig) -> str:
     if exp.match_params:  # the FFN widths differ only when matched
         headers.insert(2, "ffn")
     body = [
-        [r.variant, f"{r.params:,}", *([r.ffn_dim] if exp.match_params else []), r.kv_bytes_per_token,
-         r.state_bytes_per_sequence, format_bytes(r.cache_bytes_analytic), format_bytes(r.cache_bytes_measured),
-         f"{r.val_bpb:.4f}" + (f" +- {r.val_bpb_interval:.4f}" if exp.seeds > 1 else ""),
-         f"{r.val_ppl:.3f}", speed(r.decode_tokens_per_s_rounds), *([f"{r.lr:g}"] if exp.lr_grid else [])]
+        [
+            r.variant,
+            f"{r.params:,}",
+            *([r.ffn_dim] if exp.match_params else []),
+            r.kv_bytes_per_token,
+            r.state_bytes_per_sequence,
+            format_bytes(r.cache_bytes_analytic),
+            format_bytes(r.cache_bytes_measured),
+            f"{r.val_bpb:.4f}" + (f" +- {r.val_bpb_interval:.4f}" if exp.seeds > 1 else ""),
+            f"{r.val_ppl:.3f}",
+            speed(r.decode_tokens_per_s_rounds),
+            *([f"{r.lr:g}"] if exp.lr_grid else []),
+        ]
         for r in rows
     ]
     return format_table(headers, body)
@@ -429,25 +427,44 @@ def write_outputs(rows: list[Row], exp: CompareConfig, out_dir: Path, name: str 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     records = [dataclasses.asdict(r) for r in rows]
-    scalars = [{k: "n/a" if v is None else v for k, v in r.items() if not isinstance(v, tuple | list | dict)}
-               for r in records]
+    scalars = [
+        {k: "n/a" if v is None else v for k, v in r.items() if not isinstance(v, tuple | list | dict)} for r in records
+    ]
     with open(out_dir / f"{name}.csv", "w", newline="") as f:  # per-seed and grid scores: in the JSON
         writer = csv.DictWriter(f, fieldnames=list(scalars[0]))
         writer.writeheader()
         writer.writerows(scalars)
-    (out_dir / f"{name}.json").write_text(json.dumps(
-        {"experiment": dataclasses.asdict(exp), "environment": environment(), "rows": records}, indent=2))
+    (out_dir / f"{name}.json").write_text(
+        json.dumps({"experiment": dataclasses.asdict(exp), "environment": environment(), "rows": records}, indent=2)
+    )
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     points = [(r.cache_bytes_analytic / (exp.decode_batch * exp.decode_context), r.val_bpb) for r in rows]
     right = max(x for x, _ in points)
     for r, (per_token, bpb) in zip(rows, points):
         ax.errorbar(per_token, bpb, yerr=r.val_bpb_interval or None, fmt="o", ms=6, capsize=3)
         flip = per_token >= right / 2 and per_token > min(x for x, _ in points)  # labels point inwards
-        ax.annotate(r.variant, (per_token, bpb), textcoords="offset points", xytext=(-5 if flip else 5, 5),
-                    ha="right" if flip else "left", fontsize=8)
+        ax.annotate(
+            r.variant,
+            (per_token, bpb),
+            textcoords="offset points",
+            xytext=(-5 if flip else 5, 5),
+            ha="right" if flip else "left",
+            fontsize=8,
+        )
     xs, ys = front_line(points)
-    ax.plot(xs, ys, drawstyle="steps-post", color="grey", alpha=0.6, marker="D", ms=9, mfc="none",
-            markevery=list(range(len(pareto_front(points)))), label="Pareto front", zorder=0)
+    ax.plot(
+        xs,
+        ys,
+        drawstyle="steps-post",
+        color="grey",
+        alpha=0.6,
+        marker="D",
+        ms=9,
+        mfc="none",
+        markevery=list(range(len(pareto_front(points)))),
+        label="Pareto front",
+        zorder=0,
+    )
     ax.legend(loc="upper right", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.margins(x=0.12, y=0.12)

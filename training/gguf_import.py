@@ -119,7 +119,9 @@ def gguf_context_length(name_or_path: str | Path) -> int | None:
 def config_from_gguf(reader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"{path}: general.architecture={arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+        raise GGUFError(
+            f"{path}: general.architecture={arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+        )
     n_heads = int(_field(reader, f"{arch}.attention.head_count"))
     d_model = int(_field(reader, f"{arch}.embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -157,7 +159,9 @@ def _dequantized(reader, path: Path) -> dict[str, np.ndarray]:
         try:
             out[t.name] = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
         except NotImplementedError:
-            raise GGUFError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which gguf cannot dequantize") from None
+            raise GGUFError(
+                f"{path}: tensor {t.name} has type {t.tensor_type.name}, which gguf cannot dequantize"
+            ) from None
         out[t.name] = out[t.name].reshape(tuple(int(d) for d in reversed(t.shape)))
     return out
 
@@ -172,7 +176,17 @@ def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
     expected = {"token_embd.weight", "output_norm.weight"} | {
         f"blk.{i}.{n}.weight"
         for i in range(cfg.n_layers)
-        for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+        for n in (
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        )
     }
     if missing := sorted(expected - set(w)):
         raise GGUFError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -46,13 +46,17 @@ def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
             out[_torch_name(i, f"self_attn.{theirs}")] = arr(getattr(block.mixer, ours).kernel).T
             if cfg.attention.qkv_bias:  # Llama's attention_bias also biases o_proj: zeros there keep it exact
                 bias = getattr(block.mixer, ours).bias
-                out[f"model.layers.{i}.self_attn.{theirs}.bias"] = arr(bias) if bias is not None else np.zeros(cfg.d_model, np.float32)
+                out[f"model.layers.{i}.self_attn.{theirs}.bias"] = (
+                    arr(bias) if bias is not None else np.zeros(cfg.d_model, np.float32)
+                )
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             out[_torch_name(i, f"mlp.{theirs}")] = arr(getattr(block.mlp, ours).kernel).T
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def hf_config(model: Decoder, *, bos_id: int | None = None, eos_id: int | None = None, max_positions: int = 8192) -> dict:
+def hf_config(
+    model: Decoder, *, bos_id: int | None = None, eos_id: int | None = None, max_positions: int = 8192
+) -> dict:
     cfg, att = model.config, model.config.attention
     return {
         "architectures": ["LlamaForCausalLM"],

@@ -20,6 +20,7 @@ from flax import nnx
 
 from architectures import Decoder
 from kvjax.config import AttentionConfig, Config, ConfigError, ModelConfig
+from training.tokenizer import HFTokenizer
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -38,8 +39,10 @@ def _window(hf: dict) -> int | None:
     if hf["model_type"] == "mistral":
         return hf.get("sliding_window")
     if hf["model_type"] == "qwen2" and hf.get("use_sliding_window"):
-        raise HFImportError("use_sliding_window=true: Qwen2's per-layer windows (max_window_layers) are not "
-                            "expressible in kvjax; use a checkpoint with full attention")
+        raise HFImportError(
+            "use_sliding_window=true: Qwen2's per-layer windows (max_window_layers) are not "
+            "expressible in kvjax; use a checkpoint with full attention"
+        )
     return None
 
 
@@ -49,10 +52,12 @@ def config_from_hf(hf: dict, where: str) -> ModelConfig:
     if arch not in ARCHITECTURES:
         raise HFImportError(f"{where}: architectures={arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     rope = hf.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and the RoPE type here
-    for key, value, ok in (("hidden_act", hf.get("hidden_act"), lambda v: v in (None, "silu")),
-                           ("rope_scaling", hf.get("rope_scaling"), lambda v: v is None),
-                           ("rope_parameters.rope_type", rope.get("rope_type"), lambda v: v in (None, "default")),
-                           ("mlp_bias", hf.get("mlp_bias"), lambda v: not v)):
+    for key, value, ok in (
+        ("hidden_act", hf.get("hidden_act"), lambda v: v in (None, "silu")),
+        ("rope_scaling", hf.get("rope_scaling"), lambda v: v is None),
+        ("rope_parameters.rope_type", rope.get("rope_type"), lambda v: v in (None, "default")),
+        ("mlp_bias", hf.get("mlp_bias"), lambda v: not v),
+    ):
         if not ok(value):
             raise HFImportError(f"{where}: {key}={value!r} is not expressible in kvjax")
     heads = hf["num_attention_heads"]
@@ -129,8 +134,6 @@ def load_hf_model(directory: str | Path) -> tuple[Config, Decoder]:
 def load_hf_tokenizer(directory: str | Path):
     """The checkpoint's tokenizer.json behind kvjax's interface, BOS/EOS from its configs."""
     from tokenizers import Tokenizer as HFTok
-
-    from training.tokenizer import HFTokenizer
 
     path = Path(directory)
     if not (path / "tokenizer.json").is_file():

@@ -11,7 +11,15 @@ from pathlib import Path
 
 from architectures import Decoder
 from kvjax.config import Config, ConfigError
+from training.gguf_import import (
+    SHIPPED,
+    gguf_context_length,
+    load_gguf_model,
+    load_gguf_tokenizer,
+)
+from training.hf_import import is_hf_dir, load_hf_model, load_hf_tokenizer
 from training.tokenizer import Tokenizer
+from training.trainer import load_trained
 
 
 class ModelRefError(ConfigError):
@@ -29,14 +37,10 @@ class LoadedModel:
 
 
 def is_gguf(ref: str) -> bool:
-    from training.gguf_import import SHIPPED
-
     return ref in SHIPPED or ref.endswith(".gguf")
 
 
 def _missing(ref: str) -> ModelRefError:
-    from training.gguf_import import SHIPPED
-
     return ModelRefError(
         f"model {ref!r} is not a run directory (one with checkpoints/), a Hugging Face checkpoint directory "
         f"(config.json + safetensors), a .gguf file, nor a shipped model ({', '.join(sorted(SHIPPED))})"
@@ -45,11 +49,6 @@ def _missing(ref: str) -> ModelRefError:
 
 def load_model(ref: str) -> LoadedModel:
     """Load `ref` without writing anything; a reference that names nothing is a ModelRefError."""
-    from training.gguf_import import gguf_context_length, load_gguf_model, load_gguf_tokenizer
-    from training.trainer import load_trained
-
-    from training.hf_import import is_hf_dir, load_hf_model, load_hf_tokenizer
-
     if is_gguf(ref):
         config, model = load_gguf_model(ref)
         return LoadedModel(config, model, load_gguf_tokenizer(ref), gguf_context_length(ref), False, "kjv")
@@ -71,8 +70,10 @@ def check_context(loaded: LoadedModel, tokens: int, what: str, allow: bool) -> N
     transformers warns about sequences past a model's maximum length)."""
     if loaded.context is None or tokens <= loaded.context:
         return
-    message = (f"{what} needs {tokens} positions, past {loaded.config.model.name}'s trained context of "
-               f"{loaded.context} tokens (quality there is extrapolation)")
+    message = (
+        f"{what} needs {tokens} positions, past {loaded.config.model.name}'s trained context of "
+        f"{loaded.context} tokens (quality there is extrapolation)"
+    )
     if not allow:
         raise ModelRefError(f"{message}; shorten it, or pass --allow-long-context")
     print(f"kvjax: warning: {message}", file=sys.stderr)

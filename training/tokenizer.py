@@ -6,7 +6,6 @@ from typing import Protocol
 
 import numpy as np
 
-
 # Text read from files keeps bytes that are not valid UTF-8 as lone surrogates (Python's
 # "surrogateescape"), so that a byte-level tokenizer sees the file's exact bytes.
 FILE_ERRORS = "surrogateescape"
@@ -66,9 +65,16 @@ class HFTokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         marker = "\x00message\x00"
-        text = ImmutableSandboxedEnvironment().from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": marker}], add_generation_prompt=True,
-            bos_token=self.tokenizer.id_to_token(self.bos_id) or "", eos_token=self.tokenizer.id_to_token(self.eos_id) or "")
+        text = (
+            ImmutableSandboxedEnvironment()
+            .from_string(self.chat_template)
+            .render(
+                messages=[{"role": "user", "content": marker}],
+                add_generation_prompt=True,
+                bos_token=self.tokenizer.id_to_token(self.bos_id) or "",
+                eos_token=self.tokenizer.id_to_token(self.eos_id) or "",
+            )
+        )
         before, _, after = text.partition(marker)
         return before, after
 
@@ -88,24 +94,3 @@ class HFTokenizer:
             if piece is not None and piece not in special:
                 out[i] = len(self.tokenizer.decode([i]).encode("utf-8"))
         return out
-
-
-TOKENIZERS = {"byte": ByteTokenizer}
-GGUF_PREFIX = "gguf:"  # `gguf:smollm2` or `gguf:/path/model.gguf`: the vocabulary a GGUF file carries
-HF_PREFIX = "hf:"  # `hf:/path/checkpoint`: a Hugging Face checkpoint directory's tokenizer.json
-
-
-def get_tokenizer(name: str) -> Tokenizer:
-    """`byte`, `gguf:<shipped name or .gguf path>` or `hf:<checkpoint directory>` (an imported model's
-    vocabulary, e.g. for uptraining it)."""
-    if name.startswith(GGUF_PREFIX):
-        from training.gguf_import import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(name[len(GGUF_PREFIX):])
-    if name.startswith(HF_PREFIX):
-        from training.hf_import import load_hf_tokenizer
-
-        return load_hf_tokenizer(name[len(HF_PREFIX):])
-    if name not in TOKENIZERS:
-        raise ValueError(f"data.tokenizer={name!r} must be one of {sorted(TOKENIZERS)}, gguf:<model> or hf:<directory>")
-    return TOKENIZERS[name]()

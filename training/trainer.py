@@ -30,7 +30,8 @@ from kvjax.progress import progress
 from training.checkpoint import Checkpointer, CheckpointError, abstract
 from training.data import BatchIterator, TrainingMix, load_corpus, pack, split_documents
 from training.sharding import make_mesh, shard_batch, shard_params
-from training.tokenizer import Tokenizer, get_tokenizer
+from training.tokenizer import Tokenizer
+from training.vocab import get_tokenizer
 
 
 class TrainingError(RuntimeError):
@@ -49,7 +50,9 @@ def write_run_config(run_dir: Path, config: Config) -> None:
     """The resolved config as readable YAML (`kvjax train RUN_DIR` resumes from it), written atomically."""
     tree = json.loads(json.dumps(config.to_dict()))  # tuples -> lists
     tmp = run_dir / f".{RUN_CONFIG}.tmp"
-    tmp.write_text("# Written by kvjax train: the resolved config of this run.\n" + yaml.safe_dump(tree, sort_keys=False))
+    tmp.write_text(
+        "# Written by kvjax train: the resolved config of this run.\n" + yaml.safe_dump(tree, sort_keys=False)
+    )
     os.replace(tmp, run_dir / RUN_CONFIG)
 
 
@@ -118,6 +121,7 @@ KV_PARAMS = ("k", "v", "kv_norm")  # module names of the K/V projections and nor
 
 def trainable_labels(params, trainable: str):
     """'train' or 'freeze' per parameter: with trainable=kv only those under a K/V module are trained."""
+
     def label(path, _):
         names = {str(getattr(p, "key", "")) for p in path}
         return "train" if trainable == "all" or names & set(KV_PARAMS) else "freeze"
@@ -135,8 +139,9 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
     if cfg.trainable == "all":
         return train
-    return optax.multi_transform({"train": train, "freeze": optax.set_to_zero()},
-                                 partial(trainable_labels, trainable=cfg.trainable))
+    return optax.multi_transform(
+        {"train": train, "freeze": optax.set_to_zero()}, partial(trainable_labels, trainable=cfg.trainable)
+    )
 
 
 def token_losses(graphdef, params, windows: jax.Array) -> jax.Array:
@@ -150,6 +155,7 @@ def token_losses(graphdef, params, windows: jax.Array) -> jax.Array:
 def _train_step(graphdef, tx, schedule, accum, state: TrainState, batch, weights=None):
     """One optimizer step on windows `[B, L+1]`; with `weights` `[B, L]` (a TrainingMix's) the objective
     is the mean of weighted token losses, while the logged `loss` stays the plain mean NLL."""
+
     def loss_fn(params, windows, weights):
         nll = token_losses(graphdef, params, windows)
         return (nll if weights is None else nll * weights).mean(), nll.mean()
@@ -158,6 +164,7 @@ def _train_step(graphdef, tx, schedule, accum, state: TrainState, batch, weights
     if accum == 1:
         (_, loss), grads = grad_fn(state.params, batch, weights)
     else:
+
         def add(carry, micro):
             (_, loss), grads = grad_fn(state.params, *micro)
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
@@ -167,9 +174,7 @@ def _train_step(graphdef, tx, schedule, accum, state: TrainState, batch, weights
         (loss, grads), _ = jax.lax.scan(add, zero, (split(batch), split(weights)))
         loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    new = state.replace(
-        params=optax.apply_updates(state.params, updates), opt_state=opt_state, step=state.step + 1
-    )
+    new = state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state, step=state.step + 1)
     return new, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
 
 
@@ -320,8 +325,12 @@ class Trainer:
         tokens_per_step = cfg.batch_size * self.config.data.seq_len
         bar = progress(cfg.steps, initial=self.step, enabled=self.progress)
         last_time, last_step = time.perf_counter(), self.step
-        with (open(self.run_dir / "metrics.jsonl", "a") as metrics_file, jax.set_mesh(self.mesh),
-              _deferred_interrupt() as interrupted, self._aborted(interrupted, bar)):
+        with (
+            open(self.run_dir / "metrics.jsonl", "a") as metrics_file,
+            jax.set_mesh(self.mesh),
+            _deferred_interrupt() as interrupted,
+            self._aborted(interrupted, bar),
+        ):
             while self.step < stop_at:
                 windows, weights = next(iterator)
                 batch = shard_batch(windows, self.mesh)
@@ -361,7 +370,6 @@ class Trainer:
         bar.close()
         return history
 
-
     @contextlib.contextmanager
     def _aborted(self, interrupted: threading.Event, bar):
         """A second Ctrl-C (KeyboardInterrupt after the first set `interrupted`) as TrainingInterrupted
@@ -375,9 +383,15 @@ class Trainer:
             kept, done = self.checkpoints.latest_step(), self._done
             start = kept or 0
             lost = f"steps {start + 1}-{done}" if done > start else "no step"
-            where = "none yet (a rerun starts from step 0)" if kept is None else f"step {kept} in {self.checkpoints.directory}"
-            raise TrainingInterrupted(f"aborted at step {done} of {self.config.train.steps} without saving "
-                                      f"(Ctrl-C twice): {lost} lost; last checkpoint: {where}") from None
+            where = (
+                "none yet (a rerun starts from step 0)"
+                if kept is None
+                else f"step {kept} in {self.checkpoints.directory}"
+            )
+            raise TrainingInterrupted(
+                f"aborted at step {done} of {self.config.train.steps} without saving "
+                f"(Ctrl-C twice): {lost} lost; last checkpoint: {where}"
+            ) from None
 
 
 def init_from_run(run_dir: str | Path, model: ModelConfig) -> Decoder:
@@ -389,8 +403,10 @@ def init_from_run(run_dir: str | Path, model: ModelConfig) -> Decoder:
     if config.model != model:
         theirs, ours = dataclasses.asdict(config.model), dataclasses.asdict(model)
         changed = sorted(k for k in ours if theirs.get(k) != ours[k])
-        raise ConfigError(f"train.init={str(run_dir)!r} holds a model whose config differs from this run's in "
-                          f"{', '.join('model.' + k for k in changed)}; a run starts only from a model of its own shape")
+        raise ConfigError(
+            f"train.init={str(run_dir)!r} holds a model whose config differs from this run's in "
+            f"{', '.join('model.' + k for k in changed)}; a run starts only from a model of its own shape"
+        )
     return trained
 
 

@@ -18,19 +18,37 @@ from pathlib import Path
 from typing import Callable
 
 from kvjax import memory
-from kvjax.config import Config, ConfigError, apply_overrides, from_dict
+from kvjax.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    from_dict,
+    load_config,
+    resolve_config_path,
+)
+from training.compression_eval import calibration_tokens
 from training.convert import Conversion, conversion_for, convert, parse_conversion
 from training.hf_import import is_hf_dir
 from training.loading import is_gguf, load_model
-from training.tokenizer import GGUF_PREFIX, HF_PREFIX
+from training.trainer import Trainer, evaluate_model
+from training.vocab import GGUF_PREFIX, HF_PREFIX
 
 RECORD = "uptrain.json"
 # An imported (GGUF or Hugging Face) source's defaults: a short run at a small learning rate, as
 # MHA2MLA's recipe (AdamW lr 1e-4, no weight decay) fine-tunes pretrained weights; override any of them.
 # One checkpoint kept: a SmolLM2-135M checkpoint (fp32 parameters and Adam's two moments) is 1.4 GB (measured).
-IMPORTED_DEFAULTS = ("data.seq_len=256", "data.eval_windows=32", "train.steps=100", "train.batch_size=4",
-                     "train.lr=1e-4", "train.warmup_steps=10", "train.weight_decay=0.0", "train.eval_every=100",
-                     "train.checkpoint_every=50", "train.keep_checkpoints=1")
+IMPORTED_DEFAULTS = (
+    "data.seq_len=256",
+    "data.eval_windows=32",
+    "train.steps=100",
+    "train.batch_size=4",
+    "train.lr=1e-4",
+    "train.warmup_steps=10",
+    "train.weight_decay=0.0",
+    "train.eval_every=100",
+    "train.checkpoint_every=50",
+    "train.keep_checkpoints=1",
+)
 
 
 def uptrain_config(source_ref: str, loaded, target_model, overrides: list[str]) -> Config:
@@ -54,8 +72,6 @@ def uptrain_config(source_ref: str, loaded, target_model, overrides: list[str]) 
 
 def _conversion_or_config(text: str):
     """A conversion spec, or else the model config a YAML path or shipped name gives (a ModelConfig)."""
-    from kvjax.config import load_config, resolve_config_path
-
     try:
         return parse_conversion(text)
     except ConfigError as bad_spec:
@@ -70,8 +86,6 @@ def converted_model(loaded, spec):
     """`loaded.model` converted by `spec`; MHA2MLA's 2-norm rule calibrates on the source's corpus."""
     calibration = None
     if spec.mla_rank is not None and spec.mla_select == "norm":
-        from training.compression_eval import calibration_tokens
-
         spec.target(loaded.config.model)  # refusals before reading the corpus
         calibration = calibration_tokens(loaded.tokenizer, loaded.corpus, rows=8, length=128)
     return convert(loaded.model, spec, calibration)
@@ -84,13 +98,19 @@ def _write(path: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
-def uptrain(source_ref: str, conversion: str, run_dir: str | Path, overrides: list[str] = (), *,
-            progress: bool = True, log: Callable[[str], None] = print, stop_at: int | None = None) -> dict:
+def uptrain(
+    source_ref: str,
+    conversion: str,
+    run_dir: str | Path,
+    overrides: list[str] = (),
+    *,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    stop_at: int | None = None,
+) -> dict:
     """Convert `source_ref` (a run directory, a .gguf file or a shipped name) by `conversion`, train it
     in `run_dir` (resuming it when it exists; stopping early at `stop_at`, as an interruption would)
     and return the run's record (see the module docstring)."""
-    from training.trainer import Trainer, evaluate_model
-
     spec = _conversion_or_config(conversion)  # bad text fails before anything loads
     loaded = load_model(source_ref)
     if not isinstance(spec, Conversion):  # a target model config: the conversion that reaches it
@@ -101,16 +121,22 @@ def uptrain(source_ref: str, conversion: str, run_dir: str | Path, overrides: li
     path = run_dir / RECORD
     record = json.loads(path.read_text()) if path.is_file() else None
     if record is not None and (record["source"], record["conversion"]) != (source_ref, conversion):
-        raise ConfigError(f"{run_dir} uptrains {record['source']} by {record['conversion']!r}, not "
-                          f"{source_ref} by {conversion!r}; choose another --run-dir")
+        raise ConfigError(
+            f"{run_dir} uptrains {record['source']} by {record['conversion']!r}, not "
+            f"{source_ref} by {conversion!r}; choose another --run-dir"
+        )
     trainer = Trainer(config, run_dir, progress=progress, init=converted)
     if record is None:
         val = trainer.corpus.val[: config.data.eval_windows]
         log(f"evaluating {source_ref} and its conversion ({conversion}) on {len(val)} validation windows")
         record = {
-            "source": source_ref, "conversion": conversion, "context": loaded.context,
-            "kv_bytes_per_token": {"source": memory.kv_bytes_per_token(loaded.config.model),
-                                   "converted": memory.kv_bytes_per_token(config.model)},
+            "source": source_ref,
+            "conversion": conversion,
+            "context": loaded.context,
+            "kv_bytes_per_token": {
+                "source": memory.kv_bytes_per_token(loaded.config.model),
+                "converted": memory.kv_bytes_per_token(config.model),
+            },
             "source_eval": evaluate_model(loaded.model, val, trainer.corpus.tokenizer, config.train.batch_size),
             "before": trainer.evaluate(),
         }

@@ -22,8 +22,10 @@ import numpy as np
 from kvjax import memory
 from kvjax.config import CONFIG_ROOT, ConfigError, load_config
 from kvjax.report import format_table
-from training.compare import decode_seconds
+from kvjax.timing import decode_seconds
 from training.convert import parse_conversion
+from training.loading import load_model
+from training.trainer import Trainer, evaluate_model, prepare_corpus
 from training.uptrain import converted_model, uptrain
 
 
@@ -59,14 +61,17 @@ class UptrainRow:
     decode_tokens_per_s: float
 
 
-def run_uptrain_compare(exp: UptrainExperiment, out_dir: str | Path, *, quick: bool = False, name: str = "uptrain",
-                        log: Callable[[str], None] = print) -> list[UptrainRow]:
+def run_uptrain_compare(
+    exp: UptrainExperiment,
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    name: str = "uptrain",
+    log: Callable[[str], None] = print,
+) -> list[UptrainRow]:
     """Train the source (when it is a model config), uptrain every conversion, train the scratch
     baselines, score every model on the same validation windows, write out_dir/<name>.json and print
     the table."""
-    from training.loading import load_model
-    from training.trainer import Trainer, evaluate_model, prepare_corpus
-
     out_dir = Path(out_dir)
     extra = list(exp.quick if quick else ())
     from_config = (CONFIG_ROOT / "models" / f"{exp.source}.yaml").is_file() or exp.source.endswith(".yaml")
@@ -80,7 +85,10 @@ def run_uptrain_compare(exp: UptrainExperiment, out_dir: str | Path, *, quick: b
     for conversion in exp.conversions:
         run_dir = out_dir / re.sub(r"[^A-Za-z0-9.-]+", "_", conversion)
         log(f"{conversion}: uptraining in {run_dir}")
-        runs[conversion] = (run_dir, uptrain(source_ref, conversion, run_dir, [*exp.uptrain_overrides, *extra], log=log))
+        runs[conversion] = (
+            run_dir,
+            uptrain(source_ref, conversion, run_dir, [*exp.uptrain_overrides, *extra], log=log),
+        )
     first = load_model(str(next(iter(runs.values()))[0]))
     val = prepare_corpus(first.config).val[: first.config.data.eval_windows]  # the windows every row is scored on
 
@@ -89,8 +97,9 @@ def run_uptrain_compare(exp: UptrainExperiment, out_dir: str | Path, *, quick: b
         prompt_len = exp.decode_context - exp.decode_tokens
         prompts = np.resize(val[:, :prompt_len], (exp.decode_batch, prompt_len))
         seconds, _ = decode_seconds(model, prompts, exp.decode_tokens, repeats=1 if quick else 3)
-        return UptrainRow(label, kv, tokens, scores["eval_loss"], scores["eval_bpb"],
-                          exp.decode_batch * exp.decode_tokens / seconds)
+        return UptrainRow(
+            label, kv, tokens, scores["eval_loss"], scores["eval_bpb"], exp.decode_batch * exp.decode_tokens / seconds
+        )
 
     rows = [scored(f"{exp.source} (source)", loaded.model, memory.kv_bytes_per_token(loaded.config.model), 0)]
     for conversion, (run_dir, record) in runs.items():
@@ -101,8 +110,12 @@ def run_uptrain_compare(exp: UptrainExperiment, out_dir: str | Path, *, quick: b
         if exp.scratch and from_config:  # the target from scratch, on the source's plus the uptraining's tokens
             src, per_step = loaded.config, up.config.train.batch_size * up.config.data.seq_len
             total = src.train.steps * src.train.batch_size * src.data.seq_len + record["tokens"]
-            scratch_cfg = dataclasses.replace(up.config, train=dataclasses.replace(
-                src.train, steps=-(-total // per_step), batch_size=up.config.train.batch_size))
+            scratch_cfg = dataclasses.replace(
+                up.config,
+                train=dataclasses.replace(
+                    src.train, steps=-(-total // per_step), batch_size=up.config.train.batch_size
+                ),
+            )
             scratch_dir = run_dir.with_name(run_dir.name + "-scratch")
             log(f"{conversion}: training from scratch for {scratch_cfg.train.steps} steps in {scratch_dir}")
             trainer = Trainer(scratch_cfg, scratch_dir)
@@ -110,15 +123,34 @@ def run_uptrain_compare(exp: UptrainExperiment, out_dir: str | Path, *, quick: b
             tokens = scratch_cfg.train.steps * scratch_cfg.train.batch_size * scratch_cfg.data.seq_len
             rows.append(scored(f"{conversion}, from scratch", trainer.model(), kv, tokens))
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(
-        {"experiment": dataclasses.asdict(exp), "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
+    (out_dir / f"{name}.json").write_text(
+        json.dumps({"experiment": dataclasses.asdict(exp), "rows": [dataclasses.asdict(r) for r in rows]}, indent=2)
+    )
     log(render(rows, exp))
     log(f"\nwrote {out_dir}/{name}.json")
     return rows
 
 
 def render(rows: list[UptrainRow], exp: UptrainExperiment) -> str:
-    headers = ["model", "KV B/token", "tokens trained", "val NLL (nats/token)", "bits/byte",
-               f"decode tok/s @{exp.decode_context} x{exp.decode_batch}"]
-    return format_table(headers, [[r.model, f"{r.kv_bytes_per_token:,}", f"{r.tokens_trained:,}", f"{r.val_nll:.4f}",
-                                   f"{r.val_bpb:.4f}", f"{r.decode_tokens_per_s:,.0f}"] for r in rows])
+    headers = [
+        "model",
+        "KV B/token",
+        "tokens trained",
+        "val NLL (nats/token)",
+        "bits/byte",
+        f"decode tok/s @{exp.decode_context} x{exp.decode_batch}",
+    ]
+    return format_table(
+        headers,
+        [
+            [
+                r.model,
+                f"{r.kv_bytes_per_token:,}",
+                f"{r.tokens_trained:,}",
+                f"{r.val_nll:.4f}",
+                f"{r.val_bpb:.4f}",
+                f"{r.decode_tokens_per_s:,.0f}",
+            ]
+            for r in rows
+        ],
+    )

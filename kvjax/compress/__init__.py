@@ -1,7 +1,13 @@
 """Token-level KV cache compression as pure functions over caches: scorers, allocators, reducers and
 policies (see `kvjax.compress.policy` for the policy syntax and the budget convention)."""
 
-from kvjax.compress.apply import check_policy, compress_caches, compressed_cache_bytes, compressible, plan_stages
+from kvjax.compress.apply import (
+    check_policy,
+    compress_caches,
+    compressed_cache_bytes,
+    compressible,
+    plan_stages,
+)
 from kvjax.compress.policy import Policy, Stage, parse_policy
 
 __all__ = [

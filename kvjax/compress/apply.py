@@ -19,25 +19,15 @@ from kvjax.cache import KVCache, LatentCache, QuestKVCache
 from kvjax.compress import d2o, minicache, reducers, scorers, think
 from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
-from kvjax.ops import grouped_mask
 from kvjax.duo import DuoKVCache
-from kvjax.plan import LayerPlan
+from kvjax.memory import layer_memory
+from kvjax.ops import grouped_mask
+from kvjax.plan import compressible, kv_heads
 from kvjax.quant import QuantKVCache, QuantSpec
 from kvjax.quant.lowrank import LowRankKVCache, group_heads, rank_for
 from kvjax.quant.packing import packed_width
 
 _INT32 = 4
-
-
-def compressible(cfg: ModelConfig) -> tuple[int, ...]:
-    """Cache indices (positions in the model's cache tuple) of the caches a policy compresses."""
-    plan = LayerPlan.from_config(cfg)
-    out = []
-    for slot, layer in enumerate(plan.producers):
-        kind = plan.mixers[layer]
-        if kind == "mla" or (kind in ("attention", "swa") and cfg.attention_for(kind).window is None):
-            out.append(slot)
-    return tuple(out)
 
 
 def check_policy(policy: Policy, cfg: ModelConfig) -> None:
@@ -56,9 +46,11 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
         if stage.quantizes and any(s.pooled for s in policy.stages):
             raise ConfigError(f"{where}: quantizing an AdaKV pool is not supported; use a uniform allocator")
         if mla and stage.method in ("duo", "minicache", "think"):
-            raise ConfigError(f"{where}: {cfg.name!r} has MLA layers, whose one latent serves every head: "
-                              "DuoAttention's streaming heads, MiniCache's per-head merging and ThinK's key "
-                              "channels do not apply")
+            raise ConfigError(
+                f"{where}: {cfg.name!r} has MLA layers, whose one latent serves every head: "
+                "DuoAttention's streaming heads, MiniCache's per-head merging and ThinK's key "
+                "channels do not apply"
+            )
         if stage.method == "minicache" and len({kv_heads(cfg, s) for s in slots}) > 1:
             raise ConfigError(f"{where}: MiniCache merges layers of one K/V shape; {cfg.name!r} mixes KV head counts")
         if mla and stage.encodes:
@@ -103,15 +95,14 @@ class StagePlan:
         return (*budgets, self.bases)
 
 
-def kv_heads(cfg: ModelConfig, slot: int) -> int:
-    plan = LayerPlan.from_config(cfg)
-    kind = plan.mixers[plan.producers[slot]]
-    return 1 if kind == "mla" else cfg.attention_for(kind).n_kv_heads
-
-
 def plan_stages(
-    cfg: ModelConfig, stages: tuple[Stage, ...], lengths, headroom: int, bases: tuple | None = None,
-    streaming: tuple | None = None, layer_counts: np.ndarray | None = None,
+    cfg: ModelConfig,
+    stages: tuple[Stage, ...],
+    lengths,
+    headroom: int,
+    bases: tuple | None = None,
+    streaming: tuple | None = None,
+    layer_counts: np.ndarray | None = None,
 ) -> tuple[StagePlan, ...]:
     """Budgets of each stage for rows of `lengths` tokens; the last stage's caches get `headroom` free
     slots per head for the tokens that follow. `bases`: Palu's calibrated bases (`calibrate`);
@@ -140,14 +131,28 @@ def plan_stages(
             quant = dataclasses.replace(stage.quant_spec, rope_theta=cfg.attention.rope_theta)
             capacities = tuple(quant.slots(c) for c in capacities)
         if stage.method in ("palu", "lorc") and bases is None:
-            raise ConfigError(f"policy stage {stage.method!r} needs its bases: calibration data for palu "
-                              "(Generator(..., calibration=tokens)), the model's weights for lorc")
+            raise ConfigError(
+                f"policy stage {stage.method!r} needs its bases: calibration data for palu "
+                "(Generator(..., calibration=tokens)), the model's weights for lorc"
+            )
         if stage.method == "duo" and streaming is None:
             raise ConfigError("policy stage 'duo' needs the streaming heads of a learned pattern (kvjax.duo)")
         theta = cfg.attention.rope_theta
-        plans.append(StagePlan(stage, counts, windows, floors, keep_caps, capacities, tuple(heads), quant, theta,
-                               bases if stage.method in ("palu", "lorc") else None,
-                               streaming if stage.method == "duo" else None))
+        plans.append(
+            StagePlan(
+                stage,
+                counts,
+                windows,
+                floors,
+                keep_caps,
+                capacities,
+                tuple(heads),
+                quant,
+                theta,
+                bases if stage.method in ("palu", "lorc") else None,
+                streaming if stage.method == "duo" else None,
+            )
+        )
         current = counts
     return tuple(plans)
 
@@ -160,8 +165,12 @@ def observe_fn(stages: tuple[Stage, ...]):
         visible = None  # which keys each observed query saw: Scissorhands' average is over them
         if any(stage.method == "scissorhands" for stage in stages):
             visible = grouped_mask(obs_pos, view.pos, None, getattr(view, "head", None), probs.shape[1])
-        return tuple(think.observe(stage, queries, obs_pos) if stage.method == "think"
-                     else scorers.observe(stage, probs, obs_pos, pooled, visible) for stage in stages)
+        return tuple(
+            think.observe(stage, queries, obs_pos)
+            if stage.method == "think"
+            else scorers.observe(stage, probs, obs_pos, pooled, visible)
+            for stage in stages
+        )
 
     return reduce
 
@@ -185,8 +194,19 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
                 cache = DuoKVCache.from_cache(cache, streaming[j], stage.n_sinks, stage.recent, capacities[j])
                 continue
             cache, stats = reduce_cache(
-                stage, cache, stats, counts[j], windows[j], floors[j], last_pos, keep_caps[j], capacities[j], heads[j],
-                quant, theta, None if bases is None else bases[j],
+                stage,
+                cache,
+                stats,
+                counts[j],
+                windows[j],
+                floors[j],
+                last_pos,
+                keep_caps[j],
+                capacities[j],
+                heads[j],
+                quant,
+                theta,
+                None if bases is None else bases[j],
             )
             stats = stats[1:] or stats  # the next stage's statistic comes first; the last one is kept
         caches[slot], last_stats[slot] = cache, stats[0]
@@ -194,8 +214,19 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
 
 
 def reduce_cache(
-    stage: Stage, cache, stats, count, window, floor, last_pos, keep_cap: int, capacity: int, heads: int, quant=None,
-    rope_theta: float = 10_000.0, bases=None,
+    stage: Stage,
+    cache,
+    stats,
+    count,
+    window,
+    floor,
+    last_pos,
+    keep_cap: int,
+    capacity: int,
+    heads: int,
+    quant=None,
+    rope_theta: float = 10_000.0,
+    bases=None,
 ):
     """One stage on one cache. stats[0] is this stage's statistic, the rest belong to later stages; all
     follow the kept slots. `heads`: the KV heads a pooled (AdaKV) cache spreads its budget over; `quant`,
@@ -244,8 +275,6 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
     """Exact bytes of a model's caches after `plans` ran on caches of `capacity` slots: compressed caches
     at their planned capacity (payload, positions shared or per head, pool head ids, length counter),
     every other cache as `kvjax.memory` counts it."""
-    from kvjax.memory import layer_memory
-
     per_head = any(p.stage.per_head for p in plans)
     last = plans[-1]
     total = 0
@@ -256,8 +285,9 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             K, item = kv_heads(cfg, slots[a]), jnp.dtype(cfg.dtype).itemsize
             H = layer_memory(cfg)[slots[a]].kv_bytes_per_slot // (2 * K * item)
             tail = last.capacities[a] - last.keep_caps[a]
-            merged[slots[a]], merged[slots[b]] = minicache.merged_bytes(last.keep_caps[a], tail, K, H, item,
-                                                                        last.stage.retain)
+            merged[slots[a]], merged[slots[b]] = minicache.merged_bytes(
+                last.keep_caps[a], tail, K, H, item, last.stage.retain
+            )
     for slot, mem in enumerate(layer_memory(cfg)):
         if slot in merged:
             total += merged[slot]
@@ -269,8 +299,9 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
         K = kv_heads(cfg, slot)
         if last.stage.quantizes:
             head_dim = mem.kv_bytes_per_slot // (2 * K * jnp.dtype(cfg.dtype).itemsize)
-            total += quant_cache_bytes(last.quant, cap, K, head_dim, cfg.dtype,
-                                       positions=K if per_head and K > 1 else 1)
+            total += quant_cache_bytes(
+                last.quant, cap, K, head_dim, cfg.dtype, positions=K if per_head and K > 1 else 1
+            )
             continue
         if last.stage.method in ("palu", "lorc"):  # a rank-r K and V latent per head group and slot
             head_dim = mem.kv_bytes_per_slot // (2 * K * jnp.dtype(cfg.dtype).itemsize)
@@ -290,8 +321,16 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
         if last.stage.method == "think":
             K, item = kv_heads(cfg, slot), jnp.dtype(cfg.dtype).itemsize
             H = mem.kv_bytes_per_slot // (2 * K * item)
-            total += think.think_bytes(last.keep_caps[slots.index(slot)], cap - last.keep_caps[slots.index(slot)], K, H,
-                                       last.stage.ratio, last.stage.recent, item, K if per_head and K > 1 else 1)
+            total += think.think_bytes(
+                last.keep_caps[slots.index(slot)],
+                cap - last.keep_caps[slots.index(slot)],
+                K,
+                H,
+                last.stage.ratio,
+                last.stage.recent,
+                item,
+                K if per_head and K > 1 else 1,
+            )
             continue
         if last.stage.method == "quest":  # every slot kept, plus a key min and max per page and head
             pages = -(-capacity // last.stage.page_size)

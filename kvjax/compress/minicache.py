@@ -105,27 +105,37 @@ class MergedKVCache(_Arrays):
             return jnp.take_along_axis(x, kept[..., None], axis=2)
 
         def norms(a, b):
-            return jnp.stack([jnp.linalg.norm(a.astype(jnp.float32), axis=-1),
-                              jnp.linalg.norm(b.astype(jnp.float32), axis=-1)], -1).astype(ka.dtype)
+            return jnp.stack(
+                [jnp.linalg.norm(a.astype(jnp.float32), axis=-1), jnp.linalg.norm(b.astype(jnp.float32), axis=-1)], -1
+            ).astype(ka.dtype)
 
         filled = (pos >= 0)[:, None, :, None]
         return cls(
             k_dir=jnp.where(filled, slerp_direction(ka, kb, t), 0).astype(ka.dtype),
             v_dir=jnp.where(filled, slerp_direction(va, vb, t), 0).astype(va.dtype),
-            k_mag=norms(ka, kb), v_mag=norms(va, vb), pos=pos, kept=kept.astype(jnp.int32),
-            k_kept=jnp.stack([take(ka), take(kb)], axis=3), v_kept=jnp.stack([take(va), take(vb)], axis=3),
+            k_mag=norms(ka, kb),
+            v_mag=norms(va, vb),
+            pos=pos,
+            kept=kept.astype(jnp.int32),
+            k_kept=jnp.stack([take(ka), take(kb)], axis=3),
+            v_kept=jnp.stack([take(va), take(vb)], axis=3),
             tail=KVCache.init(B, tail, K, H, ka.dtype),
         )
 
     def restored(self, layer: int) -> tuple[jax.Array, jax.Array]:
         """The merged slots' K and V `[B,K,T,H]` of the pair's lower (0) or upper (1) layer."""
-        return (_restore(self.k_dir, self.k_mag[..., layer], self.kept, self.k_kept[:, :, :, layer]),
-                _restore(self.v_dir, self.v_mag[..., layer], self.kept, self.v_kept[:, :, :, layer]))
+        return (
+            _restore(self.k_dir, self.k_mag[..., layer], self.kept, self.k_kept[:, :, :, layer]),
+            _restore(self.v_dir, self.v_mag[..., layer], self.kept, self.v_kept[:, :, :, layer]),
+        )
 
     def view(self, layer: int, tail: KVView) -> KVView:
         k, v = self.restored(layer)
-        return KVView(jnp.concatenate([k, tail.k], axis=2), jnp.concatenate([v, tail.v], axis=2),
-                      jnp.concatenate([self.pos, tail.pos], axis=1))
+        return KVView(
+            jnp.concatenate([k, tail.k], axis=2),
+            jnp.concatenate([v, tail.v], axis=2),
+            jnp.concatenate([self.pos, tail.pos], axis=1),
+        )
 
     def update(self, k, v, pos):
         tail, view = self.tail.update(k, v, pos)

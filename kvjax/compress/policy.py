@@ -27,6 +27,7 @@ import warnings
 import numpy as np
 
 from kvjax.config import ConfigError, Note
+from kvjax.quant import QuantSpec
 
 SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest", "d2o", "scissorhands")
 QUANTIZERS = ("int", "kivi", "kvquant", "gear")  # `method:bits`; they keep every token and encode it (kvjax.quant)
@@ -58,7 +59,9 @@ class Stage:
     allocator: str = "uniform"
     reducer: str = "select"
     every: int = 0
-    obs_window: int = 32  # SnapKV: the last prompt queries that vote; ThinK: queries scoring channels; Scissorhands: history
+    obs_window: int = (
+        32  # SnapKV: the last prompt queries that vote; ThinK: queries scoring channels; Scissorhands: history
+    )
     kernel: int = 5  # SnapKV: 1-D pooling kernel over neighbouring slots
     pooling: str = "avg"
     normalize: bool = False  # H2O: divide by the number of queries that saw each key (kvpress)
@@ -91,7 +94,9 @@ class Stage:
             except ValueError as e:
                 raise ConfigError(f"{where}: {e}") from None
             if self.every or self.allocator != "uniform" or self.reducer != "select":
-                raise ConfigError(f"{where}: a quantizer keeps every token; every=, allocator= and reducer= do not apply")
+                raise ConfigError(
+                    f"{where}: a quantizer keeps every token; every=, allocator= and reducer= do not apply"
+                )
             return
         if self.asym:
             raise ConfigError(f"{where}: asym applies to int quantization only")
@@ -139,16 +144,22 @@ class Stage:
             raise ConfigError(f"{where}: t= and retain= apply to minicache only")
         if self.method == "d2o":
             if self.allocator != "uniform" or self.reducer != "select" or self.normalize:
-                raise ConfigError(f"{where}: D2O brings its own layer budgets and merge; allocator=, reducer= and "
-                                  "normalize= do not apply")
+                raise ConfigError(
+                    f"{where}: D2O brings its own layer budgets and merge; allocator=, reducer= and "
+                    "normalize= do not apply"
+                )
             if not 0 <= self.ema <= 1 or self.ratio is None:
-                raise ConfigError(f"{where}: give the fraction of tokens removed on average, a ratio in [0, 1); "
-                                  f"ema={self.ema} must be in [0, 1]")
+                raise ConfigError(
+                    f"{where}: give the fraction of tokens removed on average, a ratio in [0, 1); "
+                    f"ema={self.ema} must be in [0, 1]"
+                )
             if not self.every:  # D2O evicts (and merges) at every decode step
                 object.__setattr__(self, "every", 1)
         elif self.ema != 0.5:
             raise ConfigError(f"{where}: ema= applies to d2o only")
-        if self.method in ("quest", "think", "duo", "minicache", *LOW_RANK) and (self.every or self.allocator != "uniform" or self.reducer != "select"):
+        if self.method in ("quest", "think", "duo", "minicache", *LOW_RANK) and (
+            self.every or self.allocator != "uniform" or self.reducer != "select"
+        ):
             raise ConfigError(
                 f"{where}: every=, allocator= and reducer= do not apply to {self.method} (it evicts no token by score)"
             )
@@ -181,20 +192,30 @@ class Stage:
 
     @property
     def quant_spec(self):
-        from kvjax.quant import QuantSpec
-
         sinks = 1 if self.sinks is None else self.sinks
         gear = self.method == "gear"
         group = (64 if gear else 32) if self.group is None else self.group
         residual = (64 if gear else 128) if self.residual is None else self.residual
         outliers = (0.02 if gear else 0.01) if self.outliers is None else self.outliers
-        return QuantSpec(self.method, self.bits, self.asym, group, residual, outliers=outliers, sinks=sinks,
-                         rank=self.rank if gear else 0)
+        return QuantSpec(
+            self.method,
+            self.bits,
+            self.asym,
+            group,
+            residual,
+            outliers=outliers,
+            sinks=sinks,
+            rank=self.rank if gear else 0,
+        )
 
     @property
     def fixed_protected(self) -> int:
         """Sinks plus a window that does not scale with the budget (the least a layer may keep)."""
-        fixed = {"snapkv": self.obs_window, "scissorhands": self.obs_window}.get(self.method, 0) if self.window is None else self.window
+        fixed = (
+            {"snapkv": self.obs_window, "scissorhands": self.obs_window}.get(self.method, 0)
+            if self.window is None
+            else self.window
+        )
         return self.n_sinks + fixed
 
     def keep(self, length: int) -> int:
@@ -224,8 +245,10 @@ class Policy:
             raise ConfigError("policy stage 'quest' cannot be chained: it selects pages at attention time")
         for stage in self.stages:
             if len(self.stages) > 1 and stage.method in HEAD_LEVEL + LAYER_LEVEL + ("d2o",):
-                raise ConfigError(f"policy stage {stage.method!r} cannot be chained: it sets what each head or "
-                                  "layer stores from the whole prompt")
+                raise ConfigError(
+                    f"policy stage {stage.method!r} cannot be chained: it sets what each head or "
+                    "layer stores from the whole prompt"
+                )
         for stage in self.stages[:-1]:
             if stage.encodes:
                 raise ConfigError(f"policy stage {stage.method!r}: encode last (evict first, then encode what is kept)")
@@ -343,15 +366,20 @@ def stage_counts(stage: Stage, lengths: np.ndarray, n_layers: int) -> np.ndarray
             )
     if raised.any():
         fixed = stage.fixed_protected
-        warnings.warn(BudgetNote(
-            f"policy stage {_stage_text(stage)}: on short rows ratio={stage.ratio} would keep fewer tokens than "
-            f"the {max(fixed, 1)} it always keeps (sinks {stage.n_sinks} + window {fixed - stage.n_sinks}); those "
-            f"rows keep them instead, and a row of at most {max(fixed, 1)} tokens is not compressed"
-        ), stacklevel=2)
+        warnings.warn(
+            BudgetNote(
+                f"policy stage {_stage_text(stage)}: on short rows ratio={stage.ratio} would keep fewer tokens than "
+                f"the {max(fixed, 1)} it always keeps (sinks {stage.n_sinks} + window {fixed - stage.n_sinks}); those "
+                f"rows keep them instead, and a row of at most {max(fixed, 1)} tokens is not compressed"
+            ),
+            stacklevel=2,
+        )
     counts = np.broadcast_to(keep, (n_layers, len(keep))).copy()
     if stage.allocator == "pyramid" and n_layers > 1:  # a raised row keeps its protected tokens in every layer
-        counts = np.stack([counts[:, b] if raised[b] else pyramid_counts(stage, int(n), n_layers)
-                           for b, n in enumerate(lengths)], axis=1)
+        counts = np.stack(
+            [counts[:, b] if raised[b] else pyramid_counts(stage, int(n), n_layers) for b, n in enumerate(lengths)],
+            axis=1,
+        )
     return counts
 
 

@@ -43,8 +43,9 @@ ATTENTION_SCORERS = ("h2o", "snapkv", "tova", "d2o", "scissorhands")  # D2O scor
 def observed_queries(stage: Stage, length: int) -> int:
     """How many of the last prompt queries a stage observes (0: none; `length`: all)."""
     window = min(stage.obs_window, length)  # SnapKV's voters, ThinK's queries, Scissorhands' history
-    return {"h2o": length, "d2o": length, "snapkv": window, "think": window, "scissorhands": window,
-            "tova": 1}.get(stage.method, 0)
+    return {"h2o": length, "d2o": length, "snapkv": window, "think": window, "scissorhands": window, "tova": 1}.get(
+        stage.method, 0
+    )
 
 
 def observe(stage: Stage, probs: jax.Array, obs_pos: jax.Array, pooled: bool, visible=None) -> jax.Array | None:
@@ -54,8 +55,9 @@ def observe(stage: Stage, probs: jax.Array, obs_pos: jax.Array, pooled: bool, vi
     if stage.method not in ATTENTION_SCORERS:
         return None
     last = jnp.max(obs_pos, axis=1)[:, None]
-    window = {"h2o": None, "d2o": None, "snapkv": stage.obs_window, "scissorhands": stage.obs_window,
-              "tova": 1}[stage.method]
+    window = {"h2o": None, "d2o": None, "snapkv": stage.obs_window, "scissorhands": stage.obs_window, "tova": 1}[
+        stage.method
+    ]
     voter = obs_pos >= 0 if window is None else (obs_pos >= 0) & (obs_pos > last - window)  # [B,W]
     if stage.method == "scissorhands":
         n = jnp.maximum(jnp.sum(visible, axis=-1, keepdims=True), 1)

@@ -44,7 +44,10 @@ def channel_scores(q2: jax.Array, k: jax.Array, pos: jax.Array) -> jax.Array:
     slots of k `[B,K,S,H]` (pos `[B,S]` or `[B,K,S]`)."""
     B, K, S, H = k.shape
     filled = (pos >= 0) if pos.ndim == 3 else jnp.broadcast_to((pos >= 0)[:, None], (B, K, S))
-    k2 = jnp.where(filled[..., None], k.astype(jnp.float32) ** 2, 0).sum(axis=2) / jnp.maximum(filled.sum(-1), 1)[..., None]
+    k2 = (
+        jnp.where(filled[..., None], k.astype(jnp.float32) ** 2, 0).sum(axis=2)
+        / jnp.maximum(filled.sum(-1), 1)[..., None]
+    )
     q2 = q2.reshape(B, K, -1, H).mean(axis=2)
     return q2 * k2
 
@@ -58,8 +61,11 @@ def kept_channels(scores: jax.Array, ratio: float) -> jax.Array:
 
 def _pruned_channels(channels: jax.Array, H: int) -> jax.Array:
     """The complement of `channels` `[B,K,Hk]` in range(H), ascending `[B,K,H-Hk]`."""
-    kept = jnp.zeros((*channels.shape[:2], H), bool).at[
-        jnp.arange(channels.shape[0])[:, None, None], jnp.arange(channels.shape[1])[None, :, None], channels].set(True)
+    kept = (
+        jnp.zeros((*channels.shape[:2], H), bool)
+        .at[jnp.arange(channels.shape[0])[:, None, None], jnp.arange(channels.shape[1])[None, :, None], channels]
+        .set(True)
+    )
     return jnp.argsort(kept, axis=-1, stable=True)[..., : H - channels.shape[-1]].astype(jnp.int32)
 
 
@@ -91,8 +97,16 @@ class ThinKCache(_Arrays):
         rest = _pruned_channels(channels, H)
         k_recent = cache.k[heads[0][..., None], heads[1][..., None], recent[..., None], rest[:, :, None, :]]
         tail = KVCache.init(B, headroom, K, H, cache.k.dtype)
-        return cls(k=k, channels=channels, recent=recent, k_recent=k_recent, v=cache.v, pos=cache.pos,
-                   length=cache.length, tail=tail)
+        return cls(
+            k=k,
+            channels=channels,
+            recent=recent,
+            k_recent=k_recent,
+            v=cache.v,
+            pos=cache.pos,
+            length=cache.length,
+            tail=tail,
+        )
 
     def keys(self) -> jax.Array:
         """The prompt keys `[B,K,S,H]` as attention reads them: kept channels among zeros, the recent
@@ -112,8 +126,10 @@ class ThinKCache(_Arrays):
         if prompt_pos.ndim == 3:
             tail_pos = jnp.broadcast_to(tail_pos[:, None], (*prompt_pos.shape[:2], tail_pos.shape[-1]))
         return self.replace(tail=tail), KVView(
-            jnp.concatenate([self.keys(), view.k], axis=2), jnp.concatenate([self.v, view.v], axis=2),
-            jnp.concatenate([prompt_pos, tail_pos], axis=-1))
+            jnp.concatenate([self.keys(), view.k], axis=2),
+            jnp.concatenate([self.v, view.v], axis=2),
+            jnp.concatenate([prompt_pos, tail_pos], axis=-1),
+        )
 
 
 def think_bytes(slots: int, tail: int, K: int, H: int, ratio: float, window: int, item: int, positions: int) -> int:

@@ -49,8 +49,8 @@ from flax import struct
 
 from kvjax.cache import KVView, _append_slots, _Positioned, _scatter
 from kvjax.quant.packing import pack, packed_width, unpack
-from kvjax.rope import rotate_slots
 from kvjax.quant.quantizers import dequantize, quantize
+from kvjax.rope import rotate_slots
 
 METHODS = ("int", "kivi", "kvquant", "gear")
 
@@ -83,7 +83,9 @@ class QuantSpec:
             kind = " with asym=true" if self.asym else " (asym=true also allows 2)" if self.method == "int" else ""
             raise ValueError(f"{self.method}: bits={self.bits} must be one of {allowed[self.method]}{kind}")
         if self.blocked and (self.group < 1 or self.residual < self.group or self.residual % self.group):
-            raise ValueError(f"{self.method}: residual={self.residual} must be a positive multiple of group={self.group}")
+            raise ValueError(
+                f"{self.method}: residual={self.residual} must be a positive multiple of group={self.group}"
+            )
         if not 0 <= self.outliers < 0.5 or self.sinks < 0:
             raise ValueError(f"{self.method}: outliers={self.outliers} must be in [0, 0.5) and sinks={self.sinks} >= 0")
 
@@ -219,25 +221,40 @@ class QuantKVCache(_Positioned):
             res = dict(k_res=None, v_res=None)
         else:
             Gv = spec.value_group(H)
-            scales = dict(k_scale=zeros(B, K, S // spec.group, H), k_zero=zeros(B, K, S // spec.group, H),
-                          v_scale=zeros(B, K, H // Gv, S), v_zero=zeros(B, K, H // Gv, S))
+            scales = dict(
+                k_scale=zeros(B, K, S // spec.group, H),
+                k_zero=zeros(B, K, S // spec.group, H),
+                v_scale=zeros(B, K, H // Gv, S),
+                v_zero=zeros(B, K, H // Gv, S),
+            )
             res = dict(k_res=zeros(B, K, spec.residual, H), v_res=zeros(B, K, spec.residual, H))
         if spec.method in ("kvquant", "gear"):
             n = spec.n_outliers(H)
             res |= dict(
-                k_out=zeros(B, K, S, n), v_out=zeros(B, K, S, n),
-                k_out_idx=jnp.zeros((B, K, S, n), jnp.uint8), v_out_idx=jnp.zeros((B, K, S, n), jnp.uint8),
+                k_out=zeros(B, K, S, n),
+                v_out=zeros(B, K, S, n),
+                k_out_idx=jnp.zeros((B, K, S, n), jnp.uint8),
+                v_out_idx=jnp.zeros((B, K, S, n), jnp.uint8),
             )
         if spec.method == "kvquant":
             res |= dict(k_sink=zeros(B, K, spec.sinks, H), v_sink=zeros(B, K, spec.sinks, H))
         if spec.rank:
             r, blocks = spec.rank, -(-S // spec.residual)
-            res |= dict(k_lr_q=zeros(B, K, S, r), v_lr_q=zeros(B, K, S, r),
-                        k_lr_p=zeros(B, K, blocks, H, r), v_lr_p=zeros(B, K, blocks, H, r))
+            res |= dict(
+                k_lr_q=zeros(B, K, S, r),
+                v_lr_q=zeros(B, K, S, r),
+                k_lr_p=zeros(B, K, blocks, H, r),
+                v_lr_p=zeros(B, K, blocks, H, r),
+            )
         return cls(
-            k_codes=jnp.zeros((B, K, S, width), jnp.uint8), v_codes=jnp.zeros((B, K, S, width), jnp.uint8),
-            **scales, **res, pos=jnp.full((B, S), -1, jnp.int32), length=jnp.zeros((B,), jnp.int32),
-            n_quant=jnp.zeros((B,), jnp.int32), spec=spec,
+            k_codes=jnp.zeros((B, K, S, width), jnp.uint8),
+            v_codes=jnp.zeros((B, K, S, width), jnp.uint8),
+            **scales,
+            **res,
+            pos=jnp.full((B, S), -1, jnp.int32),
+            length=jnp.zeros((B,), jnp.int32),
+            n_quant=jnp.zeros((B,), jnp.int32),
+            spec=spec,
         )
 
     @classmethod
@@ -283,9 +300,19 @@ class QuantKVCache(_Positioned):
             B, K, S, _ = self.k_scale.shape
             per_token = lambda x: None if x is None else x.reshape(B, K, 1, S)  # noqa: E731  ([B,K,S,1]: a free reshape)
             return QuantizedKV(
-                self.k_codes, per_token(self.k_scale), per_token(self.k_zero), self.v_codes,
-                per_token(self.v_scale), per_token(self.v_zero), pos, None, None, None,
-                bits=spec.bits, key_group=None, value_group=self.head_dim,
+                self.k_codes,
+                per_token(self.k_scale),
+                per_token(self.k_zero),
+                self.v_codes,
+                per_token(self.v_scale),
+                per_token(self.v_zero),
+                pos,
+                None,
+                None,
+                None,
+                bits=spec.bits,
+                key_group=None,
+                value_group=self.head_dim,
             )
         R = spec.residual
         at = self.n_quant[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # residual token i's slot
@@ -296,8 +323,18 @@ class QuantKVCache(_Positioned):
         else:
             res_pos = jnp.where(live[:, None], jnp.take_along_axis(self.pos, at[:, None], axis=2), -1)
         return QuantizedKV(
-            self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero, pos,
-            self.k_res, self.v_res, res_pos, bits=spec.bits, key_group=spec.group,
+            self.k_codes,
+            self.k_scale,
+            self.k_zero,
+            self.v_codes,
+            self.v_scale,
+            self.v_zero,
+            pos,
+            self.k_res,
+            self.v_res,
+            res_pos,
+            bits=spec.bits,
+            key_group=spec.group,
             value_group=spec.value_group(self.head_dim),
         )
 
@@ -312,8 +349,9 @@ class QuantKVCache(_Positioned):
         if self.spec.method == "int":
             return new._store(slots, k_hm, v_hm, self.spec.bits).replace(n_quant=new.length)
         if self.spec.method == "kvquant":  # the first slots, kept exactly
-            new = new.replace(k_sink=_head_major_scatter(new.k_sink, slots, k_hm),
-                              v_sink=_head_major_scatter(new.v_sink, slots, v_hm))
+            new = new.replace(
+                k_sink=_head_major_scatter(new.k_sink, slots, k_hm), v_sink=_head_major_scatter(new.v_sink, slots, v_hm)
+            )
         return new._kivi_append(k_hm, v_hm, (pos >= 0).sum(axis=1, dtype=jnp.int32))
 
     def _store(self, slots, k_hm, v_hm, bits):
@@ -321,8 +359,13 @@ class QuantKVCache(_Positioned):
         sym = not self.spec.asym
         kc, ks, kz = quantize(k_hm, bits, k_hm.shape[-1], symmetric=sym)
         vc, vs, vz = quantize(v_hm, bits, v_hm.shape[-1], symmetric=sym)
-        zeros = {} if sym else dict(k_zero=_head_major_scatter(self.k_zero, slots, kz),
-                                    v_zero=_head_major_scatter(self.v_zero, slots, vz))
+        zeros = (
+            {}
+            if sym
+            else dict(
+                k_zero=_head_major_scatter(self.k_zero, slots, kz), v_zero=_head_major_scatter(self.v_zero, slots, vz)
+            )
+        )
         return self.replace(
             k_codes=_head_major_scatter(self.k_codes, slots, pack(kc, bits)),
             v_codes=_head_major_scatter(self.v_codes, slots, pack(vc, bits)),
@@ -351,11 +394,15 @@ class QuantKVCache(_Positioned):
         n_out = spec.n_outliers(H)
         if n_out:  # dense and sparse: each vector's outliers stay exact, out of the range
             gear = spec.method == "gear"
-            (dense_k, k_out, k_idx), (dense_v, v_out, v_idx) = (_split_outliers(work_k, n_out, gear),
-                                                                _split_outliers(work_v, n_out, gear))
+            (dense_k, k_out, k_idx), (dense_v, v_out, v_idx) = (
+                _split_outliers(work_k, n_out, gear),
+                _split_outliers(work_v, n_out, gear),
+            )
             extra = dict(
-                k_out=_head_major_scatter(self.k_out, slots, k_out), k_out_idx=_head_major_scatter(self.k_out_idx, slots, k_idx),
-                v_out=_head_major_scatter(self.v_out, slots, v_out), v_out_idx=_head_major_scatter(self.v_out_idx, slots, v_idx),
+                k_out=_head_major_scatter(self.k_out, slots, k_out),
+                k_out_idx=_head_major_scatter(self.k_out_idx, slots, k_idx),
+                v_out=_head_major_scatter(self.v_out, slots, v_out),
+                v_out_idx=_head_major_scatter(self.v_out_idx, slots, v_idx),
             )
         # Keys: per channel over groups of G tokens; values: per token over groups of Gv channels.
         kc, ks, kz = quantize(dense_k.swapaxes(2, 3), spec.bits, G, symmetric=False)  # [B,K,H,W], [B,K,H,W/G]
@@ -371,8 +418,12 @@ class QuantKVCache(_Positioned):
             if n_out:
                 recon_k, recon_v = _restore(recon_k, k_idx, k_out), _restore(recon_v, v_idx, v_out)
             blocks = jnp.arange(-(-W // R), dtype=jnp.int32)[None, :]
-            bslots = jnp.where((blocks + 1) * R <= flush[:, None], self.n_quant[:, None] // R + blocks, self.k_lr_p.shape[2])
-            extra |= self._low_rank("k", work_k, recon_k, slots, bslots) | self._low_rank("v", work_v, recon_v, slots, bslots)
+            bslots = jnp.where(
+                (blocks + 1) * R <= flush[:, None], self.n_quant[:, None] // R + blocks, self.k_lr_p.shape[2]
+            )
+            extra |= self._low_rank("k", work_k, recon_k, slots, bslots) | self._low_rank(
+                "v", work_v, recon_v, slots, bslots
+            )
         return self.replace(
             k_codes=_head_major_scatter(self.k_codes, slots, pack(kc.swapaxes(2, 3), spec.bits)),
             v_codes=_head_major_scatter(self.v_codes, slots, pack(vc, spec.bits)),
@@ -394,8 +445,10 @@ class QuantKVCache(_Positioned):
         error = jnp.pad(work.astype(jnp.float32) - recon, ((0, 0), (0, 0), (0, Wr - W), (0, 0)))
         q, p = low_rank(error.reshape(B, K, Wr // R, R, H), self.spec.rank)
         q = q.reshape(B, K, Wr, -1)[:, :, :W]
-        return {f"{name}_lr_q": _head_major_scatter(getattr(self, f"{name}_lr_q"), slots, q),
-                f"{name}_lr_p": _head_major_scatter(getattr(self, f"{name}_lr_p"), bslots, p)}
+        return {
+            f"{name}_lr_q": _head_major_scatter(getattr(self, f"{name}_lr_q"), slots, q),
+            f"{name}_lr_p": _head_major_scatter(getattr(self, f"{name}_lr_p"), bslots, p),
+        }
 
     def _error(self, q: jax.Array, p: jax.Array) -> jax.Array:
         """GEAR's error approximation `[B,K,S,H]`: each slot's Q `[B,K,S,r]` times its block's P
@@ -411,9 +464,13 @@ class QuantKVCache(_Positioned):
         kc, vc = unpack(self.k_codes, spec.bits), unpack(self.v_codes, spec.bits)
         H = kc.shape[-1]
         if spec.method == "int":
-            return (dequantize(kc, self.k_scale, self.k_zero, spec.bits, H),
-                    dequantize(vc, self.v_scale, self.v_zero, spec.bits, H))
-        k = dequantize(kc.swapaxes(2, 3), self.k_scale.swapaxes(2, 3), self.k_zero.swapaxes(2, 3), spec.bits, spec.group)
+            return (
+                dequantize(kc, self.k_scale, self.k_zero, spec.bits, H),
+                dequantize(vc, self.v_scale, self.v_zero, spec.bits, H),
+            )
+        k = dequantize(
+            kc.swapaxes(2, 3), self.k_scale.swapaxes(2, 3), self.k_zero.swapaxes(2, 3), spec.bits, spec.group
+        )
         k = k.swapaxes(2, 3)
         v = dequantize(vc, self.v_scale.swapaxes(2, 3), self.v_zero.swapaxes(2, 3), spec.bits, spec.value_group(H))
         if spec.rank:  # GEAR's low-rank error terms, Q of each slot times P of its block

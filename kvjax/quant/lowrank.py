@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.cache import KVView, _append_slots, _Positioned
+from kvjax.cache import KVView, _append_slots, _Positioned, init_caches
 from kvjax.ops import attention, blocked_probs, decode_block, kernel_impl
+from kvjax.plan import LayerPlan
 from kvjax.rope import rotate_slots
 
 
@@ -102,8 +103,14 @@ class LowRankKVCache(_Positioned):
         zk = jnp.einsum("BGSi,Gir->BGSr", _grouped(k_pre, Kg).astype(jnp.float32), k_basis)
         zv = jnp.einsum("BGSi,Gir->BGSr", _grouped(cache.v, Kg).astype(jnp.float32), v_basis)
         return cls(
-            zk=zk.astype(cache.k.dtype), zv=zv.astype(cache.v.dtype), pos=cache.pos, length=cache.length,
-            k_basis=k_basis, v_basis=v_basis, n_kv_heads=K, rope_theta=rope_theta,
+            zk=zk.astype(cache.k.dtype),
+            zv=zv.astype(cache.v.dtype),
+            pos=cache.pos,
+            length=cache.length,
+            k_basis=k_basis,
+            v_basis=v_basis,
+            n_kv_heads=K,
+            rope_theta=rope_theta,
         )
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[LowRankKVCache, KVView]:
@@ -154,8 +161,6 @@ class _LatentValues:
 def calibrate(model, tokens: np.ndarray, compressible: tuple[int, ...], ratio: float, heads: int):
     """Bases `(k_basis, v_basis)` per compressible cache from a plain prefill of calibration tokens
     `[N,T]`: eigenvectors of the pre-RoPE key and the value covariances per head group."""
-    from kvjax.cache import init_caches
-
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 2 or tokens.size == 0:
         raise ValueError(f"palu calibration tokens must be a non-empty [N, T] array, got shape {tokens.shape}")
@@ -170,8 +175,12 @@ def calibrate(model, tokens: np.ndarray, compressible: tuple[int, ...], ratio: f
         k_pre = rotate_slots(cache.k, -cache.pos, model.config.attention.rope_theta)
         samples = lambda x: np.asarray(x).transpose(0, 2, 1, 3).reshape(N * T, K, H)  # noqa: E731
         rank = rank_for(ratio, g * H)
-        out.append((jnp.asarray(bases_from_samples(samples(k_pre), g, rank)),
-                    jnp.asarray(bases_from_samples(samples(cache.v), g, rank))))
+        out.append(
+            (
+                jnp.asarray(bases_from_samples(samples(k_pre), g, rank)),
+                jnp.asarray(bases_from_samples(samples(cache.v), g, rank)),
+            )
+        )
     return tuple(out)
 
 
@@ -189,8 +198,6 @@ def progressive_keep(log_kappa: np.ndarray, keep: float) -> np.ndarray:
 def lorc_bases(model, compressible: tuple[int, ...], ratio: float, heads: int):
     """Bases `(k_basis, v_basis)` per compressible cache from the K/V projection weights: per head group
     the top right singular vectors of W, at LoRC's progressive ranks (module docstring)."""
-    from kvjax.plan import LayerPlan
-
     plan = LayerPlan.from_config(model.config)
     weights = []
     for slot in compressible:

@@ -82,7 +82,10 @@ def test_outputs_stay_finite_on_4k_tokens(make_model):
         (["model.mamba.d_state=0"], "model.mamba.d_state=0 must be > 0"),
         (["model.mamba.scan=parallel"], "model.mamba.scan='parallel' must be one of"),
         (["model.mamba.dt_min=0.5"], "model.mamba.dt_min/dt_max=(0.5, 0.1) must satisfy 0 < dt_min < dt_max"),
-        (["model.kv_sharing.kind=cla", "model.kv_sharing.factor=2"], "model.layer_pattern=['mamba'] must be ['attention']"),
+        (
+            ["model.kv_sharing.kind=cla", "model.kv_sharing.factor=2"],
+            "model.layer_pattern=['mamba'] must be ['attention']",
+        ),
     ],
 )
 def test_invalid_settings_raise(overrides, message):

@@ -40,8 +40,11 @@ def decode_all(model, cfg, tokens, pos, prefill):
     return jnp.concatenate(out, axis=1), caches
 
 
-@pytest.mark.parametrize("overrides", [[], [NAIVE], [Q_LORA], ROPE_HEADS, [*ROPE_HEADS, NAIVE]],
-                         ids=["absorbed", "naive", "q-lora", "rope-heads", "rope-heads-naive"])
+@pytest.mark.parametrize(
+    "overrides",
+    [[], [NAIVE], [Q_LORA], ROPE_HEADS, [*ROPE_HEADS, NAIVE]],
+    ids=["absorbed", "naive", "q-lora", "rope-heads", "rope-heads-naive"],
+)
 def test_cached_decode_equals_full_forward(make_model, overrides):
     caches = assert_cached_decode_equals_full_forward(*make_model("mla", TWO_LAYERS, *overrides), prefill=7)
     assert all(isinstance(c, LatentCache) for c in caches) and len(caches) == 2
@@ -52,7 +55,9 @@ def test_decode_over_key_blocks_equals_full_forward(make_model, overrides):
     """40 tokens decoded into 64 slots, through kvjax.ops' blocked path (blocks of 32, keys in both):
     absorbed (latent and RoPE logits summed over the shared latents) and naive (expanded keys of 20
     dims, values of 16)."""
-    assert_cached_decode_equals_full_forward(*make_model("mla", TWO_LAYERS, *overrides), prefill=30, length=40, capacity=64)
+    assert_cached_decode_equals_full_forward(
+        *make_model("mla", TWO_LAYERS, *overrides), prefill=30, length=40, capacity=64
+    )
 
 
 @pytest.mark.parametrize("q_lora", [[], [Q_LORA], ROPE_HEADS], ids=["direct-q", "q-lora", "rope-heads"])

@@ -6,13 +6,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from architectures.retention import retention_chunkwise, retention_parallel, retention_recurrent, retnet_angles
-from architectures.retention import retnet_log_decay
+from architectures.retention import (
+    retention_chunkwise,
+    retention_parallel,
+    retention_recurrent,
+    retnet_angles,
+    retnet_log_decay,
+)
 from kvjax import memory
 from kvjax.cache import RetentionState, caches_nbytes, init_caches
 from kvjax.config import ConfigError, load_config
-from tests.architectures.oracles import (assert_cached_decode_equals_full_forward, assert_gradient_causal,
-                                         assert_ragged_prefill_continues_each_row, tokens_and_positions)
+from tests.architectures.oracles import (
+    assert_cached_decode_equals_full_forward,
+    assert_gradient_causal,
+    assert_ragged_prefill_continues_each_row,
+    tokens_and_positions,
+)
 
 
 def test_decays_and_angles_are_retnets():
@@ -34,7 +43,9 @@ def test_forms_agree_with_wide_values_and_fixed_decay(T_, chunk):
         np.testing.assert_allclose(s, s_rec, atol=1e-4, rtol=1e-5)
     # the recurrence by hand at token 0: S_0' = gamma S_0 + k_0^T v_0
     gamma = np.exp(np.asarray(retnet_log_decay(N)))
-    s1 = gamma[None, :, None, None] * np.asarray(s0) + np.einsum("bnk,bnv->bnkv", np.asarray(k[:, 0]), np.asarray(v[:, 0]))
+    s1 = gamma[None, :, None, None] * np.asarray(s0) + np.einsum(
+        "bnk,bnv->bnkv", np.asarray(k[:, 0]), np.asarray(v[:, 0])
+    )
     np.testing.assert_allclose(o_rec[:, 0], np.einsum("bnk,bnkv->bnv", np.asarray(q[:, 0]), s1), atol=1e-4)
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from kvjax import memory
-from kvjax.cli import main
+from kvjax.commands import main
 from kvjax.config import load_config
 
 
@@ -46,9 +46,31 @@ def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
     from kvjax.serve_bench import Workload
 
     out = tmp_path / "serve.json"
-    args = ["serve-bench", "gqa", "model.n_layers=2", "--requests", "5", "--prompt", "9", "16", "--new", "2", "6",
-            "--memory-mib", "0.05", "--page-size", "4", "--slots", "3", "--chunk", "16", "--policies", "int:8",
-            "--json", str(out)]
+    args = [
+        "serve-bench",
+        "gqa",
+        "model.n_layers=2",
+        "--requests",
+        "5",
+        "--prompt",
+        "9",
+        "16",
+        "--new",
+        "2",
+        "6",
+        "--memory-mib",
+        "0.05",
+        "--page-size",
+        "4",
+        "--slots",
+        "3",
+        "--chunk",
+        "16",
+        "--policies",
+        "int:8",
+        "--json",
+        str(out),
+    ]
     assert main(args) == 0
     figures = json.loads(out.read_text())
     static, engine, int8 = figures["servers"]

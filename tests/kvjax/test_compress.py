@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvjax import DecodingConfig, Generator
-from kvjax.cache import KVView, KVCache, PooledKVCache, QuestKVCache, caches_nbytes
+from kvjax.cache import KVCache, KVView, PooledKVCache, QuestKVCache, caches_nbytes
 from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
 from kvjax.compress.apply import observe_fn
 from kvjax.compress.policy import BudgetNote, Stage, pyramid_counts, stage_counts
@@ -72,16 +72,28 @@ def _assert_same_decoding(plain, gen, lengths, caches, caches_c, logits, stats):
     np.testing.assert_array_equal(ref.logprobs, out.logprobs)
 
 
-@pytest.mark.parametrize("method", ["streaming:0", "h2o:0", "snapkv:0:obs_window=8", "snapkv:0:reducer=kvmerger",
-                                    "scissorhands:0:obs_window=8",
-                                    "h2o:0:reducer=cam", "keynorm:0:allocator=pyramid,beta=1", "quest:0"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "streaming:0",
+        "h2o:0",
+        "snapkv:0:obs_window=8",
+        "snapkv:0:reducer=kvmerger",
+        "scissorhands:0:obs_window=8",
+        "h2o:0:reducer=cam",
+        "keynorm:0:allocator=pyramid,beta=1",
+        "quest:0",
+    ],
+)
 def test_a_budget_covering_the_sequence_changes_nothing(gqa, method):
     plain, squeezed, lengths, (logits, caches), (logits_c, caches_c, stats) = _plain_and_compressed(gqa[1], method)
     for a, b in zip(caches, caches_c):
         assert a.k.shape == b.k.shape
         np.testing.assert_array_equal(a.k, b.k)
         np.testing.assert_array_equal(a.v, b.v)
-        np.testing.assert_array_equal(np.broadcast_to(a.pos[:, None], b.k.shape[:3]) if b.pos.ndim == 3 else a.pos, b.pos)
+        np.testing.assert_array_equal(
+            np.broadcast_to(a.pos[:, None], b.k.shape[:3]) if b.pos.ndim == 3 else a.pos, b.pos
+        )
         np.testing.assert_array_equal(a.length, b.length)
     np.testing.assert_allclose(logits, logits_c, atol=1e-5)
     _assert_same_decoding(plain, squeezed, lengths, caches, caches_c, logits, stats)
@@ -124,15 +136,29 @@ def _positions_by_head(cache):
     """{(row, head): sorted kept positions} of a KV or pooled cache."""
     B = cache.pos.shape[0]
     if isinstance(cache, PooledKVCache):
-        return {(b, h): sorted(np.asarray(cache.pos[b])[(np.asarray(cache.head[b]) == h) & (np.asarray(cache.pos[b]) >= 0)])
-                for b in range(B) for h in range(int(cache.head.max()) + 1)}
+        return {
+            (b, h): sorted(np.asarray(cache.pos[b])[(np.asarray(cache.head[b]) == h) & (np.asarray(cache.pos[b]) >= 0)])
+            for b in range(B)
+            for h in range(int(cache.head.max()) + 1)
+        }
     pos = np.asarray(cache.pos if cache.pos.ndim == 3 else cache.pos[:, None])
     K = cache.k.shape[1]
-    return {(b, h): sorted(pos[b, min(h, pos.shape[1] - 1)][pos[b, min(h, pos.shape[1] - 1)] >= 0]) for b in range(B) for h in range(K)}
+    return {
+        (b, h): sorted(pos[b, min(h, pos.shape[1] - 1)][pos[b, min(h, pos.shape[1] - 1)] >= 0])
+        for b in range(B)
+        for h in range(K)
+    }
 
 
-@pytest.mark.parametrize("policy", ["streaming:0.5", "snapkv:0.5:obs_window=8", "keynorm:0.5:sinks=2,window=3",
-                                    "snapkv:0.5:obs_window=8,allocator=adakv"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "streaming:0.5",
+        "snapkv:0.5:obs_window=8",
+        "keynorm:0.5:sinks=2,window=3",
+        "snapkv:0.5:obs_window=8,allocator=adakv",
+    ],
+)
 def test_kept_entries_are_the_original_tokens_at_their_true_positions(gqa, policy):
     cfg = gqa[0]
     _, _, lengths, (_, full), (_, caches, _) = _plain_and_compressed(gqa[1], policy)
@@ -154,7 +180,9 @@ def test_kept_entries_are_the_original_tokens_at_their_true_positions(gqa, polic
             else:
                 pos = np.asarray(c.pos if c.pos.ndim == 3 else c.pos[:, None])
                 slots = np.flatnonzero(pos[b, min(h, pos.shape[1] - 1)] >= 0)
-                np.testing.assert_array_equal(np.asarray(c.k)[b, h, slots], k_full[b, h, pos[b, min(h, pos.shape[1] - 1), slots]])
+                np.testing.assert_array_equal(
+                    np.asarray(c.k)[b, h, slots], k_full[b, h, pos[b, min(h, pos.shape[1] - 1), slots]]
+                )
                 assert list(pos[b, min(h, pos.shape[1] - 1), slots]) == kept  # compacted in position order
 
 
@@ -227,8 +255,14 @@ def test_jitted_equals_not_jitted(gqa):
     _, caches = plain.prefill(tokens, lengths)
     for policy in ("keynorm:0.5:reducer=kvmerger", "streaming:0.5+keynorm:0.5:allocator=adakv"):
         plans = plan_stages(cfg, parse_policy(policy).stages, lengths, headroom=NEW)
-        args = (caches, (None, None), tuple(p.static for p in plans), tuple(p.arrays for p in plans),
-                jnp.asarray(lengths - 1), compressible(cfg))
+        args = (
+            caches,
+            (None, None),
+            tuple(p.static for p in plans),
+            tuple(p.arrays for p in plans),
+            jnp.asarray(lengths - 1),
+            compressible(cfg),
+        )
         jitted, _ = jax.jit(compress_caches, static_argnums=(2, 5))(*args)
         with jax.disable_jit():
             eager, _ = compress_caches(*args)
@@ -247,6 +281,7 @@ def test_a_batch_of_ragged_prompts_equals_each_prompt_alone(gqa, policy):
 
 
 # --- scorers against their definitions -------------------------------------------------------------
+
 
 def _probs(seed=0, B=2, K=2, G=3, T=9, H=4):
     r = np.random.default_rng(seed)
@@ -308,8 +343,14 @@ def test_snapkv_pools_the_keys_before_the_window_only():
     pos = np.where(np.arange(S)[None] < lengths[:, None], np.arange(S)[None], -1).astype(np.int32)
     stat[pos[:, None].repeat(K, 1) < 0] = 0.0
     stage = Stage("snapkv", ratio=0.5, obs_window=w, kernel=kernel)
-    got = np.asarray(score(stage, KVCache.init(B, S, K, 4, jnp.float32).replace(pos=jnp.asarray(pos)),
-                           jnp.asarray(stat), jnp.asarray(lengths - 1)))
+    got = np.asarray(
+        score(
+            stage,
+            KVCache.init(B, S, K, 4, jnp.float32).replace(pos=jnp.asarray(pos)),
+            jnp.asarray(stat),
+            jnp.asarray(lengths - 1),
+        )
+    )
     for b, n in enumerate(lengths):
         before = np.pad(stat[b, :, : n - w], ((0, 0), (kernel // 2, kernel // 2)))
         want = np.stack([np.convolve(row, np.ones(kernel) / kernel, mode="valid") for row in before])
@@ -317,6 +358,7 @@ def test_snapkv_pools_the_keys_before_the_window_only():
 
 
 # --- reducers and allocators as properties ----------------------------------------------------------
+
 
 @settings(max_examples=20, deadline=None)
 @given(
@@ -336,8 +378,15 @@ def test_top_slots_keeps_budget_sinks_window_then_the_best(lengths, K, sinks, wi
     pos3 = np.broadcast_to(pos[:, None], (len(L), K, S))
     scores = r.normal(size=(len(L), K, S)).astype(np.float32)
     select = jax.jit(top_slots, static_argnums=3, static_argnames="sinks")
-    idx, valid = select(jnp.asarray(scores), jnp.asarray(pos3), jnp.asarray(counts), int(counts.max()),
-                        sinks=sinks, window=jnp.full(len(L), window), last_pos=jnp.asarray(L - 1))
+    idx, valid = select(
+        jnp.asarray(scores),
+        jnp.asarray(pos3),
+        jnp.asarray(counts),
+        int(counts.max()),
+        sinks=sinks,
+        window=jnp.full(len(L), window),
+        last_pos=jnp.asarray(L - 1),
+    )
     idx, valid = np.asarray(idx), np.asarray(valid)
     prot = np.asarray(protected(jnp.asarray(pos3), sinks, jnp.full(len(L), window), jnp.asarray(L - 1)))
     for b, n in enumerate(L):
@@ -354,8 +403,9 @@ def test_top_slots_keeps_budget_sinks_window_then_the_best(lengths, K, sinks, wi
 
 
 @settings(max_examples=30, deadline=None)
-@given(lengths=st.lists(st.integers(8, 200), min_size=1, max_size=3), ratio=st.floats(0.0, 0.9),
-       layers=st.integers(2, 8))
+@given(
+    lengths=st.lists(st.integers(8, 200), min_size=1, max_size=3), ratio=st.floats(0.0, 0.9), layers=st.integers(2, 8)
+)
 @example(lengths=[200], ratio=0.85, layers=2)  # 200 x 0.15 = 30.000000000000004: float noise at a .5
 def test_allocators_budgets(lengths, ratio, layers):
     L = np.array(lengths)
@@ -385,8 +435,9 @@ def test_pyramid_budgets_follow_the_reference_schedule():
     # k = 1000 of 2000: min 50, max 1950 (below 2000 - 8): step 633.3, rounded; sums to 4 x 1000.
     np.testing.assert_array_equal(pyramid_counts(stage, 2000, 4), [1950, 1317, 683, 50])
     # k = 200 of 1000 (ratio 0.8): min 10 is below the window, so every layer keeps k (kvpress's fallback).
-    np.testing.assert_array_equal(pyramid_counts(Stage("snapkv", ratio=0.8, obs_window=32, allocator="pyramid"),
-                                                 1000, 4), [200] * 4)
+    np.testing.assert_array_equal(
+        pyramid_counts(Stage("snapkv", ratio=0.8, obs_window=32, allocator="pyramid"), 1000, 4), [200] * 4
+    )
     # The issue's case: 30 layers, 300 tokens, 20% removed: the layers spend exactly 30 x 240.
     short = pyramid_counts(Stage("snapkv", ratio=0.2, allocator="pyramid"), 300, 30)
     assert short.sum() == 30 * 240 and short[0] == 300 - 32
@@ -401,8 +452,12 @@ def test_adakv_pools_snapkv_scores_per_head(gqa):
     rng = np.random.default_rng(0)
     B, K, S, H = 1, 2, 20, 4
     pos = jnp.asarray(np.arange(S)[None].astype(np.int32))  # full: head 0's last entry meets head 1's first
-    cache = KVCache(k=jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32), v=jnp.zeros((B, K, S, H)),
-                    pos=pos, length=jnp.array([S]))
+    cache = KVCache(
+        k=jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32),
+        v=jnp.zeros((B, K, S, H)),
+        pos=pos,
+        length=jnp.array([S]),
+    )
     stat = np.zeros((B, K, S), np.float32)
     stat[0, 0, [3, 11, 18]] = 5.0  # spikes: pooling spreads them to their own head's neighbours only
     stat[0, 1, [6, 7]] = 4.0
@@ -457,8 +512,15 @@ def test_pooled_attention_equals_per_head_attention():
 
     pooled, _ = to_pool(cache)
     order = r.permutation(K * S)  # a pool's order does not matter
-    out = attention(q, pooled.k[:, order], pooled.v[:, order], jnp.full((B, 1), S), pooled.pos[:, order],
-                    k_head=pooled.head[:, order], n_kv_heads=K)
+    out = attention(
+        q,
+        pooled.k[:, order],
+        pooled.v[:, order],
+        jnp.full((B, 1), S),
+        pooled.pos[:, order],
+        k_head=pooled.head[:, order],
+        n_kv_heads=K,
+    )
     np.testing.assert_allclose(out, ref, atol=1e-6)
 
 
@@ -489,6 +551,7 @@ def test_cam_merges_an_evicted_value_into_the_next_kept_one():
 
 
 # --- other variants and bad input -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("variant", ["cla2", "mla", "yoco-swa"])
 def test_policies_run_on_every_token_cache_with_exact_bytes(make_model, variant):
@@ -528,8 +591,11 @@ def test_bad_policies_fail_before_compute(gqa, policy, message):
 
 
 def test_a_size_below_the_protected_tokens_says_what_it_adds_up_to():
-    with pytest.raises(ConfigError, match=r"keep 2, below the 5 tokens always kept \(sinks 0 \+ window 32, capped at "
-                                          r"the row's 5 tokens\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"keep 2, below the 5 tokens always kept \(sinks 0 \+ window 32, capped at "
+        r"the row's 5 tokens\)",
+    ):
         stage_counts(parse_policy("snapkv:2").stages[0], np.array([5]), 1)
 
 
@@ -557,9 +623,17 @@ def test_adakv_floor_goes_to_real_tokens_when_a_scorer_rates_empty_slots_highest
     scores[1:, :real] = -1 - 0.01 * np.arange(real)
     pos = np.tile(np.r_[np.arange(real), -np.ones(empty)], (K, 1)).astype(np.int32)
     head = np.repeat(np.arange(K), real + empty)[None, None]
-    idx, valid = top_slots(jnp.asarray(scores.reshape(1, 1, -1)), jnp.asarray(pos.reshape(1, 1, -1)),
-                           jnp.array([60]), 60, sinks=0, window=jnp.array([0]), last_pos=jnp.array([real - 1]),
-                           floor=jnp.array([4]), head=jnp.asarray(head))
+    idx, valid = top_slots(
+        jnp.asarray(scores.reshape(1, 1, -1)),
+        jnp.asarray(pos.reshape(1, 1, -1)),
+        jnp.array([60]),
+        60,
+        sinks=0,
+        window=jnp.array([0]),
+        last_pos=jnp.array([real - 1]),
+        floor=jnp.array([4]),
+        head=jnp.asarray(head),
+    )
     kept = head[0, 0][np.asarray(idx[0, 0])][np.asarray(valid[0, 0])]
     np.testing.assert_array_equal(np.bincount(kept, minlength=K), [4, 28, 28])
 
@@ -618,10 +692,20 @@ def test_quest_reads_the_pages_with_the_highest_upper_bound_and_the_bound_holds(
             # the reference: every slot read, those outside the chosen pages masked
             masked = np.where(np.isin(np.arange(S) // ps, read) & (np.arange(S) < n), np.arange(S), -1)
             q_h = q[b : b + 1, :, h * G : (h + 1) * G]
-            ref = attention(q_h, k[b : b + 1, h : h + 1], k[b : b + 1, h : h + 1], jnp.asarray([[n - 1]]),
-                            jnp.asarray(masked)[None, None])
-            out = attention(q_h, view.k[b : b + 1, h : h + 1], view.v[b : b + 1, h : h + 1], jnp.asarray([[n - 1]]),
-                            view.pos[b : b + 1, h : h + 1])
+            ref = attention(
+                q_h,
+                k[b : b + 1, h : h + 1],
+                k[b : b + 1, h : h + 1],
+                jnp.asarray([[n - 1]]),
+                jnp.asarray(masked)[None, None],
+            )
+            out = attention(
+                q_h,
+                view.k[b : b + 1, h : h + 1],
+                view.v[b : b + 1, h : h + 1],
+                jnp.asarray([[n - 1]]),
+                view.pos[b : b + 1, h : h + 1],
+            )
             np.testing.assert_allclose(out, ref, atol=1e-6)
 
 
@@ -665,8 +749,16 @@ def test_h2o_normalize_divides_by_the_queries_that_saw_each_key():
     K=st.sampled_from([1, 2, 4]),
     lengths=st.lists(st.integers(6, 30), min_size=1, max_size=3),
     kept=st.floats(0.3, 1.0),
-    method=st.sampled_from(["streaming", "keynorm", "keynorm:allocator=adakv", "keynorm:allocator=pyramid",
-                            "quest:page_size=4", "streaming:window=2,sinks=1+keynorm:window=2"]),
+    method=st.sampled_from(
+        [
+            "streaming",
+            "keynorm",
+            "keynorm:allocator=adakv",
+            "keynorm:allocator=pyramid",
+            "quest:page_size=4",
+            "streaming:window=2,sinks=1+keynorm:window=2",
+        ]
+    ),
     seed=st.integers(0, 100),
 )
 def test_compressed_bytes_and_protected_tokens_over_random_shapes(K, lengths, kept, method, seed):
@@ -680,7 +772,8 @@ def test_compressed_bytes_and_protected_tokens_over_random_shapes(K, lengths, ke
     L = np.array(lengths)
     ratio = round(1 - kept, 3)
     text = "+".join(
-        f"{part.split(':')[0]}:{ratio}" + (f":{part.split(':', 1)[1]}" if ":" in part else "") for part in method.split("+")
+        f"{part.split(':')[0]}:{ratio}" + (f":{part.split(':', 1)[1]}" if ":" in part else "")
+        for part in method.split("+")
     )
     try:
         policy = parse_policy(text)
@@ -690,14 +783,23 @@ def test_compressed_bytes_and_protected_tokens_over_random_shapes(K, lengths, ke
     S = int(L.max()) + 2
     r = np.random.default_rng(seed)
     caches = tuple(
-        c.replace(k=jnp.asarray(r.normal(size=c.k.shape), jnp.float32), v=jnp.asarray(r.normal(size=c.v.shape), jnp.float32),
-                  pos=jnp.asarray(np.where(np.arange(S)[None] < L[:, None], np.arange(S)[None], -1), jnp.int32),
-                  length=jnp.asarray(L, jnp.int32))
+        c.replace(
+            k=jnp.asarray(r.normal(size=c.k.shape), jnp.float32),
+            v=jnp.asarray(r.normal(size=c.v.shape), jnp.float32),
+            pos=jnp.asarray(np.where(np.arange(S)[None] < L[:, None], np.arange(S)[None], -1), jnp.int32),
+            length=jnp.asarray(L, jnp.int32),
+        )
         for c in init_caches(cfg, len(L), S)
     )
     compress = jax.jit(compress_caches, static_argnums=(2, 5))
-    out, _ = compress(caches, (None,) * 2, tuple(p.static for p in plans), tuple(p.arrays for p in plans),
-                      jnp.asarray(L - 1), compressible(cfg))
+    out, _ = compress(
+        caches,
+        (None,) * 2,
+        tuple(p.static for p in plans),
+        tuple(p.arrays for p in plans),
+        jnp.asarray(L - 1),
+        compressible(cfg),
+    )
     assert caches_nbytes(out) == compressed_cache_bytes(cfg, plans, len(L), S)
     last = policy.stages[-1]
     for j, cache in enumerate(out):

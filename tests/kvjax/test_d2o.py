@@ -67,13 +67,16 @@ def test_merge_follows_the_reference_rule():
             src = [e for e in range(S) if evicted[h, e] and tgt[h, e] == c and head_mean[e] >= tau]
             ref_k[0, h, c] = (k[0, h, c] + sum(u[h, e] * k[0, h, e] for e in src)) / (1 + len(src))
             ref_v[0, h, c] = (v[0, h, c] + sum(u[h, e] * v[0, h, e] for e in src)) / (1 + len(src))
-    assert any(head_mean[e] >= tau for e in range(S)) and any(evicted[:, e].any() and head_mean[e] < tau for e in range(S))
+    assert any(head_mean[e] >= tau for e in range(S)) and any(
+        evicted[:, e].any() and head_mean[e] < tau for e in range(S)
+    )
     np.testing.assert_allclose(out.k, ref_k, atol=1e-5)
     np.testing.assert_allclose(out.v, ref_v, atol=1e-5)
     again = merge(out, idx, valid, ema=0.25)  # the threshold's moving average: 0.25 old + 0.75 new
     unit2 = np.asarray(out.k) / np.linalg.norm(np.asarray(out.k), axis=-1, keepdims=True)
-    mean_u = np.mean([max(unit2[0, h, e] @ unit2[0, h, c] for c in kept[h]) for h in range(K) for e in range(S)
-                      if evicted[h, e]])
+    mean_u = np.mean(
+        [max(unit2[0, h, e] @ unit2[0, h, c] for c in kept[h]) for h in range(K) for e in range(S) if evicted[h, e]]
+    )
     assert float(again.tau[0]) == pytest.approx(0.25 * tau + 0.75 * mean_u, rel=1e-5)
 
 

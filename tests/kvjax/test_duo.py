@@ -14,9 +14,9 @@ from kvjax.compress import compressed_cache_bytes, parse_policy
 from kvjax.config import ConfigError
 from kvjax.duo import DuoKVCache, GateMix, load_pattern, save_pattern, streaming_attention, streaming_heads
 from kvjax.ops import attention
+from tests.kvjax.test_compress import CAPACITY, GREEDY, NEW, PROMPTS
 from training.duo import GateTraining, gate_caches, learn_gates, objective, passkey_sample
 from training.tokenizer import ByteTokenizer
-from tests.kvjax.test_compress import CAPACITY, GREEDY, NEW, PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,9 @@ def test_streaming_heads_keep_sinks_and_recent_tokens_and_bytes_are_exact(gqa, p
     plans = gen.compression_plan(lengths, NEW)
     assert caches_nbytes(caches) == compressed_cache_bytes(cfg, plans, len(PROMPTS), CAPACITY)
     K = cfg.attention.n_kv_heads
-    assert [c.streaming for c in caches] == list(streaming_heads([np.linspace(0.1, 0.9, K), np.linspace(0.8, 0.2, K)], 0.5))
+    assert [c.streaming for c in caches] == list(
+        streaming_heads([np.linspace(0.1, 0.9, K), np.linspace(0.8, 0.2, K)], 0.5)
+    )
     for cache in caches:
         if not cache.streaming:
             continue
@@ -155,12 +157,14 @@ def test_all_gates_open_is_the_full_model_and_the_objective_is_its_l1_term(gqa):
     teacher, _ = model.hidden(tokens, pos)
     K = cfg.attention.n_kv_heads
     ones = (jnp.ones(K), jnp.ones(K))
-    total, (distill, l1) = objective(graphdef, params, ones, tokens, mask, teacher.astype(jnp.float32),
-                                     sinks=2, recent=4, reg=0.05)
+    total, (distill, l1) = objective(
+        graphdef, params, ones, tokens, mask, teacher.astype(jnp.float32), sinks=2, recent=4, reg=0.05
+    )
     assert float(distill) == 0.0 and float(l1) == 1.0 and float(total) == pytest.approx(0.05)
     half = (jnp.full(K, 0.5), jnp.zeros(K))
-    total, (distill, l1) = objective(graphdef, params, half, tokens, mask, teacher.astype(jnp.float32),
-                                     sinks=2, recent=4, reg=0.05)
+    total, (distill, l1) = objective(
+        graphdef, params, half, tokens, mask, teacher.astype(jnp.float32), sinks=2, recent=4, reg=0.05
+    )
     assert float(distill) > 0 and float(l1) == pytest.approx(0.25)
     mixed, _ = model.hidden(tokens, pos, gate_caches(cfg, half, 2, 4))
     expected = jnp.mean((mixed.astype(jnp.float32) - teacher) ** 2)

@@ -90,13 +90,16 @@ def test_several_greedy_steps_a_call_give_the_same_tokens_and_stop_at_eos(gqa, r
 def test_sampled_tokens_depend_on_the_request_not_on_the_batch(gqa, requests):
     """Sampling draws with each request's own key (its seed, index and step): the same tokens whatever
     the slots, chunking and preemptions, and other tokens under another seed."""
-    sampled = [Request(r.prompt, DecodingConfig(max_new_tokens=r.decoding.max_new_tokens, temperature=1.0, seed=3))
-               for r in requests]
+    sampled = [
+        Request(r.prompt, DecodingConfig(max_new_tokens=r.decoding.max_new_tokens, temperature=1.0, seed=3))
+        for r in requests
+    ]
     a = Engine(gqa, n_pages=40, page_size=4, slots=5, chunk=32).run(sampled)
     b = Engine(gqa, n_pages=10, page_size=4, slots=2, chunk=4).run(sampled)
     assert [x.tokens for x in a] == [x.tokens for x in b] and sum(x.preempted for x in b) > 0
-    np.testing.assert_allclose(np.concatenate([x.logprobs for x in a]), np.concatenate([x.logprobs for x in b]),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.concatenate([x.logprobs for x in a]), np.concatenate([x.logprobs for x in b]), atol=1e-5
+    )
     other = [Request(r.prompt, dataclasses.replace(r.decoding, seed=4)) for r in sampled]
     assert [x.tokens for x in Engine(gqa, n_pages=40, page_size=4, slots=5).run(other)] != [x.tokens for x in a]
 
@@ -150,9 +153,14 @@ def test_a_policy_takes_the_pages_its_budget_says(gqa):
 
 
 def test_policies_the_engine_cannot_page_are_refused(gqa):
-    for policy, match in [("kivi:2", "quantized pages are int:8"), ("int:4", "quantized pages are int:8"),
-                          ("h2o:0.5:every=2", "every=2"), ("snapkv:0.5:allocator=adakv", "allocator='adakv'"),
-                          ("palu:0.5", "palu is not supported"), ("duo:0.5", "duo is not supported")]:
+    for policy, match in [
+        ("kivi:2", "quantized pages are int:8"),
+        ("int:4", "quantized pages are int:8"),
+        ("h2o:0.5:every=2", "every=2"),
+        ("snapkv:0.5:allocator=adakv", "allocator='adakv'"),
+        ("palu:0.5", "palu is not supported"),
+        ("duo:0.5", "duo is not supported"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             Engine(gqa, n_pages=8, policy=policy)
 
@@ -176,7 +184,8 @@ SHARDED = textwrap.dedent(
         engine = Engine(model, n_pages=12, page_size=4, slots=4, chunk=8, mesh=mesh)
         done = engine.run(requests)
         out[name] = {"tokens": [d.tokens for d in done], "logprobs": [d.logprobs for d in done],
-                     "pool_devices": len(engine.caches[0].k.sharding.device_set), "preemptions": engine.stats.preemptions}
+                     "pool_devices": len(engine.caches[0].k.sharding.device_set),
+                     "preemptions": engine.stats.preemptions}
     print(json.dumps(out))
     """
 )

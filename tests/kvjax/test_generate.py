@@ -3,9 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import DecodingConfig, Generator, generate
+from kvjax import DecodingConfig, Generator, generate, memory
 from kvjax.cache import caches_nbytes
-from kvjax import memory
 
 PROMPTS = [[5, 17, 3], list(range(40, 51)), [200, 1, 2, 3, 4, 9]]
 CAPACITY = 32
@@ -106,7 +105,9 @@ def test_chunked_prefill_equals_one_pass_beyond_attention(make_model, name):
 
 def test_bad_requests_fail_before_compute(setup):
     cfg, model, gen = setup
-    with pytest.raises(ValueError, match="prompt of 30 tokens \\+ max_new_tokens=8 needs 38 cache slots but the capacity is 32"):
+    with pytest.raises(
+        ValueError, match="prompt of 30 tokens \\+ max_new_tokens=8 needs 38 cache slots but the capacity is 32"
+    ):
         gen([[1] * 30], GREEDY)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         gen([[1], []], GREEDY)
@@ -129,7 +130,14 @@ def test_prompt_buckets_are_powers_of_two_then_quarter_octaves():
     from kvjax.generate import prompt_bucket
 
     assert [prompt_bucket(n, 1 << 16) for n in (1, 8, 9, 600, 1024)] == [8, 8, 16, 1024, 1024]
-    assert [prompt_bucket(n, 1 << 16) for n in (1025, 1100, 1536, 1537, 2049, 5000)] == [1280, 1280, 1536, 1792, 2560, 5120]
+    assert [prompt_bucket(n, 1 << 16) for n in (1025, 1100, 1536, 1537, 2049, 5000)] == [
+        1280,
+        1280,
+        1536,
+        1792,
+        2560,
+        5120,
+    ]
     assert prompt_bucket(1100, 1200) == 1200  # never past the capacity
     for n in range(1025, 9000, 37):  # at most 25% padding above 1k
         assert n <= prompt_bucket(n, 1 << 16) <= 1.25 * n

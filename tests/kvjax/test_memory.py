@@ -39,7 +39,9 @@ def test_analytic_bytes_by_hand():
     capacity=st.integers(1, 120),
     batch=st.integers(1, 3),
 )
-def test_random_configs_measured_equals_analytic(n_layers, n_kv_heads, group, half_head, window, dtype, capacity, batch):
+def test_random_configs_measured_equals_analytic(
+    n_layers, n_kv_heads, group, half_head, window, dtype, capacity, batch
+):
     att = AttentionConfig(n_heads=n_kv_heads * group, n_kv_heads=n_kv_heads, head_dim=2 * half_head, window=window)
     cfg = ModelConfig(n_layers=n_layers, dtype=dtype, attention=att)
     caches = init_caches(cfg, batch, capacity)

@@ -10,8 +10,7 @@ import pytest
 from kvjax import Generator
 from kvjax.cache import caches_nbytes
 from kvjax.compress import compressed_cache_bytes, parse_policy
-from kvjax.compress.minicache import (MergedKVCache, PartnerKVCache, angle, merged_pairs, retained_slots,
-                                      slerp_direction)
+from kvjax.compress.minicache import MergedKVCache, PartnerKVCache, angle, merged_pairs, retained_slots, slerp_direction
 from kvjax.config import ConfigError
 from tests.kvjax.test_compress import CAPACITY, GREEDY, NEW, PROMPTS
 
@@ -83,8 +82,11 @@ def test_merged_pair_restores_magnitudes_keeps_retained_originals_and_bytes_are_
     np.testing.assert_allclose(np.where(filled, v0, 0), np.where(filled, lower.v[:, :, :T], 0), atol=1e-5)
     k1, _ = pair.restored(1)
     norms = np.linalg.norm(np.asarray(k1), axis=-1)
-    np.testing.assert_allclose(np.where(filled[..., 0], norms, 0),
-                               np.where(filled[..., 0], np.linalg.norm(upper.k[:, :, :T], axis=-1), 0), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.where(filled[..., 0], norms, 0),
+        np.where(filled[..., 0], np.linalg.norm(upper.k[:, :, :T], axis=-1), 0),
+        rtol=1e-5,
+    )
     kept = np.asarray(pair.kept)
     rows, heads = np.arange(2)[:, None, None], np.arange(kept.shape[1])[None, :, None]
     np.testing.assert_array_equal(np.asarray(k1)[rows, heads, kept], np.asarray(upper.k)[rows, heads, kept])

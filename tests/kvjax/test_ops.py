@@ -74,11 +74,16 @@ def test_a_chunk_over_its_own_keys_in_causal_blocks(window):
     want = loop_reference(q, k, v, pos, k_pos, window)
     args = tuple(map(jnp.asarray, (q, k, v, pos, k_pos)))
     np.testing.assert_allclose(attention(*args, window=window, fresh=T), want, atol=1e-5)
-    blocked = lambda q, k, v: causal_blocks(q, k[:, :, :T], v[:, :, :T], args[3], args[4][:, :T], window, None, "xla", 16)  # noqa: E731
+
+    def blocked(q, k, v):
+        return causal_blocks(q, k[:, :, :T], v[:, :, :T], args[3], args[4][:, :T], window, None, "xla", 16)
+
     np.testing.assert_allclose(blocked(*args[:3]), want, atol=1e-5)
     loss = lambda f: lambda *x: (f(*x) * jnp.sin(jnp.arange(B * T * N * H).reshape(B, T, N, H))).sum()  # noqa: E731
     grads = jax.grad(loss(blocked), argnums=(0, 1, 2))(*args[:3])
-    dense = jax.grad(loss(lambda q, k, v: attention(q, k, v, args[3], args[4], window=window)), argnums=(0, 1, 2))(*args[:3])
+    dense = jax.grad(loss(lambda q, k, v: attention(q, k, v, args[3], args[4], window=window)), argnums=(0, 1, 2))(
+        *args[:3]
+    )
     for got, expected in zip(grads, dense):
         np.testing.assert_allclose(got, expected, atol=1e-5)
 

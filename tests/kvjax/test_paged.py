@@ -20,7 +20,9 @@ PS, PAGES, WIDTH = 4, 24, 8  # page size, pool pages, table columns
 def _paged_caches(cfg, batch):
     att = cfg.attention
     n = len(set(cfg.kv_source))
-    return tuple(PagedKVCache.init(PAGES, PS, batch, WIDTH, att.n_kv_heads, att.head_dim, jnp.float32) for _ in range(n))
+    return tuple(
+        PagedKVCache.init(PAGES, PS, batch, WIDTH, att.n_kv_heads, att.head_dim, jnp.float32) for _ in range(n)
+    )
 
 
 def _with_tables(caches, pool, seqs):
@@ -57,7 +59,8 @@ def test_a_decoder_over_scattered_pages_equals_the_dense_cache(make_model):
             pool.advance(seq, 1)
         np.testing.assert_allclose(logits, dense_logits, atol=1e-5, err_msg=f"decode step {t}")
     assert sorted({int(x) for x in np.asarray(caches[0].table).ravel()} - {NULL_PAGE}) == sorted(
-        pool.tables["a"] + pool.tables["b"])
+        pool.tables["a"] + pool.tables["b"]
+    )
 
 
 def test_copy_on_write_never_alters_the_other_sequence():
@@ -70,8 +73,9 @@ def test_copy_on_write_never_alters_the_other_sequence():
     pool.fork("p", "c")
     copies = pool.reserve("c", 1)  # the child writes into the shared partial page: it gets a copy
     assert len(copies) == 1 and copies[0][0] == pool.tables["p"][1] and pool.tables["c"][1] != pool.tables["p"][1]
-    cache = cache.copy_pages(copies).replace(table=jnp.asarray(pool.table(["p", "c"], 3)),
-                                             length=jnp.asarray([6, 6], jnp.int32))
+    cache = cache.copy_pages(copies).replace(
+        table=jnp.asarray(pool.table(["p", "c"], 3)), length=jnp.asarray([6, 6], jnp.int32)
+    )
     twos = jnp.full((2, 1, 1, 2), 2.0)
     cache, view = cache.update(twos, twos, jnp.asarray([[-1], [6]]))
     np.testing.assert_array_equal(view.k[0, 0, :6], 1.0)  # the parent still reads its own tokens
@@ -104,8 +108,12 @@ def test_requests_the_pool_cannot_hold_are_refused():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["admit", "grow", "fork", "release"]), st.integers(0, 5),
-                          st.integers(1, 9)), max_size=40))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["admit", "grow", "fork", "release"]), st.integers(0, 5), st.integers(1, 9)),
+        max_size=40,
+    )
+)
 def test_no_page_is_ever_leaked_or_double_booked(ops):
     pool, history = PagePool(12, PS), {}
     for op, seq, n in ops:
@@ -131,8 +139,10 @@ def test_no_page_is_ever_leaked_or_double_booked(ops):
             np.add.at(held, pages, 1)
         assert (held == pool.refs).all() and NULL_PAGE not in pool.free and pool.refs[NULL_PAGE] == 0
         assert all((pool.refs[p] == 0) == (p in pool.free) for p in range(1, 12))  # free iff unreferenced
-        assert all(len(pages) == pool.pages_for(pool.lengths[s]) or len(pages) > pool.pages_for(pool.lengths[s])
-                   for s, pages in pool.tables.items())
+        assert all(
+            len(pages) == pool.pages_for(pool.lengths[s]) or len(pages) > pool.pages_for(pool.lengths[s])
+            for s, pages in pool.tables.items()
+        )
     for seq in list(pool.tables):
         pool.release(seq)
     assert pool.used_pages == 0 and len(pool.free) == 11  # every page back
@@ -166,12 +176,15 @@ def _scattered(rng, K, per_head=False, int8=False):
     else:
         arrays = {n: jnp.asarray(rng.normal(size=(P, K, PS, 8)), jnp.float32) for n in "kv"}
     table = jnp.asarray([[3, 7, 1, 0, 0], [5, 7, 9, 11, 4], [0, 0, 0, 0, 0]], jnp.int32)
-    return PagedKVCache(pos=jnp.asarray(pos, jnp.int32), table=table, length=jnp.asarray([10, 19, 0], jnp.int32),
-                        **arrays)
+    return PagedKVCache(
+        pos=jnp.asarray(pos, jnp.int32), table=table, length=jnp.asarray([10, 19, 0], jnp.int32), **arrays
+    )
 
 
-@pytest.mark.parametrize("N, K, window, per_head, int8", [
-    (4, 2, None, False, False), (4, 1, 6, False, False), (2, 2, None, True, False), (6, 2, None, False, True)])
+@pytest.mark.parametrize(
+    "N, K, window, per_head, int8",
+    [(4, 2, None, False, False), (4, 1, 6, False, False), (2, 2, None, True, False), (6, 2, None, False, True)],
+)
 def test_attention_over_the_whole_pool_equals_attention_over_the_gathered_pages(N, K, window, per_head, int8):
     """`attend_pool` (the engine's XLA decode path once tables span the pool) == the op over the view."""
     rng = np.random.default_rng(0)
@@ -185,7 +198,9 @@ def test_attention_over_the_whole_pool_equals_attention_over_the_gathered_pages(
     shorter = cache.replace(length=cache.length.at[1].set(13))  # the length bounds what a row reads
     cut = shorter.attend_pool(q, q_pos, window, scale=0.3)
     short = shorter.view()
-    np.testing.assert_allclose(cut, attention(q, short.k, short.v, q_pos, short.pos, window=window, scale=0.3), atol=1e-5)
+    np.testing.assert_allclose(
+        cut, attention(q, short.k, short.v, q_pos, short.pos, window=window, scale=0.3), atol=1e-5
+    )
     assert window is not None or not np.allclose(cut[1], out[1])
 
 
@@ -210,7 +225,9 @@ def test_a_mixed_step_computes_what_the_decode_step_and_the_chunk_compute_apart(
     # apart: the decode rows [2,1], then the chunk [1,8]
     apart = _with_tables(caches, pool, "ab")
     rows_h, apart = step(jnp.asarray(nxt[:, None]), jnp.asarray([[9], [6]]), apart)
-    apart = tuple(c.replace(table=jnp.asarray(pool.table(["c"], WIDTH)), length=jnp.asarray([3], jnp.int32)) for c in apart)
+    apart = tuple(
+        c.replace(table=jnp.asarray(pool.table(["c"], WIDTH)), length=jnp.asarray([3], jnp.int32)) for c in apart
+    )
     chunk_h, apart = step(jnp.asarray(chunk[None]), jnp.arange(3, 11)[None], apart)
     # together: rows a, b, c (c feeds no decode token), then c's chunk
     mixed = tuple(c.replace(chunk_row=jnp.int32(2)) for c in _with_tables(caches, pool, "abc"))

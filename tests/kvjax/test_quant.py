@@ -42,12 +42,17 @@ def test_bit_plane_j_holds_a_contiguous_run_of_codes(bits):
     packed = np.asarray(pack(jnp.asarray(codes), bits)).astype(np.int32)
     W = packed.shape[-1]
     for j in range(8 // bits):
-        np.testing.assert_array_equal((packed >> (j * bits)) & (2**bits - 1), codes[:, j * W:(j + 1) * W])
+        np.testing.assert_array_equal((packed >> (j * bits)) & (2**bits - 1), codes[:, j * W : (j + 1) * W])
 
 
 @settings(max_examples=40, deadline=None)
-@given(bits=st.sampled_from([2, 3, 4, 8]), group=st.sampled_from([1, 4, 16]), scale=st.floats(1e-3, 1e3),
-       symmetric=st.booleans(), seed=st.integers(0, 999))
+@given(
+    bits=st.sampled_from([2, 3, 4, 8]),
+    group=st.sampled_from([1, 4, 16]),
+    scale=st.floats(1e-3, 1e3),
+    symmetric=st.booleans(),
+    seed=st.integers(0, 999),
+)
 def test_round_trip_error_is_within_the_bit_width_bound(bits, group, scale, symmetric, seed):
     x = np.random.default_rng(seed).normal(size=(3, 32)).astype(np.float32) * scale
     codes, s, z = quantize(jnp.asarray(x), bits, group, symmetric=symmetric)
@@ -155,9 +160,17 @@ def test_kivi_with_a_residual_covering_the_sequence_is_no_quantization(gqa):
     _assert_same_decoding(plain, gen, lengths, caches, caches_c, logits, stats)
 
 
-@pytest.mark.parametrize("policy", ["int:4", "int:2:asym", "kivi:2:group=4,residual=8", "snapkv:0.5:obs_window=8+kivi:4:group=4,residual=8",
-                                    "kvquant:2:group=8,residual=8,outliers=0.1,sinks=2",
-                                    "snapkv:0.5:obs_window=8+gear:2:group=8,residual=16,rank=3,outliers=0.2"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "int:4",
+        "int:2:asym",
+        "kivi:2:group=4,residual=8",
+        "snapkv:0.5:obs_window=8+kivi:4:group=4,residual=8",
+        "kvquant:2:group=8,residual=8,outliers=0.1,sinks=2",
+        "snapkv:0.5:obs_window=8+gear:2:group=8,residual=16,rank=3,outliers=0.2",
+    ],
+)
 def test_measured_bytes_equal_analytic_and_decoding_runs(gqa, policy):
     cfg, model = gqa
     gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy))
@@ -172,20 +185,23 @@ def test_measured_bytes_equal_analytic_and_decoding_runs(gqa, policy):
         assert out.caches[0].pos.shape == (2, cfg.attention.n_kv_heads, out.caches[0].capacity)
 
 
-@pytest.mark.parametrize("policy, message", [
-    ("int:3", "bits=3 must be one of"),
-    ("int:2", r"asym=true also allows 2"),
-    ("kivi:2:asym", "asym=true applies to int only"),
-    ("snapkv:0.5:asym", "asym applies to int quantization only"),
-    ("kivi:8", "bits=8 must be one of"),
-    ("kivi:2:residual=40", "multiple of group=32"),
-    ("kivi:2+snapkv:0.5", "encode last"),
-    ("int:8:every=2", "a quantizer keeps every token"),
-    ("kvquant:8", "bits=8 must be one of"),
-    ("kvquant:3:outliers=0.7", "outliers=0.7 must be in"),
-    ("gear:3", "bits=3 must be one of"),
-    ("kivi:2:rank=2", "applies to gear only"),
-])
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        ("int:3", "bits=3 must be one of"),
+        ("int:2", r"asym=true also allows 2"),
+        ("kivi:2:asym", "asym=true applies to int only"),
+        ("snapkv:0.5:asym", "asym applies to int quantization only"),
+        ("kivi:8", "bits=8 must be one of"),
+        ("kivi:2:residual=40", "multiple of group=32"),
+        ("kivi:2+snapkv:0.5", "encode last"),
+        ("int:8:every=2", "a quantizer keeps every token"),
+        ("kvquant:8", "bits=8 must be one of"),
+        ("kvquant:3:outliers=0.7", "outliers=0.7 must be in"),
+        ("gear:3", "bits=3 must be one of"),
+        ("kivi:2:rank=2", "applies to gear only"),
+    ],
+)
 def test_bad_quantization_policies(policy, message):
     with pytest.raises(ConfigError, match=message):
         parse_policy(policy)
@@ -236,7 +252,8 @@ def test_kvquant_after_head_wise_eviction_rotates_each_head_at_its_own_positions
     evicted cache's keys, although heads keep different tokens."""
     cfg, model = gqa
     _, gen, lengths, _, (_, caches_q, _) = _plain_and_compressed(
-        model, "snapkv:0.5:obs_window=8+kvquant:3:group=2,residual=32")
+        model, "snapkv:0.5:obs_window=8+kvquant:3:group=2,residual=32"
+    )
     _, gen_e, _, _, (_, caches_e, _) = _plain_and_compressed(model, "snapkv:0.5:obs_window=8")
     for q, e in zip(caches_q, caches_e):
         assert q.pos.ndim == 3 and not np.array_equal(q.pos[:, 0], q.pos[:, 1])
@@ -246,6 +263,7 @@ def test_kvquant_after_head_wise_eviction_rotates_each_head_at_its_own_positions
 
 
 # --- low rank (Palu) --------------------------------------------------------------------------------
+
 
 def test_bases_are_the_data_optimal_rank_r_projection():
     from kvjax.quant.lowrank import bases_from_samples, rank_for
@@ -268,14 +286,19 @@ def calibration(gqa):
 def test_palu_at_full_rank_reconstructs_keys_at_their_positions(gqa, calibration):
     """palu:0 keeps every dimension: after head-wise eviction too, the rebuilt K/V equal the cache's."""
     cfg, model = gqa
-    for policy, base in (("palu:0:heads=1", None), ("snapkv:0.5:obs_window=8+palu:0:heads=2", "snapkv:0.5:obs_window=8")):
+    for policy, base in (
+        ("palu:0:heads=1", None),
+        ("snapkv:0.5:obs_window=8+palu:0:heads=2", "snapkv:0.5:obs_window=8"),
+    ):
         gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy), calibration=calibration)
         tokens, lengths = gen.pad(PROMPTS, NEW)
         _, caches, _ = gen.prefill_compressed(tokens, lengths, NEW)
         if base is None:
             _, ref = Generator(model, capacity=CAPACITY).prefill(tokens, lengths)
         else:
-            _, ref, _ = Generator(model, capacity=CAPACITY, policy=parse_policy(base)).prefill_compressed(tokens, lengths, NEW)
+            _, ref, _ = Generator(model, capacity=CAPACITY, policy=parse_policy(base)).prefill_compressed(
+                tokens, lengths, NEW
+            )
         for c, e in zip(caches, ref):
             k, v = c.reconstructed()
             n = e.k.shape[2]
@@ -308,10 +331,18 @@ def test_palu_decode_attends_in_the_value_latent_space_as_the_rebuilt_cache_does
 
     B, S, K, N, H, r = 2, 64, 2, 6, 8, 5
     rng = np.random.default_rng(heads)
-    basis = lambda: jnp.asarray(np.linalg.qr(rng.normal(size=(K // heads, heads * H, heads * H)))[0][..., :r], jnp.float32)  # noqa: E731
+
+    def basis():
+        return jnp.asarray(np.linalg.qr(rng.normal(size=(K // heads, heads * H, heads * H)))[0][..., :r], jnp.float32)
+
     cache = LowRankKVCache(
-        zk=jnp.zeros((B, K // heads, S, r)), zv=jnp.zeros((B, K // heads, S, r)), pos=jnp.full((B, S), -1, jnp.int32),
-        length=jnp.zeros((B,), jnp.int32), k_basis=basis(), v_basis=basis(), n_kv_heads=K,
+        zk=jnp.zeros((B, K // heads, S, r)),
+        zv=jnp.zeros((B, K // heads, S, r)),
+        pos=jnp.full((B, S), -1, jnp.int32),
+        length=jnp.zeros((B,), jnp.int32),
+        k_basis=basis(),
+        v_basis=basis(),
+        n_kv_heads=K,
     )
     T = 40
     k, v = (jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32) for _ in range(2))
@@ -361,7 +392,9 @@ def test_gear_power_iteration_is_the_reference_subspace_iteration():
         if i == 2:
             ref_q = np.linalg.qr(ref_q)[0]
         ref_p = e.swapaxes(-1, -2) @ ref_q
-    np.testing.assert_allclose(np.asarray(q) @ np.asarray(p).swapaxes(-1, -2), ref_q @ ref_p.swapaxes(-1, -2), atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(q) @ np.asarray(p).swapaxes(-1, -2), ref_q @ ref_p.swapaxes(-1, -2), atol=1e-4
+    )
     exact = rng.normal(size=(12, 2)) @ rng.normal(size=(2, 8))  # rank 2: recovered exactly at rank 2
     q, p = low_rank(jnp.asarray(exact, jnp.float32), 2)
     np.testing.assert_allclose(np.asarray(q) @ np.asarray(p).T, exact, atol=1e-4)
@@ -394,7 +427,9 @@ def test_gear_keeps_each_vectors_largest_and_smallest_entries_exactly():
             for t in range(n):
                 chosen = set(np.asarray(cache.k_out_idx[row, h, t]).tolist())
                 assert chosen == {int(keys[row, h, t].argmax()), int(keys[row, h, t].argmin())}
-                np.testing.assert_array_equal(np.asarray(view.k)[row, h, t, sorted(chosen)], keys[row, h, t, sorted(chosen)])
+                np.testing.assert_array_equal(
+                    np.asarray(view.k)[row, h, t, sorted(chosen)], keys[row, h, t, sorted(chosen)]
+                )
 
 
 def test_lorc_progressive_keep_preserves_the_budget_and_favours_sensitive_layers():

@@ -3,8 +3,9 @@
 import jax
 import pytest
 
-TARGETS = pytest.mark.parametrize("platform, backend, marker", [("tpu", "tpu", "tpu_custom_call"),
-                                                                ("cuda", "triton", "__gpu$xla.gpu.triton")])
+TARGETS = pytest.mark.parametrize(
+    "platform, backend, marker", [("tpu", "tpu", "tpu_custom_call"), ("cuda", "triton", "__gpu$xla.gpu.triton")]
+)
 
 
 def assert_lowers(fn, shapes_and_dtypes, platform: str, marker: str, kernels: tuple[str, ...] = ()) -> None:

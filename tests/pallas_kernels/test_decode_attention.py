@@ -2,13 +2,12 @@
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.pallas_kernels.lowering import TARGETS, assert_lowers
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference, latent_decode_attention
+from tests.pallas_kernels.lowering import TARGETS, assert_lowers
 
 SHAPES = {  # (query heads, KV heads, head dim, slots) of kvjax's compare models and SmolLM2
     "compare-gqa": (8, 2, 16, 512),
@@ -53,8 +52,13 @@ def test_bf16_within_tolerance_and_equal_to_kvjax_ops():
     ref = decode_attention_reference(q, k, v, q_pos, k_pos, scale=8**-0.5)
     np.testing.assert_allclose(out, ref, atol=2e-2)
     B, K, G, H = q.shape
-    xla = attention(q.reshape(B, 1, K * G, H).astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                    q_pos[:, None], k_pos)
+    xla = attention(
+        q.reshape(B, 1, K * G, H).astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        q_pos[:, None],
+        k_pos,
+    )
     np.testing.assert_allclose(out.reshape(B, 1, K * G, H), xla, atol=2e-2)
 
 
@@ -64,14 +68,21 @@ def test_bf16_within_tolerance_and_equal_to_kvjax_ops():
 def test_lowers_for_tpu_and_gpu(platform, backend, marker, shape, dtype):
     N, K, H, S = SHAPES[shape]
     B = 2
-    arrays = [((B, K, N // K, H), dtype), ((B, K, S, H), dtype), ((B, K, S, H), dtype), ((B,), jnp.int32),
-              ((B, S), jnp.int32)]
+    arrays = [
+        ((B, K, N // K, H), dtype),
+        ((B, K, S, H), dtype),
+        ((B, K, S, H), dtype),
+        ((B,), jnp.int32),
+        ((B, S), jnp.int32),
+    ]
     assert_lowers(functools.partial(decode_attention, scale=H**-0.5, backend=backend), arrays, platform, marker)
 
 
 def _latent_inputs(seed, B=2, N=4, S=48, Dc=12, Dr=4):
     rng = np.random.default_rng(seed)
-    arrays = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((B, N, Dc), (B, N, Dr), (B, S, Dc), (B, S, Dr))]
+    arrays = [
+        jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((B, N, Dc), (B, N, Dr), (B, S, Dc), (B, S, Dr))
+    ]
     lengths = np.array([S - 5, 9])
     pos = np.where(np.arange(S)[None] < lengths[:, None], np.arange(S)[None], -1)
     return (*arrays, jnp.asarray(lengths - 1, jnp.int32), jnp.asarray(pos, jnp.int32))
@@ -90,6 +101,12 @@ def test_mla_latent_decode_equals_attention_over_concatenated_keys():
 @pytest.mark.parametrize("N, Dc, Dr, S", [(8, 12, 4, 512), (16, 512, 64, 4096)])  # compare's mla; DeepSeek-V2's
 def test_latent_decode_lowers_for_tpu_and_gpu(platform, backend, marker, N, Dc, Dr, S):
     B = 2
-    arrays = [((B, N, Dc), jnp.bfloat16), ((B, N, Dr), jnp.bfloat16), ((B, S, Dc), jnp.bfloat16),
-              ((B, S, Dr), jnp.bfloat16), ((B,), jnp.int32), ((B, S), jnp.int32)]
+    arrays = [
+        ((B, N, Dc), jnp.bfloat16),
+        ((B, N, Dr), jnp.bfloat16),
+        ((B, S, Dc), jnp.bfloat16),
+        ((B, S, Dr), jnp.bfloat16),
+        ((B,), jnp.int32),
+        ((B, S), jnp.int32),
+    ]
     assert_lowers(functools.partial(latent_decode_attention, scale=0.1, backend=backend), arrays, platform, marker)

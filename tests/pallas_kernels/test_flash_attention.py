@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.pallas_kernels.lowering import TARGETS, assert_lowers
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from tests.pallas_kernels.lowering import TARGETS, assert_lowers
 
 SHAPES = {  # (tokens, query heads, KV heads, head dim) of a compare model's training step and SmolLM2's prefill
     "compare-gqa": (128, 8, 2, 16),
@@ -44,8 +44,9 @@ def test_forward_and_gradients_equal_the_reference(N, K, window):
     q, k, v, q_pos, k_pos = _inputs(0, N=N, K=K)
     kernel = functools.partial(flash_attention, backend="interpret")
     out = kernel(q, k, v, q_pos, k_pos, scale=0.3, window=window)
-    np.testing.assert_allclose(out, flash_attention_reference(q, k, v, q_pos, k_pos, scale=0.3, window=window),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        out, flash_attention_reference(q, k, v, q_pos, k_pos, scale=0.3, window=window), atol=1e-5
+    )
     np.testing.assert_array_equal(out[1, 5:], 0.0)  # padding queries see no key
     grads = jax.grad(_loss(kernel, window, q_pos, k_pos), argnums=(0, 1, 2))(q, k, v)
     expected = jax.grad(_loss(flash_attention_reference, window, q_pos, k_pos), argnums=(0, 1, 2))(q, k, v)
@@ -57,8 +58,9 @@ def test_several_key_blocks_and_per_head_positions():
     """160 keys: two 128-slot blocks (the second padded), positions that differ per KV head."""
     q, k, v, q_pos, k_pos = _inputs(1, T=24, S=160, per_head=True)
     kernel = functools.partial(flash_attention, backend="interpret")
-    np.testing.assert_allclose(kernel(q, k, v, q_pos, k_pos, scale=0.3),
-                               flash_attention_reference(q, k, v, q_pos, k_pos, scale=0.3), atol=1e-5)
+    np.testing.assert_allclose(
+        kernel(q, k, v, q_pos, k_pos, scale=0.3), flash_attention_reference(q, k, v, q_pos, k_pos, scale=0.3), atol=1e-5
+    )
     grads = jax.grad(_loss(kernel, None, q_pos, k_pos), argnums=(0, 1, 2))(q, k, v)
     expected = jax.grad(_loss(flash_attention_reference, None, q_pos, k_pos), argnums=(0, 1, 2))(q, k, v)
     for got, want in zip(grads, expected):
@@ -92,8 +94,13 @@ def test_bf16_within_tolerance_and_equal_to_kvjax_ops():
 def test_forward_and_backward_lower_for_tpu_and_gpu(platform, backend, marker, shape, dtype):
     T, N, K, H = SHAPES[shape]
     B = 2
-    arrays = [((B, T, N, H), dtype), ((B, K, T, H), dtype), ((B, K, T, H), dtype), ((B, T), jnp.int32),
-              ((B, T), jnp.int32)]
+    arrays = [
+        ((B, T, N, H), dtype),
+        ((B, K, T, H), dtype),
+        ((B, K, T, H), dtype),
+        ((B, T), jnp.int32),
+        ((B, T), jnp.int32),
+    ]
     f = functools.partial(flash_attention, scale=H**-0.5, backend=backend)
     grad = jax.grad(lambda q, k, v, a, b: f(q, k, v, a, b).sum(), argnums=(0, 1, 2))
     names = ("kvjax_flash_attention_dkdv", "kvjax_flash_attention_dq")  # the backward's Pallas kernels

@@ -3,7 +3,6 @@ decoder under impl=pallas reads its paged cache through the kernel, and the kern
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,16 +23,23 @@ def _pages(seed, K=2, N=4, H=8, Hv=None, per_head=False):
     q = jnp.asarray(rng.normal(size=(3, K, N // K, H)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(P, K, PS, H)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(P, K, PS, Hv or H)), jnp.float32)
-    pos = jnp.asarray(np.stack([rng.permutation(P * PS).reshape(P, PS) % 24 for _ in range(K if per_head else 1)], 1),
-                      jnp.int32)
+    pos = jnp.asarray(
+        np.stack([rng.permutation(P * PS).reshape(P, PS) % 24 for _ in range(K if per_head else 1)], 1), jnp.int32
+    )
     table = jnp.asarray([[3, 7, 1, 0, 0], [5, 7, 9, 11, 4], [0, 0, 0, 0, 0]], jnp.int32)
     return q, k, v, pos, table, jnp.asarray([10, 19, 0], jnp.int32), jnp.asarray([23, 21, -1], jnp.int32)
 
 
-@pytest.mark.parametrize("design, N, K, window, per_head", [
-    ("gather", 4, 2, None, False), ("gather", 4, 1, 6, False), ("gather", 2, 2, None, True),
-    ("grid", 4, 2, 6, False), ("grid", 2, 2, None, True),
-])
+@pytest.mark.parametrize(
+    "design, N, K, window, per_head",
+    [
+        ("gather", 4, 2, None, False),
+        ("gather", 4, 1, 6, False),
+        ("gather", 2, 2, None, True),
+        ("grid", 4, 2, 6, False),
+        ("grid", 2, 2, None, True),
+    ],
+)
 def test_interpret_equals_dense_attention_over_the_gathered_pages(design, N, K, window, per_head):
     """GQA; MQA with a window; MHA with positions per head (the grid design: GQA with a window, MHA)."""
     q, k, v, pos, table, length, q_pos = _pages(0, K=K, N=N, per_head=per_head)
@@ -79,11 +85,15 @@ def test_a_decoder_under_pallas_decodes_through_the_paged_kernel(make_model, mon
     from kvjax.engine import Engine, Request
 
     calls = []
-    monkeypatch.setattr(kvjax.ops, "paged_decode_attention",
-                        lambda *a, **kw: calls.append(1) or paged_decode_attention(*a, **kw))
+    monkeypatch.setattr(
+        kvjax.ops, "paged_decode_attention", lambda *a, **kw: calls.append(1) or paged_decode_attention(*a, **kw)
+    )
     _, xla = make_model("gqa", "model.n_layers=1")
     _, pallas = make_model("gqa", "model.n_layers=1", "model.attention.impl=pallas")
-    requests = [Request((5, 9, 2, 7, 1, 3), DecodingConfig(max_new_tokens=3)), Request((4, 8), DecodingConfig(max_new_tokens=4))]
+    requests = [
+        Request((5, 9, 2, 7, 1, 3), DecodingConfig(max_new_tokens=3)),
+        Request((4, 8), DecodingConfig(max_new_tokens=4)),
+    ]
     want = Engine(xla, n_pages=8, page_size=4, slots=2, chunk=8).run(requests)
     got = Engine(pallas, n_pages=8, page_size=4, slots=2, chunk=8).run(requests)
     assert calls  # traced into the decode step
@@ -106,6 +116,13 @@ def test_bad_arguments_are_refused():
 def test_lowers(platform, backend, marker):
     """SmolLM2's decode shape (3 KV heads of 3 queries, head dim 64) over 16-token bf16 pages."""
     fn = functools.partial(paged_decode_attention, scale=0.125, backend=backend)
-    shapes = [((2, 3, 3, 64), jnp.bfloat16), ((40, 3, 16, 64), jnp.bfloat16), ((40, 3, 16, 64), jnp.bfloat16),
-              ((40, 16), jnp.int32), ((2, 9), jnp.int32), ((2,), jnp.int32), ((2,), jnp.int32)]
+    shapes = [
+        ((2, 3, 3, 64), jnp.bfloat16),
+        ((40, 3, 16, 64), jnp.bfloat16),
+        ((40, 3, 16, 64), jnp.bfloat16),
+        ((40, 16), jnp.int32),
+        ((2, 9), jnp.int32),
+        ((2,), jnp.int32),
+        ((2,), jnp.int32),
+    ]
     assert_lowers(fn, shapes, platform, marker, ("kvjax_paged_decode_attention",))

@@ -1,9 +1,6 @@
 """The fused dequantize-attend decode kernel (interpret mode) equals attention over the cache's
 dequantized K/V, for every layout it takes, and lowers for TPU and GPU."""
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,8 +59,9 @@ def test_per_head_positions_and_a_window(layout):
 def test_value_groups_narrower_than_a_bit_plane_and_several_splits():
     """head_dim 64 at 4 bits: a 32-byte plane spans two 16-channel value groups (runs read apart), and
     256 slots in 16-token key groups give 16 blocks over 4 splits."""
-    cache, q_pos = _cache(QuantSpec("kivi", 4, group=16, residual=32), 4, B=2, K=1, H=64, T=200, capacity=256,
-                          lengths=(200, 77))
+    cache, q_pos = _cache(
+        QuantSpec("kivi", 4, group=16, residual=32), 4, B=2, K=1, H=64, T=200, capacity=256, lengths=(200, 77)
+    )
     got, want = _fused_and_reference(cache, q_pos, 5, G=2)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
@@ -106,14 +104,35 @@ def test_lowers_for_tpu_and_gpu(platform, backend, marker, shape, layout, dtype)
     W = H * bits // 8
     key_scales = (B, K, 1, S) if key_group is None else (B, K, S // key_group, H)
     value_scales = (B, K, H // value_group, S)
-    arrays = [((B, K, N // K, H), dtype), ((B, K, S, W), jnp.uint8), (key_scales, dtype), ((B, K, S, W), jnp.uint8),
-              (value_scales, dtype), ((B,), jnp.int32), ((B, S), jnp.int32)]
+    arrays = [
+        ((B, K, N // K, H), dtype),
+        ((B, K, S, W), jnp.uint8),
+        (key_scales, dtype),
+        ((B, K, S, W), jnp.uint8),
+        (value_scales, dtype),
+        ((B,), jnp.int32),
+        ((B, S), jnp.int32),
+    ]
     if asym:
         arrays += [(key_scales, dtype), (value_scales, dtype)]
 
     def fn(q, k_codes, k_scale, v_codes, v_scale, q_pos, k_pos, k_zero=None, v_zero=None):
-        return quant_decode_partials(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, q_pos, k_pos, bits=bits,
-                                     key_group=key_group, value_group=value_group, scale=0.1, backend=backend)
+        return quant_decode_partials(
+            q,
+            k_codes,
+            k_scale,
+            k_zero,
+            v_codes,
+            v_scale,
+            v_zero,
+            q_pos,
+            k_pos,
+            bits=bits,
+            key_group=key_group,
+            value_group=value_group,
+            scale=0.1,
+            backend=backend,
+        )
 
     try:
         check(bits, H, key_group, value_group, backend)

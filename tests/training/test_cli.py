@@ -8,17 +8,32 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax.cli import main
+from kvjax.commands import main
 from kvjax.config import ConfigError, load_config
-from training.compare import (Row, front_line, load_experiment, mean_interval, pareto_front, selection_windows,
-                              separation, speed)
-from training.trainer import Trainer, prepare_corpus
 from tests.training.conftest import SMALL_CORPUS
+from training.compare import (
+    Row,
+    front_line,
+    load_experiment,
+    mean_interval,
+    pareto_front,
+    selection_windows,
+    separation,
+    speed,
+)
+from training.trainer import Trainer, prepare_corpus
 
 TINY = [
-    "model.n_layers=2", f"data.corpus={SMALL_CORPUS}", "data.seq_len=32", "data.val_fraction=0.3",
-    "data.eval_windows=8", "train.batch_size=4", "train.steps=6", "train.warmup_steps=1",
-    "train.eval_every=3", "train.checkpoint_every=3",
+    "model.n_layers=2",
+    f"data.corpus={SMALL_CORPUS}",
+    "data.seq_len=32",
+    "data.val_fraction=0.3",
+    "data.eval_windows=8",
+    "train.batch_size=4",
+    "train.steps=6",
+    "train.warmup_steps=1",
+    "train.eval_every=3",
+    "train.checkpoint_every=3",
 ]
 
 
@@ -71,10 +86,12 @@ def test_intervals_separation_and_pareto_front_on_known_numbers():
     mean, half = mean_interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and half == pytest.approx(4.302653 / np.sqrt(3), rel=1e-6)  # t(0.975, 2) s / sqrt(n)
     assert mean_interval([2.5]) == (2.5, 0.0)
-    row = lambda name, values: Row(name, 0, 0, 0, 0, 0, 0, *mean_interval(values)[:1], 0.0, 0.0,  # noqa: E731
-                                   mean_interval(values)[1], tuple(values))
-    rows = [row("a", [2.00, 2.01, 2.02]), row("b", [2.10, 2.11, 2.12]), row("c", [2.005, 2.03, 2.0]),
-            row("d", [2.5])]
+
+    def row(name, values):
+        mean, half = mean_interval(values)
+        return Row(name, 0, 0, 0, 0, 0, 0, mean, 0.0, 0.0, half, tuple(values))
+
+    rows = [row("a", [2.00, 2.01, 2.02]), row("b", [2.10, 2.11, 2.12]), row("c", [2.005, 2.03, 2.0]), row("d", [2.5])]
     assert separation(rows, ()) == [("a", "b", "separated"), ("a", "c", "not separated"), ("a", "d", "one seed")]
     assert separation(rows, [("b", "c")]) == [("b", "c", "separated")]
     assert pareto_front([(4.0, 2.0), (1.0, 3.0), (2.0, 2.5), (3.0, 2.6), (8.0, 1.9)]) == [1, 2, 0, 4]
@@ -85,7 +102,18 @@ def test_intervals_separation_and_pareto_front_on_known_numbers():
 
 @pytest.mark.slow
 def test_compare_with_seeds_trains_each_variant_per_seed_and_reports_intervals(tmp_path, capsys):
-    args = ["compare", "--quick", "--seeds", "2", "--decode-contexts", "64", "128", "--match-params", "--out", str(tmp_path)]
+    args = [
+        "compare",
+        "--quick",
+        "--seeds",
+        "2",
+        "--decode-contexts",
+        "64",
+        "128",
+        "--match-params",
+        "--out",
+        str(tmp_path),
+    ]
     assert main([*args, "--variants", "gqa", "mqa"]) == 0
     out = capsys.readouterr().out
     record = json.loads((tmp_path / "compare.json").read_text())
@@ -99,11 +127,15 @@ def test_compare_with_seeds_trains_each_variant_per_seed_and_reports_intervals(t
     assert "gqa vs mqa: " in out and "2 seeds, 95%" in out
     assert record["environment"]["jax"] == jax.__version__ and record["environment"]["platform"] == "cpu"
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert all(set(row["decode_curve"]) == {"64", "128"} and min(row["decode_curve"].values()) > 0
-               for row in record["rows"])
+    assert all(
+        set(row["decode_curve"]) == {"64", "128"} and min(row["decode_curve"].values()) > 0 for row in record["rows"]
+    )
     assert (tmp_path / "compare-decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    again = Trainer(load_config("gqa", [*load_experiment().overrides, *load_experiment().quick, "train.seed=1"]),
-                    tmp_path / "again", progress=False)
+    again = Trainer(
+        load_config("gqa", [*load_experiment().overrides, *load_experiment().quick, "train.seed=1"]),
+        tmp_path / "again",
+        progress=False,
+    )
     again.run()  # the same seed reproduces its run bit for bit
     assert again.evaluate()["eval_bpb"] == record["rows"][0]["val_bpb_seeds"][1]
 
@@ -121,7 +153,9 @@ def test_compare_lr_grid_keeps_the_best_rate_on_a_split_it_does_not_report(tmp_p
     (row,) = json.loads((tmp_path / "compare.json").read_text())["rows"]
     grid = {float(k): v for k, v in row["lr_selection"].items()}
     assert set(grid) == {1e-5, 2e-2} and row["lr"] == min(grid, key=grid.get)
-    assert (tmp_path / f"gqa-lr{row['lr']:g}" / "checkpoints").is_dir() and (tmp_path / "lr-grid" / "gqa-lr1e-05").is_dir()
+    assert (tmp_path / f"gqa-lr{row['lr']:g}" / "checkpoints").is_dir() and (
+        tmp_path / "lr-grid" / "gqa-lr1e-05"
+    ).is_dir()
     assert "lr (grid)" in capsys.readouterr().out
     small = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_windows=10_000))
     with pytest.raises(ConfigError, match="selects on validation windows after"):
@@ -157,7 +191,9 @@ def test_match_params_gives_each_variant_the_first_ones_parameter_count(monkeypa
     target = compare.count_params(configs["gqa"].model)
     assert matched["gqa"] is configs["gqa"]
     for variant, cfg in matched.items():
-        step = compare.count_params(dataclasses.replace(cfg.model, ffn_dim=cfg.model.ffn_dim + 1)) - compare.count_params(cfg.model)
+        step = compare.count_params(
+            dataclasses.replace(cfg.model, ffn_dim=cfg.model.ffn_dim + 1)
+        ) - compare.count_params(cfg.model)
         assert abs(compare.count_params(cfg.model) - target) <= step / 2, variant
         assert dataclasses.replace(cfg.model, ffn_dim=512) == configs[variant].model  # nothing else changes
     assert matched["retnet"].model.ffn_dim < 512 < matched["mqa-cla2"].model.ffn_dim

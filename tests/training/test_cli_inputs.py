@@ -9,14 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvjax.cli import build_parser, completion, main
+from kvjax.commands import build_parser, main
+from kvjax.commands.generate import completion
 from kvjax.config import ConfigError
 from tests.training.test_cli import TINY
 
 
 def kvjax(*args: str, cwd=None) -> subprocess.CompletedProcess:
     """The real entry point in a fresh process (the test environment's JAX settings are inherited)."""
-    return subprocess.run([sys.executable, "-m", "kvjax.cli", *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "kvjax.commands", *args], capture_output=True, text=True, timeout=600, cwd=cwd
+    )
 
 
 def one_line_error(result: subprocess.CompletedProcess, code: int = 2) -> str:
@@ -49,14 +52,17 @@ def test_generate_calibrates_palu_and_caps_decode_time_budgets(run, policy, caps
     assert capsys.readouterr().out.startswith("import ")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--windows", "0"], "argument --windows: 0 must be >= 1"),
-    (["--windows", "-1"], "argument --windows: -1 must be >= 1"),
-    (["--seq-len", "0"], "argument --seq-len: 0 must be >= 1"),
-    (["--batch", "0"], "argument --batch: 0 must be >= 1"),
-    (["--depths", "1.5"], r"argument --depths: 1.5 must be in [0, 1]"),
-    (["--samples", "two"], "argument --samples: 'two' is not an integer"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--windows", "0"], "argument --windows: 0 must be >= 1"),
+        (["--windows", "-1"], "argument --windows: -1 must be >= 1"),
+        (["--seq-len", "0"], "argument --seq-len: 0 must be >= 1"),
+        (["--batch", "0"], "argument --batch: 0 must be >= 1"),
+        (["--depths", "1.5"], r"argument --depths: 1.5 must be in [0, 1]"),
+        (["--samples", "two"], "argument --samples: 'two' is not an integer"),
+    ],
+)
 def test_bad_eval_flags_are_one_line_errors(run, args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["eval", run, *args])
@@ -65,13 +71,16 @@ def test_bad_eval_flags_are_one_line_errors(run, args, message, capsys):
     assert message in err and len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["generate", "RUN", "--prompt", "x", "--top-p", "0"], "argument --top-p: 0 must be in (0, 1]"),
-    (["generate", "RUN", "--prompt", "x", "--temperature", "-1"], "argument --temperature: -1 must be >= 0"),
-    (["generate", "RUN", "--prompt", "x", "--max-new-tokens", "0"], "argument --max-new-tokens: 0 must be >= 1"),
-    (["memory", "gqa", "--tokens", "0"], "argument --tokens: 0 must be >= 1"),
-    (["compare", "--policies", "snapkv", "--budgets", "0"], "argument --budgets: 0 must be in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "RUN", "--prompt", "x", "--top-p", "0"], "argument --top-p: 0 must be in (0, 1]"),
+        (["generate", "RUN", "--prompt", "x", "--temperature", "-1"], "argument --temperature: -1 must be >= 0"),
+        (["generate", "RUN", "--prompt", "x", "--max-new-tokens", "0"], "argument --max-new-tokens: 0 must be >= 1"),
+        (["memory", "gqa", "--tokens", "0"], "argument --tokens: 0 must be >= 1"),
+        (["compare", "--policies", "snapkv", "--budgets", "0"], "argument --budgets: 0 must be in (0, 1]"),
+    ],
+)
 def test_bad_flags_of_other_commands(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(argv)
@@ -122,18 +131,21 @@ def test_every_option_says_what_it_does_and_its_default():
 def test_running_out_of_memory_is_one_line(run, monkeypatch, capsys):
     import jax
 
-    import training.trainer
+    import kvjax.commands.evaluate
 
     def exhausted(*args, **kwargs):
-        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 40000000000 bytes.")
+        raise jax.errors.JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 40000000000 bytes."
+        )
 
-    monkeypatch.setattr(training.trainer, "evaluate_model", exhausted)
+    monkeypatch.setattr(kvjax.commands.evaluate, "evaluate_model", exhausted)
     assert main(["eval", run, "--windows", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvjax: error: out of memory (RESOURCE_EXHAUSTED") and len(err.strip().splitlines()) == 1
 
 
 # Issue 38: what a new user ran into.
+
 
 def test_a_ratio_on_a_prompt_shorter_than_the_window_compresses_nothing(run, capsys):
     common = ["generate", run, "--prompt", "impo", "--temperature", "0", "--max-new-tokens", "6"]
@@ -142,8 +154,10 @@ def test_a_ratio_on_a_prompt_shorter_than_the_window_compresses_nothing(run, cap
     assert main([*common, "--policy", "snapkv:0.5"]) == 0  # 5 tokens, SnapKV's 32-token window: all kept
     captured = capsys.readouterr()
     assert captured.out == full
-    assert captured.err.startswith("kvjax: note: policy stage snapkv:0.5: on short rows") and len(
-        captured.err.splitlines()) == 1
+    assert (
+        captured.err.startswith("kvjax: note: policy stage snapkv:0.5: on short rows")
+        and len(captured.err.splitlines()) == 1
+    )
     assert main([*common, "--policy", "snapkv:2"]) == 2  # a size is a contract: refused
     assert "would keep 2, below the 5 tokens always kept" in capsys.readouterr().err
 
@@ -170,11 +184,17 @@ def test_compare_policies_without_a_model_says_how_to_get_one(tmp_path, monkeypa
     assert "pass --model" in err and "with `kvjax compare --quick`" in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["uptrain", "RUN", "mla:d_c=48:rope_dims=16"], "separate options with ',', not ':' (e.g. mla:d_c=48,rope_dims=16)"),
-    (["serve-bench", "gqa", "--memory-mib", "0.001"], "bytes per token"),
-    (["train", "gqa", "data.corpus=text:EMPTY"], "no text in EMPTY"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["uptrain", "RUN", "mla:d_c=48:rope_dims=16"],
+            "separate options with ',', not ':' (e.g. mla:d_c=48,rope_dims=16)",
+        ),
+        (["serve-bench", "gqa", "--memory-mib", "0.001"], "bytes per token"),
+        (["train", "gqa", "data.corpus=text:EMPTY"], "no text in EMPTY"),
+    ],
+)
 def test_smaller_messages_say_what_they_mean(run, tmp_path, argv, message, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
@@ -184,12 +204,15 @@ def test_smaller_messages_say_what_they_mean(run, tmp_path, argv, message, capsy
 
 
 def test_duo_training_text_too_short_says_the_minimum():
-    from training.compression_eval import _haystack
+    from training.retrieval import haystack
     from training.tokenizer import ByteTokenizer
 
-    with pytest.raises(ConfigError, match=r"length=20 leaves -\d+ filler tokens .* which take \d+; the length must be "
-                                          r"\d+ to \d+ tokens"):
-        _haystack(ByteTokenizer(), np.zeros(100, np.int32), 20, [(0.5, "a needle")], "question?", bos=False)
+    with pytest.raises(
+        ConfigError,
+        match=r"length=20 leaves -\d+ filler tokens .* which take \d+; the length must be "
+        r"\d+ to \d+ tokens",
+    ):
+        haystack(ByteTokenizer(), np.zeros(100, np.int32), 20, [(0.5, "a needle")], "question?", bos=False)
 
 
 def test_generated_text_stops_before_the_end_token():
@@ -216,5 +239,7 @@ def test_a_redirected_log_gets_a_line_per_tenth_not_a_bar_per_step():
         bar.set_postfix(loss="1.23")
     bar.close()
     lines = log.getvalue().splitlines()
-    assert len(lines) == 8 and lines[0].startswith("step 300/1000 (30%)") and lines[-1].startswith("step 1000/1000 (100%)")
+    assert (
+        len(lines) == 8 and lines[0].startswith("step 300/1000 (30%)") and lines[-1].startswith("step 1000/1000 (100%)")
+    )
     assert "\r" not in log.getvalue() and lines[-1].endswith("loss=1.23")

@@ -6,11 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvjax.cli import main
-from training import compression_eval as ce
-from training.tokenizer import ByteTokenizer
+from kvjax.commands import main
 from tests.training.conftest import SMALL_CORPUS
 from tests.training.test_cli import TINY
+from training import compression_eval as ce
+from training import retrieval
+from training.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +45,27 @@ def test_passkey_and_needle_prompts_have_the_length_and_the_needle_at_its_depth(
     tok = ByteTokenizer()
     filler = np.asarray(tok.encode("abcdefghij" * 200), np.int32)
     rng = np.random.default_rng(0)
-    case = ce.passkey_case(tok, filler, 600, depth, rng, bos=True)
+    case = retrieval.passkey_case(tok, filler, 600, depth, rng, bos=True)
     assert len(case.prompt) == 600 and case.prompt[0] == tok.bos_id and len(case.answer) == 5
     text = tok.decode(case.prompt)
     needle = text.index(f"The pass key is {case.answer}.")
-    head, tail = len(ce._INTRO) + 1, len("\nWhat is the pass key? The pass key is")
-    fill = 600 - 1 - len(ce._INTRO) - tail - len(f" The pass key is {case.answer}. Remember it. {case.answer} is the pass key. ")
+    head, tail = len(retrieval.INTRO) + 1, len("\nWhat is the pass key? The pass key is")
+    fill = (
+        600
+        - 1
+        - len(retrieval.INTRO)
+        - tail
+        - len(f" The pass key is {case.answer}. Remember it. {case.answer} is the pass key. ")
+    )
     assert abs((needle - 1 - head + 1) - round(depth * fill)) <= 2
     assert text.endswith("The pass key is")
-    multi = ce.needle_case(tok, filler, 800, depth, rng, bos=False)
+    multi = retrieval.needle_case(tok, filler, 800, depth, rng, bos=False)
     text = tok.decode(multi.prompt)
     assert len(multi.prompt) == 800 and text.count("special magic numbers for") == 4
     word = text.rsplit("special magic number for ", 1)[1].split()[0].rstrip("?")
     assert f"for {word} is: {multi.answer}." in text
-    assert ce._answered(tok, tok.encode(f" {multi.answer}, yes"), multi.answer)
-    assert not ce._answered(tok, tok.encode(" 12"), multi.answer)
+    assert retrieval.answered(tok, tok.encode(f" {multi.answer}, yes"), multi.answer)
+    assert not retrieval.answered(tok, tok.encode(" 12"), multi.answer)
 
 
 def test_a_chat_model_gets_the_passkey_as_one_user_turn_with_the_reply_begun():
@@ -68,7 +75,7 @@ def test_a_chat_model_gets_the_passkey_as_one_user_turn_with_the_reply_begun():
 
     tok = ChatBytes()
     filler = np.asarray(tok.encode("abcdefghij" * 200), np.int32)
-    case = ce.passkey_case(tok, filler, 500, 0.5, np.random.default_rng(0), bos=False)
+    case = retrieval.passkey_case(tok, filler, 500, 0.5, np.random.default_rng(0), bos=False)
     text = tok.decode(case.prompt)
     assert len(case.prompt) == 500 and text.startswith("<user>Read the text and tell me the secret number.")
     assert text.endswith("What is the secret number?</user><assistant>The secret number is")
@@ -79,14 +86,32 @@ def test_with_budget_inserts_the_ratio_before_the_options():
     assert ce.with_budget("snapkv", 0.5) == "snapkv:0.5"
     assert ce.with_budget("snapkv:obs_window=16", 0.75) == "snapkv:0.75:obs_window=16"
     runs = ce.table_runs(["snapkv", "kivi:2", "snapkv:0.5+int:8", "h2o:normalize=true"], [0.25, 0.5])
-    assert runs == [(None, None), ("snapkv:0.75", 0.25), ("snapkv:0.5", 0.5), ("kivi:2", None),
-                    ("snapkv:0.5+int:8", None), ("h2o:0.75:normalize=true", 0.25), ("h2o:0.5:normalize=true", 0.5)]
+    assert runs == [
+        (None, None),
+        ("snapkv:0.75", 0.25),
+        ("snapkv:0.5", 0.5),
+        ("kivi:2", None),
+        ("snapkv:0.5+int:8", None),
+        ("h2o:0.75:normalize=true", 0.25),
+        ("h2o:0.5:normalize=true", 0.5),
+    ]
 
 
 def test_eval_cli_continuation_and_passkey(run, capsys):
     # Past the 32 tokens the tiny model was trained on: allowed explicitly (the refusal is tested elsewhere).
-    args = ["eval", run, "--corpus", SMALL_CORPUS, "--prefix", "48", "--continuation", "8", "--samples", "2",
-            "--allow-long-context"]
+    args = [
+        "eval",
+        run,
+        "--corpus",
+        SMALL_CORPUS,
+        "--prefix",
+        "48",
+        "--continuation",
+        "8",
+        "--samples",
+        "2",
+        "--allow-long-context",
+    ]
     assert main([*args, "--policy", "snapkv:0.5:obs_window=8", "--policy", "streaming:0.25"]) == 0
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in out.splitlines() if line.startswith("| ")}
@@ -94,14 +119,43 @@ def test_eval_cli_continuation_and_passkey(run, capsys):
     assert float(rows["snapkv:0.5:obs_window=8"][2]) > 0
     full_bytes = float(rows["full"][3].replace(",", ""))
     assert float(rows["streaming:0.25"][3].replace(",", "")) < full_bytes
-    assert main(["eval", run, "--corpus", SMALL_CORPUS, "--task", "passkey", "--policy", "tova:0.5",
-                 "--lengths", "300", "--depths", "0.5", "--trials", "2", "--allow-long-context"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                run,
+                "--corpus",
+                SMALL_CORPUS,
+                "--task",
+                "passkey",
+                "--policy",
+                "tova:0.5",
+                "--lengths",
+                "300",
+                "--depths",
+                "0.5",
+                "--trials",
+                "2",
+                "--allow-long-context",
+            ]
+        )
+        == 0
+    )
     assert "tova:0.5" in capsys.readouterr().out
-    new_methods = ["minicache:0.9", "d2o:0.5", "think:0.5:obs_window=8,window=4", "scissorhands:0.5:obs_window=8",
-                   "gear:2:group=8,residual=16,rank=1,outliers=0", "lorc:0.5"]
+    new_methods = [
+        "minicache:0.9",
+        "d2o:0.5",
+        "think:0.5:obs_window=8,window=4",
+        "scissorhands:0.5:obs_window=8",
+        "gear:2:group=8,residual=16,rank=1,outliers=0",
+        "lorc:0.5",
+    ]
     assert main([*args, *(x for m in new_methods for x in ("--policy", m))]) == 0
-    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in capsys.readouterr().out.splitlines()
-            if line.startswith("| ")}
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ")
+    }
     full_bytes = float(rows["full"][3].replace(",", ""))
     for method in new_methods:  # every method runs from the command line and stores fewer bytes
         (name,) = [n for n in rows if n.startswith(method.split(":")[0] + ":")]
@@ -117,8 +171,23 @@ def test_eval_cli_continuation_and_passkey(run, capsys):
 @pytest.mark.slow
 def test_compare_policy_table(run, tmp_path, capsys):
     # No lengths given: the defaults (1536-token prefix ...) are fitted to the run's 32-token context.
-    assert main(["compare", "--policies", "snapkv:obs_window=8", "kivi:2:group=8,residual=16",
-                 "--budgets", "0.5", "--model", run, "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--policies",
+                "snapkv:obs_window=8",
+                "kivi:2:group=8,residual=16",
+                "--budgets",
+                "0.5",
+                "--model",
+                run,
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "1 x (23-token prefix + 8 scored), decode at 32 tokens" in out
     assert "snapkv:0.5:obs_window=8" in out and "kivi:2" in out
@@ -135,8 +204,28 @@ def test_duo_train_writes_the_runs_pattern_and_eval_reads_it(run, capsys):
     policy = ["--policy", "duo:0.5:sinks=4,window=8"]
     assert main(["eval", run, "--prefix", "48", "--continuation", "8", *policy, *common]) == 2
     assert "kvjax duo-train" in capsys.readouterr().err  # no pattern yet: refused before compute
-    assert main(["duo-train", run, "--steps", "3", "--length", "400", "--keys", "1", "--words", "2", "--sinks", "4",
-                 "--recent", "16", *common]) == 0
+    assert (
+        main(
+            [
+                "duo-train",
+                run,
+                "--steps",
+                "3",
+                "--length",
+                "400",
+                "--keys",
+                "1",
+                "--words",
+                "2",
+                "--sinks",
+                "4",
+                "--recent",
+                "16",
+                *common,
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     record = json.loads((Path(run) / "duo_pattern.json").read_text())
     assert len(record["gates"]) == 2 and record["training"]["steps"] == 3 and "held-out objective" in out
@@ -145,8 +234,11 @@ def test_duo_train_writes_the_runs_pattern_and_eval_reads_it(run, capsys):
     assert "duo_pattern.json exists" in capsys.readouterr().err
     assert (Path(run) / "duo_pattern.json").read_bytes() == learned
     assert main(["eval", run, "--prefix", "48", "--continuation", "8", *policy, *common]) == 0
-    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in capsys.readouterr().out.splitlines()
-            if line.startswith("| ")}
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ")
+    }
     (duo,) = [name for name in rows if name.startswith("duo:0.5")]
     assert duo.endswith("duo_pattern.json")
     assert float(rows[duo][3].replace(",", "")) < float(rows["full"][3].replace(",", ""))

@@ -35,8 +35,17 @@ def _logits(model, length=24):
     return np.asarray(jax.jit(lambda t, p: model(t, p)[0])(tokens, pos))
 
 
-@pytest.mark.parametrize("text", ["gqa:kv_heads=8", "cla:factor=1", "cla1:merge=keep", "mlkv:layers=4",
-                                  "swa:window=100", "gqa:kv_heads=8,pool=first+mlkv:layers=4"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "gqa:kv_heads=8",
+        "cla:factor=1",
+        "cla1:merge=keep",
+        "mlkv:layers=4",
+        "swa:window=100",
+        "gqa:kv_heads=8,pool=first+mlkv:layers=4",
+    ],
+)
 def test_no_reduction_reproduces_the_source(source, text):
     converted = convert(source, parse_conversion(text))
     np.testing.assert_allclose(_logits(converted), _logits(source), atol=1e-5)
@@ -84,18 +93,21 @@ def test_converted_models_decode_exactly_and_hold_the_analytic_bytes(make_model,
     assert caches_nbytes(init_caches(cfg, 1, 1000)) < caches_nbytes(init_caches(source.config, 1, 1000))
 
 
-@pytest.mark.parametrize("text, message", [
-    ("gqa:kv_heads=3", "cannot map 8 KV heads to kv_heads=3; a divisor of 8 is needed"),
-    ("gqa", "needs kv_heads=N"),
-    ("gqa:kv_heads=0", "kv_heads='0' must be an integer >= 1"),
-    ("cla:factor=5", "factor=5 must be <= n_layers=4"),
-    ("mqa:pool=max", "pool='max' must be one of"),
-    ("cla2:merge=sum", "merge='sum' must be one of"),
-    ("cla2:window=3", "unknown option"),
-    ("moe", "'moe' must be one of"),
-    ("cla2+yoco-swa:window=8", "drop cla/mlkv"),
-    ("", "is empty"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("gqa:kv_heads=3", "cannot map 8 KV heads to kv_heads=3; a divisor of 8 is needed"),
+        ("gqa", "needs kv_heads=N"),
+        ("gqa:kv_heads=0", "kv_heads='0' must be an integer >= 1"),
+        ("cla:factor=5", "factor=5 must be <= n_layers=4"),
+        ("mqa:pool=max", "pool='max' must be one of"),
+        ("cla2:merge=sum", "merge='sum' must be one of"),
+        ("cla2:window=3", "unknown option"),
+        ("moe", "'moe' must be one of"),
+        ("cla2+yoco-swa:window=8", "drop cla/mlkv"),
+        ("", "is empty"),
+    ],
+)
 def test_bad_conversions_are_refused_before_any_compute(source, text, message):
     with pytest.raises(ConfigError, match=message):
         convert(source, parse_conversion(text))
@@ -202,13 +214,16 @@ def test_a_reduced_mla_decodes_exactly_with_the_analytic_bytes(make_model):
     assert memory_per_token(cfg) == 4 * (12 + 2 * 4) * 4 < memory_per_token(source.config)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("mla:d_c=40,rope_dims=16", "d_c=40 must be <= 32"),
-    ("mla:d_c=8,rope_dims=3", "rope_dims=3 must be even"),
-    ("mla:d_c=8", "needs rope_dims=N"),
-    ("mla:d_c=8,rope_dims=4,select=low", "select='low' must be one of"),
-    ("mqa+mla:d_c=8,rope_dims=4", "drop the other stages"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("mla:d_c=40,rope_dims=16", "d_c=40 must be <= 32"),
+        ("mla:d_c=8,rope_dims=3", "rope_dims=3 must be even"),
+        ("mla:d_c=8", "needs rope_dims=N"),
+        ("mla:d_c=8,rope_dims=4,select=low", "select='low' must be one of"),
+        ("mqa+mla:d_c=8,rope_dims=4", "drop the other stages"),
+    ],
+)
 def test_bad_mla_conversions_are_refused(make_model, text, message):
     with pytest.raises(ConfigError, match=message):
         convert(make_model("gqa")[1], parse_conversion(text))

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from training.data import BatchIterator, DataError, Document, load_corpus, pack, split_documents
-from training.tokenizer import ByteTokenizer, get_tokenizer
+from training.tokenizer import ByteTokenizer
+from training.vocab import get_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +119,9 @@ def test_a_hub_dataset_offline_is_a_one_line_error(tmp_path):
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     argv = ["train", "gqa", "data.corpus=hf:kvjax-test/not-cached", "--run-dir", str(tmp_path / "run")]
-    result = subprocess.run([sys.executable, "-m", "kvjax.cli", *argv], capture_output=True, text=True, env=env,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvjax.commands", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("kvjax: error: corpus 'hf:kvjax-test/not-cached' could not be loaded")
@@ -140,8 +142,9 @@ def test_a_passkey_mix_rewrites_that_fraction_of_rows_in_the_eval_template(kjv, 
     it = BatchIterator(windows, batch_size=4, seed=3, mix=TrainingMix(tok, fraction, weight=20.0))
     per_epoch = it.batches_per_epoch
     batches = [next(it) for _ in range(2 * per_epoch)]
-    resumed = BatchIterator(windows, batch_size=4, seed=3, position={"epoch": 1, "index": 0},
-                            mix=TrainingMix(tok, fraction, weight=20.0))
+    resumed = BatchIterator(
+        windows, batch_size=4, seed=3, position={"epoch": 1, "index": 0}, mix=TrainingMix(tok, fraction, weight=20.0)
+    )
     for (a, wa), (b, wb) in zip(batches[per_epoch:], (next(resumed) for _ in range(per_epoch))):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(wa, wb)

@@ -13,8 +13,17 @@ from training.hf_import import HFImportError, load_hf_model
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, rope_theta=1000.0, rms_norm_eps=1e-5)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rope_theta=1000.0,
+    rms_norm_eps=1e-5,
+)
 
 
 def _save(family: str, directory, **extra):
@@ -34,12 +43,15 @@ def _ids(length=12):
     return np.random.default_rng(0).integers(0, TINY["vocab_size"], (2, length))
 
 
-@pytest.mark.parametrize("family, extra", [
-    ("Llama", {}),
-    ("Llama", {"tie_word_embeddings": True}),
-    ("Mistral", {"sliding_window": 5}),  # 12 tokens: the window matters
-    ("Qwen2", {}),  # query/key/value biases
-])
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("Llama", {}),
+        ("Llama", {"tie_word_embeddings": True}),
+        ("Mistral", {"sliding_window": 5}),  # 12 tokens: the window matters
+        ("Qwen2", {}),  # query/key/value biases
+    ],
+)
 def test_logits_match_transformers(tmp_path, family, extra):
     reference = _save(family, tmp_path, **extra)
     config, model = load_hf_model(tmp_path)
@@ -67,13 +79,19 @@ def test_kvjax_export_reads_back_exactly(make_model, tmp_path):
     np.testing.assert_allclose(back(ids % cfg.vocab_size, pos)[0], model(ids % cfg.vocab_size, pos)[0], atol=1e-6)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "architectures='GPT2LMHeadModel' is not supported"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type=.linear. is not"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling=.* is not expressible"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not expressible"),
-    ({"use_sliding_window": True, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "max_window_layers"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architectures='GPT2LMHeadModel' is not supported"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type=.linear. is not"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling=.* is not expressible"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not expressible"),
+        (
+            {"use_sliding_window": True, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+            "max_window_layers",
+        ),
+    ],
+)
 def test_what_kvjax_cannot_express_is_refused_by_name(tmp_path, change, message):
     _save("Llama", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -96,16 +114,30 @@ def test_a_checkpoint_directory_is_a_model_for_eval_generate_and_uptrain(make_mo
     _, model = make_model("gqa", "model.n_layers=2")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=262, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=262, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(["def f(x):\n    return {'a': [1, 2]}\n"] * 20, trainer)
     export_llama(model, tmp_path / "hf", bos_id=0, eos_id=1)
     tok.save(str(tmp_path / "hf" / "tokenizer.json"))
     loaded = load_model(str(tmp_path / "hf"))
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("return [1]")) == "return [1]"
     assert (loaded.bos, loaded.context, loaded.tokenizer.bos_id) == (False, 8192, 0)
-    record = uptrain(str(tmp_path / "hf"), "mqa", tmp_path / "up", [
-        f"data.corpus={SMALL_CORPUS}", "data.seq_len=32", "data.val_fraction=0.3", "data.eval_windows=4",
-        "train.steps=2", "train.warmup_steps=0", "train.batch_size=2"], progress=False, log=lambda _: None)
+    record = uptrain(
+        str(tmp_path / "hf"),
+        "mqa",
+        tmp_path / "up",
+        [
+            f"data.corpus={SMALL_CORPUS}",
+            "data.seq_len=32",
+            "data.val_fraction=0.3",
+            "data.eval_windows=4",
+            "train.steps=2",
+            "train.warmup_steps=0",
+            "train.batch_size=2",
+        ],
+        progress=False,
+        log=lambda _: None,
+    )
     assert record["after"]["step"] == 2
     assert load_model(str(tmp_path / "up")).config.data.tokenizer == f"hf:{tmp_path / 'hf'}"

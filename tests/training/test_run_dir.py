@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import yaml
 
-from kvjax.cli import main
+from kvjax.commands import main
+from tests.training.test_cli import TINY
 from training.checkpoint import Checkpointer
 from training.trainer import STOPPING, Trainer, TrainingInterrupted
-from tests.training.test_cli import TINY
 
 
 def test_a_run_directory_resumes_as_written_and_extends_explicitly(tmp_path, capsys):
@@ -58,10 +58,19 @@ def test_metrics_of_steps_lost_to_a_crash_are_replaced_not_repeated(small_config
 
 def test_ctrl_c_checkpoints_the_step_and_says_how_to_resume(tmp_path):
     run = tmp_path / "run"
-    long = [*TINY, "train.steps=100000", "train.eval_every=100000", "train.checkpoint_every=100000",
-            "train.log_every=1"]
-    proc = subprocess.Popen([sys.executable, "-m", "kvjax.cli", "train", "gqa", *long, "--run-dir", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    long = [
+        *TINY,
+        "train.steps=100000",
+        "train.eval_every=100000",
+        "train.checkpoint_every=100000",
+        "train.log_every=1",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvjax.commands", "train", "gqa", *long, "--run-dir", str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2) and time.monotonic() < deadline:
@@ -87,8 +96,11 @@ def test_a_second_ctrl_c_aborts_and_says_what_was_lost_and_where_the_last_checkp
             signal.raise_signal(signal.SIGINT)  # acknowledged; training would stop after this step...
             signal.raise_signal(signal.SIGINT)  # ...but a second one aborts at once
 
-    with pytest.raises(TrainingInterrupted, match=rf"aborted at step 6 of 20 without saving \(Ctrl-C twice\): steps "
-                                                  rf"5-6 lost; last checkpoint: step 4 in {tmp_path}"):
+    with pytest.raises(
+        TrainingInterrupted,
+        match=rf"aborted at step 6 of 20 without saving \(Ctrl-C twice\): steps "
+        rf"5-6 lost; last checkpoint: step 4 in {tmp_path}",
+    ):
         trainer.run(log=ctrl_c_twice)
     assert Checkpointer(tmp_path / "checkpoints").latest_step() == 4
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored

@@ -36,9 +36,16 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.slow
 def test_eight_device_step_equals_one_device():
     overrides = [
-        "model.n_layers=2", f"data.corpus={SMALL_CORPUS}", "data.seq_len=32", "data.val_fraction=0.3",
-        "data.eval_windows=8", "train.batch_size=4", "train.steps=3", "train.warmup_steps=1",
-        "train.eval_every=100", "train.checkpoint_every=100",
+        "model.n_layers=2",
+        f"data.corpus={SMALL_CORPUS}",
+        "data.seq_len=32",
+        "data.val_fraction=0.3",
+        "data.eval_windows=8",
+        "train.batch_size=4",
+        "train.steps=3",
+        "train.warmup_steps=1",
+        "train.eval_every=100",
+        "train.checkpoint_every=100",
     ]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     proc = subprocess.run(

@@ -83,7 +83,10 @@ def test_greedy_continuations_match(ours, reference, text_ids):
     got = generate(ours[1], [prompt], DecodingConfig(max_new_tokens=24)).tokens[0]
     with torch.no_grad():
         out = reference[0].generate(
-            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, attention_mask=torch.ones(1, 64, dtype=torch.long)
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            do_sample=False,
+            attention_mask=torch.ones(1, 64, dtype=torch.long),
         )
     np.testing.assert_array_equal(got, out[0, 64:].numpy())
 

@@ -92,8 +92,11 @@ def test_train_init_starts_from_another_runs_weights(small_config, tmp_path):
     with pytest.raises(ConfigError, match=r"train.init='.*/nowhere' is not a directory"):
         Trainer(small_config(f"train.init={tmp_path / 'nowhere'}"), tmp_path / "c", progress=False)
     with pytest.raises(ConfigError, match=r"differs from this run's in model.d_model, model.ffn_dim"):
-        Trainer(small_config("model.d_model=64", "model.ffn_dim=96", f"train.init={tmp_path / 'stage1'}"),
-                tmp_path / "d", progress=False)
+        Trainer(
+            small_config("model.d_model=64", "model.ffn_dim=96", f"train.init={tmp_path / 'stage1'}"),
+            tmp_path / "d",
+            progress=False,
+        )
     assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()  # nothing written
 
 

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvjax.cli import main
+from kvjax.commands import main
 from kvjax.config import ConfigError
 from training.loading import load_model
 from training.trainer import Trainer, load_trained
@@ -22,9 +22,20 @@ def source_run(tmp_path_factory):
     from kvjax.config import load_config
     from tests.training.conftest import SMALL_CORPUS
 
-    config = load_config("gqa", ["model.n_layers=2", f"data.corpus={SMALL_CORPUS}", "data.seq_len=32",
-                                 "data.val_fraction=0.3", "data.eval_windows=8", "train.batch_size=4",
-                                 "train.steps=8", "train.warmup_steps=1", "train.log_every=1000"])
+    config = load_config(
+        "gqa",
+        [
+            "model.n_layers=2",
+            f"data.corpus={SMALL_CORPUS}",
+            "data.seq_len=32",
+            "data.val_fraction=0.3",
+            "data.eval_windows=8",
+            "train.batch_size=4",
+            "train.steps=8",
+            "train.warmup_steps=1",
+            "train.log_every=1000",
+        ],
+    )
     run_dir = tmp_path_factory.mktemp("source")
     Trainer(config, run_dir, progress=False).run()
     return str(run_dir)
@@ -43,8 +54,9 @@ def test_uptraining_records_source_converted_and_trained_scores(source_run, tmp_
 
 
 def test_no_reduction_starts_where_the_source_is(source_run, tmp_path):
-    record = uptrain(source_run, "gqa:kv_heads=2", tmp_path / "same", SHORT, progress=False, log=lambda _: None,
-                     stop_at=1)
+    record = uptrain(
+        source_run, "gqa:kv_heads=2", tmp_path / "same", SHORT, progress=False, log=lambda _: None, stop_at=1
+    )
     np.testing.assert_allclose(record["before"]["eval_loss"], record["source_eval"]["eval_loss"], rtol=1e-6)
 
 
@@ -85,8 +97,10 @@ def test_training_only_the_converted_kv_parameters(source_run, tmp_path):
     uptrain(source_run, "cla2", tmp_path / "kv", [*SHORT, "train.trainable=kv"], progress=False, log=lambda _: None)
     start = nnx.state(convert(load_model(source_run).model, parse_conversion("cla2")))
     end = nnx.state(load_trained(tmp_path / "kv")[1])
-    moved = {"/".join(map(str, path)): not np.array_equal(a, b)
-             for (path, a), (_, b) in zip(nnx.to_flat_state(start), nnx.to_flat_state(end))}
+    moved = {
+        "/".join(map(str, path)): not np.array_equal(a, b)
+        for (path, a), (_, b) in zip(nnx.to_flat_state(start), nnx.to_flat_state(end))
+    }
     kv = {k for k in moved if {"k", "v", "kv_norm"} & set(k.split("/"))}
     assert kv and all(moved[k] for k in kv)
     assert not any(moved[k] for k in moved if k not in kv)
@@ -99,17 +113,34 @@ def test_the_uptrain_experiment_compares_converted_uptrained_and_scratch(tmp_pat
     from tests.training.conftest import SMALL_CORPUS
 
     exp = tmp_path / "up.yaml"
-    exp.write_text(json.dumps({
-        "source": "mha", "conversions": ["mla:d_c=16,rope_dims=4"],
-        "source_overrides": ["model.n_layers=2", f"data.corpus={SMALL_CORPUS}", "data.seq_len=32",
-                             "data.val_fraction=0.3", "train.batch_size=4", "train.steps=6", "train.warmup_steps=1"],
-        "uptrain_overrides": ["train.steps=3", "train.warmup_steps=0"],
-        "quick": ["data.eval_windows=4"], "decode_batch": 2, "decode_context": 48, "decode_tokens": 8,
-    }))
+    exp.write_text(
+        json.dumps(
+            {
+                "source": "mha",
+                "conversions": ["mla:d_c=16,rope_dims=4"],
+                "source_overrides": [
+                    "model.n_layers=2",
+                    f"data.corpus={SMALL_CORPUS}",
+                    "data.seq_len=32",
+                    "data.val_fraction=0.3",
+                    "train.batch_size=4",
+                    "train.steps=6",
+                    "train.warmup_steps=1",
+                ],
+                "uptrain_overrides": ["train.steps=3", "train.warmup_steps=0"],
+                "quick": ["data.eval_windows=4"],
+                "decode_batch": 2,
+                "decode_context": 48,
+                "decode_tokens": 8,
+            }
+        )
+    )
     assert main(["compare", "--experiment", str(exp), "--quick", "--out", str(tmp_path / "out")]) == 0
     rows = json.loads((tmp_path / "out" / "up.json").read_text())["rows"]
-    assert [r["model"] for r in rows] == ["mha (source)", *(f"mla:d_c=16,rope_dims=4, {k}"
-                                                           for k in ("converted", "uptrained", "from scratch"))]
+    assert [r["model"] for r in rows] == [
+        "mha (source)",
+        *(f"mla:d_c=16,rope_dims=4, {k}" for k in ("converted", "uptrained", "from scratch")),
+    ]
     assert rows[2]["tokens_trained"] == 3 * 4 * 32 and rows[3]["tokens_trained"] == (6 + 3) * 4 * 32
     # 2 layers x (16-dim latent + 8 KV heads x 4 RoPE dims) x fp32, against 2 x 2 x 8 x 16 x 4 for MHA
     assert (rows[1]["kv_bytes_per_token"], rows[0]["kv_bytes_per_token"]) == (2 * (16 + 8 * 4) * 4, 2 * 2 * 8 * 16 * 4)

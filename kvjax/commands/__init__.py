@@ -1,0 +1,98 @@
+"""The `kvjax` command line: one module per command, above the library (which never imports it)."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+
+from kvjax.commands import (
+    compare,
+    duo_train,
+    evaluate,
+    generate,
+    memory,
+    serve_bench,
+    train,
+    uptrain,
+)
+from kvjax.commands.args import Parser
+from kvjax.config import ConfigError, Note
+from training.checkpoint import CheckpointError
+from training.data import DataError
+from training.gguf_import import GGUFError
+from training.trainer import TrainingError, TrainingInterrupted
+
+COMMANDS = (memory, train, evaluate, generate, uptrain, duo_train, compare, serve_bench)  # in --help order
+# Errors that are the user's to fix (bad configs, data, checkpoints, divergence): one line, no traceback.
+USER_ERRORS = (ConfigError, CheckpointError, DataError, GGUFError, TrainingError)
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="kvjax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def _show_notes() -> None:
+    """kvjax's own warnings (`kvjax.config.Note`) as one `kvjax: note:` line each; others as Python shows them."""
+    default = warnings.showwarning
+    if getattr(default, "kvjax_notes", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, Note):
+            print(f"kvjax: note: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    show.kvjax_notes = True
+    warnings.showwarning = show
+
+
+def as_typed(argv: list[str]) -> str:
+    """This command line as the user can type it again: `kvjax ...` when `kvjax` on PATH is this program,
+    else the path it was started by (e.g. `.venv/bin/kvjax`)."""
+    prog = sys.argv[0]
+    if Path(prog).name != "kvjax":  # python -m kvjax.commands, or called from Python
+        prog = "kvjax"
+    elif (found := shutil.which("kvjax")) and Path(found).resolve() == Path(prog).resolve():
+        prog = "kvjax"
+    return shlex.join([prog, *argv])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    _show_notes()
+    try:
+        args.run(args)
+    except KeyboardInterrupt:
+        print("kvjax: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as e:
+        if isinstance(e, TrainingInterrupted):  # Ctrl-C in training: what was saved, and how to go on
+            print(f"kvjax: {e}; resume with: {as_typed(argv)}", file=sys.stderr)
+            return 130
+        print(f"kvjax: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if not _out_of_memory(e):
+            raise
+        print(
+            f"kvjax: error: out of memory ({str(e).splitlines()[0][:200]}); lower --batch, the sequence "
+            "lengths or the cache capacity",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+def _out_of_memory(e: Exception) -> bool:
+    return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)

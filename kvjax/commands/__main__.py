@@ -1,0 +1,7 @@
+"""`python -m kvjax.commands ...` runs the `kvjax` command."""
+
+import sys
+
+from kvjax.commands import main
+
+sys.exit(main())

@@ -1,0 +1,56 @@
+"""What several commands share: compression policies resolved against a model, and length defaults fitted
+to its context."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvjax.compress import parse_policy
+from kvjax.duo import default_pattern, duo_heads, with_pattern
+from training import compression_eval as ce
+
+
+def calibration_tokens(loaded, policies, corpus: str | None):
+    """Palu's calibration tokens (the corpus's training split) when a policy needs them, else None."""
+
+    if not any(s.method == "palu" for p in policies for s in p.stages):
+        return None
+    return ce.calibration_tokens(loaded.tokenizer, corpus or loaded.corpus)
+
+
+def resolve_duo(texts: list[str], model_ref: str, loaded) -> list[str]:
+    """Policy texts (or `--policies` methods) whose `duo` stages read the model's learned pattern
+    (`kvjax.duo.default_pattern`) unless they name one."""
+
+    path = default_pattern(model_ref, loaded.config.model.name)
+    shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else path
+    return [with_pattern(text, shown) for text in texts]
+
+
+def check_duo(texts: list[str], loaded) -> None:
+    """Each `duo` stage's pattern exists and fits the model, checked before any compute."""
+
+    for text in texts:
+        for stage in parse_policy(text).stages:
+            if stage.method == "duo":
+                duo_heads(stage, loaded.config.model)
+
+
+PREFIX, CONTINUATION, DECODE_CONTEXT, LENGTHS = 1536, 255, 2048, (512, 1024)  # defaults, fitted to the model
+
+
+def fit_to_context(args, loaded) -> None:
+    """Defaults for the lengths the user left unset that fit the model's trained context: a quarter of it
+    at most for the continuation, the rest (less the token the prefill predicts) for the prefix, the
+    context itself at most for decode timings and passkey prompts. Given values are checked as given."""
+
+    ctx = loaded.context or 1 << 30
+    if getattr(args, "continuation", 0) is None:
+        args.continuation = min(CONTINUATION, max(1, ctx // 4))
+    if getattr(args, "prefix", 0) is None:
+        args.prefix = min(PREFIX, max(1, ctx - args.continuation - 1))
+    if getattr(args, "context", 0) is None:
+        args.context = min(DECODE_CONTEXT, ctx)
+    if getattr(args, "lengths", 0) is None:
+        args.lengths = [n for n in LENGTHS if n + ce.ANSWER_TOKENS <= ctx] or [max(1, ctx - ce.ANSWER_TOKENS)]

@@ -1,0 +1,77 @@
+"""`kvjax memory`: analytic KV-cache bytes of model configs, side by side."""
+
+from __future__ import annotations
+
+from kvjax import memory
+from kvjax.commands.args import POSITIVE, split_overrides
+from kvjax.config import ConfigError, load_config
+from kvjax.plan import KV_KINDS, SHARABLE_KINDS
+from kvjax.report import format_bytes, format_table
+
+
+def _kv_shape(cfg) -> tuple[str, str]:
+    """(KV heads, head dim) columns: an MLA layer caches one latent plus one shared RoPE key."""
+    if "mla" in cfg.mixers:
+        rope = (
+            cfg.mla.qk_rope_head_dim if cfg.mla.rope_heads == 1 else f"{cfg.mla.rope_heads}x{cfg.mla.qk_rope_head_dim}"
+        )
+        return "latent", f"{cfg.mla.kv_lora_rank}+{rope}"
+    if not set(SHARABLE_KINDS) & set(cfg.mixers):
+        return "-", "-"
+    return str(cfg.attention.n_kv_heads), str(cfg.attention.head_dim)
+
+
+def memory_table(names: list[str], overrides: list[str], tokens: list[int], batch: int) -> str:
+    """One row per config: shape, K/V bytes per token, whole-cache bytes, and the ratio to MHA."""
+    headers = ["variant", "layers", "KV layers", "KV heads", "head dim", "dtype", "KV B/token", "cache B/token"]
+    headers += ["state B/seq"]
+    headers += [f"cache @{t // 1024}k" if t % 1024 == 0 else f"cache @{t}" for t in tokens]
+    headers += [f"vs MHA @{tokens[-1] // 1024}k" if tokens[-1] % 1024 == 0 else "vs MHA"]
+    rows = []
+    for name in names:
+        cfg = load_config(name, overrides).model
+        total = [memory.cache_bytes(cfg, t, batch) for t in tokens]
+        mha = memory.cache_bytes(memory.mha_reference(cfg), tokens[-1], batch)
+        rows.append(
+            [
+                cfg.name,
+                cfg.n_layers,
+                sum(cfg.mixers[i] in KV_KINDS for i in set(cfg.kv_source)),
+                *_kv_shape(cfg),
+                cfg.dtype,
+                memory.kv_bytes_per_token(cfg),
+                memory.cache_bytes_per_token(cfg),
+                memory.state_bytes_per_sequence(cfg),
+                *(format_bytes(b) for b in total),
+                f"{total[-1] / mha:.4f}",
+            ]
+        )
+    return format_table(headers, rows)
+
+
+def run(args) -> None:
+    names, overrides = split_overrides(args.configs)
+    if not names:
+        raise ConfigError("kvjax memory needs at least one config (a YAML path or a shipped name)")
+    print(memory_table(names, overrides, sorted(args.tokens), args.batch))
+    print(
+        f"\nKV layers: layers that store K/V (or an MLA latent). KV B/token: what each token adds to the caches"
+        f" that grow without bound (the papers' figure); cache B/token adds each slot's int32 position."
+        f" state B/seq: what does not grow: full sliding-window rings, recurrent states, length counters."
+        f" Cache columns: all arrays of all layers for batch {args.batch}; the ratio compares with MHA of the"
+        f" same shape."
+    )
+
+
+def register(sub) -> None:
+    mem = sub.add_parser("memory", help="analytic KV-cache memory of model configs")
+    mem.add_argument("configs", nargs="+", help="YAML paths or shipped names, then key.sub=value overrides")
+    mem.add_argument(
+        "--tokens",
+        type=POSITIVE,
+        nargs="+",
+        default=[4096, 32768],
+        help="sequence lengths of the cache columns (default: 4096 32768)",
+    )
+    mem.add_argument("--batch", type=POSITIVE, default=1, help="sequences per cache (default: 1)")
+    mem.set_defaults(run=run)

@@ -1,0 +1,101 @@
+"""`kvjax serve-bench`: serving throughput at a fixed K/V memory, paged engine against static batches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flax import nnx
+
+from architectures import Decoder
+from kvjax.commands.args import MODEL_HELP, NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT
+from kvjax.compress import parse_policy
+from kvjax.config import CONFIG_ROOT, ConfigError, load_config
+from kvjax.engine import check_engine_policy
+from kvjax.serve_bench import Workload, render, serve_bench
+from training.loading import load_model
+
+
+def run(args) -> None:
+    for policy in args.policies:
+        check_engine_policy(parse_policy(policy))  # before any compute
+    workload = Workload(
+        requests=args.requests,
+        prompt=tuple(args.prompt),
+        new=tuple(args.new),
+        shared_prefix=args.shared_prefix,
+        seed=args.seed,
+    )
+    model = _bench_model(args.model, args.overrides)
+    figures = serve_bench(
+        model,
+        workload,
+        memory_mib=args.memory_mib,
+        page_size=args.page_size,
+        slots=args.slots,
+        chunk=args.chunk,
+        decode_steps=args.decode_steps,
+        policies=tuple(args.policies),
+    )
+    print(render(figures))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+        print(f"wrote {args.json}")
+
+
+def _bench_model(ref: str, overrides: list[str]):
+    """A model config with overrides (shipped name or YAML: random weights, as throughput does not depend
+    on them), or anything `load_model` takes (a run directory, a GGUF name or file, a transformers directory)."""
+
+    if ref.endswith((".yaml", ".yml")) or (CONFIG_ROOT / "models" / f"{ref}.yaml").is_file():
+        return Decoder(load_config(ref, overrides).model, rngs=nnx.Rngs(0))
+    if overrides:
+        raise ConfigError(f"overrides {overrides} apply to a model config; {ref!r} is a trained or imported model")
+    return load_model(ref).model
+
+
+def register(sub) -> None:
+    sb = sub.add_parser("serve-bench", help="serving throughput at a fixed KV memory: paged engine vs static batches")
+    sb.add_argument("model", help="a model config (random weights), " + MODEL_HELP)
+    sb.add_argument("overrides", nargs="*", help="key.sub=value overrides of a model config")
+    sb.add_argument("--requests", type=POSITIVE, default=32, help="requests in the workload (default: 32)")
+    sb.add_argument(
+        "--prompt",
+        type=POSITIVE,
+        nargs=2,
+        default=[32, 256],
+        metavar=("LO", "HI"),
+        help="prompt lengths, drawn uniformly (default: 32 256)",
+    )
+    sb.add_argument(
+        "--new",
+        type=POSITIVE,
+        nargs=2,
+        default=[8, 128],
+        metavar=("LO", "HI"),
+        help="output lengths, drawn uniformly (default: 8 128)",
+    )
+    sb.add_argument(
+        "--shared-prefix", type=NON_NEGATIVE, default=0, help="tokens every prompt starts with (default: 0)"
+    )
+    sb.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    sb.add_argument("--memory-mib", type=POSITIVE_FLOAT, default=4.0, help="K/V memory of every server (default: 4)")
+    sb.add_argument("--page-size", type=POSITIVE, default=16, help="tokens per page (default: 16)")
+    sb.add_argument("--slots", type=POSITIVE, default=16, help="engine sequences decoding together (default: 16)")
+    sb.add_argument("--chunk", type=POSITIVE, default=128, help="engine prefill chunk (default: 128)")
+    sb.add_argument(
+        "--decode-steps",
+        type=POSITIVE,
+        default=8,
+        help="engine greedy decode steps per device call while no prompt prefills (default: 8)",
+    )
+    sb.add_argument(
+        "--policies",
+        nargs="+",
+        default=[],
+        help="also the engine with each policy: token eviction "
+        "applied after the prefill, optionally ending in int:8, e.g. snapkv:0.5 int:8 (default: none)",
+    )
+    sb.add_argument("--json", help="also write the figures to this file")
+    sb.set_defaults(run=run)

@@ -1,0 +1,100 @@
+"""The import graph, read from the source (function-level imports included): no cycles between modules,
+and no arrow pointing up the layers that docs/design.md names."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("pallas_kernels", "kvjax", "architectures", "training")
+# Layers, lowest first: a module may import its own layer and those below it. The commands sit on top
+# of everything and nothing in the library imports them.
+LAYERS = ("pallas_kernels", "kvjax", "architectures", "training", "kvjax.commands")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports anywhere in its file (`from a import b` counts a.b when b is
+    a module, else a)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _layer(module: str) -> int:
+    return max(i for i, layer in enumerate(LAYERS) if module == layer or module.startswith(layer + "."))
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def test_no_module_imports_a_layer_above_its_own(graph):
+    upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if _layer(b) > _layer(a))
+    assert not upward, "imports pointing up the layers (docs/design.md):\n" + "\n".join(upward)
+
+
+def test_no_import_cycles(graph):
+    # A package's __init__ importing its own modules is how it exports them, not a cycle.
+    edges = {a: {b for b in targets if not a.startswith(b + ".")} for a, targets in graph.items()}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_graph_is_read_correctly(graph):
+    """The checks above can fail: the reader sees module-level and function-level imports."""
+    assert "kvjax.config" in graph["kvjax.compress.policy"]
+    assert "training.trainer" in graph["kvjax.commands.train"]
+    assert _layer("kvjax.commands.train") > _layer("training.trainer") > _layer("kvjax.cache")

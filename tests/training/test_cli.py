@@ -62,24 +62,60 @@ def test_user_errors_exit_2_without_traceback(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compare_quick_end_to_end(tmp_path, capsys):
-    """One variant per kind of cache (dense, latent, state only), trained, measured and written (the
-    bytes of rings, CLA and YOCO: tests/kvjax/test_memory.py, tests/architectures/test_yoco.py)."""
+    """One comparison with every option (a compile-bound run: one test instead of three): one variant
+    per kind of cache (dense, latent, state only; the bytes of rings, CLA and YOCO are checked in
+    tests/kvjax/test_memory.py and tests/architectures/test_yoco.py), two seeds with their intervals,
+    an LR grid that selects on a split it does not report, matched parameters, decode curves."""
+    exp = load_experiment()
+    cfg = load_config("gqa", [*exp.overrides, *exp.quick])
+    corpus = prepare_corpus(cfg)
+    selection = selection_windows(corpus, cfg.data)
+    reported = corpus.val[: cfg.data.eval_windows]
+    assert len(selection) and not any((w == reported).all(axis=1).any() for w in selection)
+    small = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_windows=10_000))
+    with pytest.raises(ConfigError, match="selects on validation windows after"):
+        selection_windows(corpus, small.data)
+
     variants = ["gqa", "mla", "rwkv7"]
-    assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", *variants]) == 0
-    out_dir = tmp_path  # --out is used as given
-    rows = list(csv.DictReader(open(out_dir / "compare.csv")))
-    assert [r["variant"] for r in rows] == variants
+    options = ["--seeds", "2", "--lr-grid", "1e-5", "2e-2", "--match-params", "--decode-contexts", "64", "128"]
+    assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", *variants, *options]) == 0
+    out = capsys.readouterr().out
+    rows = list(csv.DictReader(open(tmp_path / "compare.csv")))  # --out is used as given
+    assert [r["variant"] for r in rows] == variants and "| rwkv7 " in out
     assert all(r["cache_bytes_analytic"] == r["cache_bytes_measured"] for r in rows)
     assert len({r["tokens_trained"] for r in rows}) == 1  # the same budget for every variant
-    assert all(r["val_bpb_interval"] == "n/a" for r in rows)  # one seed: no interval, not a zero one
-    by = {r["variant"]: {k: float(v) for k, v in r.items() if k not in ("variant", "val_bpb_interval")} for r in rows}
-    assert 4 * by["mla"]["kv_bytes_per_token"] == by["gqa"]["kv_bytes_per_token"]
-    assert by["rwkv7"]["kv_bytes_per_token"] == 0 and by["rwkv7"]["state_bytes_per_sequence"] > 0
-    assert json.loads((out_dir / "compare.json").read_text())["rows"][0]["variant"] == "gqa"
-    assert (out_dir / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| rwkv7 " in capsys.readouterr().out
-    assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", "gqa"]) == 0  # reused, not retrained
-    assert f"[1/1] gqa: reusing the finished run in {tmp_path / 'gqa'} (10 steps)" in capsys.readouterr().out
+    record = json.loads((tmp_path / "compare.json").read_text())
+    gqa, mla, rwkv7 = record["rows"]
+    assert 4 * mla["kv_bytes_per_token"] == gqa["kv_bytes_per_token"]
+    assert rwkv7["kv_bytes_per_token"] == 0 and rwkv7["state_bytes_per_sequence"] > 0
+    for row in (mla, rwkv7):  # each variant's FFN set so that its parameters are gqa's
+        assert row["ffn_dim"] != gqa["ffn_dim"] and abs(row["params"] - gqa["params"]) < 0.01 * gqa["params"]
+    assert "| ffn " in out and "lr (grid)" in out and "gqa vs mla: " in out and "2 seeds, 95%" in out
+    for row in record["rows"]:
+        grid = {float(k): v for k, v in row["lr_selection"].items()}
+        assert set(grid) == {1e-5, 2e-2} and row["lr"] == min(grid, key=grid.get)
+        assert row["seeds"] == [0, 1] and len(set(row["val_bpb_seeds"])) == 2  # the seeds really differ
+        assert row["val_bpb"] == pytest.approx(np.mean(row["val_bpb_seeds"])) and row["val_bpb_interval"] > 0
+        assert set(row["decode_curve"]) == {"64", "128"} and min(row["decode_curve"].values()) > 0
+        assert len(row["decode_tokens_per_s_rounds"]) == 1 and "(1 round)" in out  # --quick: one timed round
+    gqa_run = tmp_path / f"gqa-lr{gqa['lr']:g}"
+    assert (gqa_run / "checkpoints").is_dir() and (tmp_path / f"gqa-lr{gqa['lr']:g}-seed1" / "checkpoints").is_dir()
+    assert (tmp_path / "lr-grid" / "gqa-lr1e-05").is_dir()
+    assert record["environment"]["jax"] == jax.__version__ and record["environment"]["platform"] == "cpu"
+    for plot in ("compare.png", "compare-decode.png"):
+        assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = Trainer(
+        load_config("gqa", [*exp.overrides, *exp.quick, f"train.lr={gqa['lr']}", "train.seed=1"]),
+        tmp_path / "again",
+        progress=False,
+    )
+    again.run()  # the same seed reproduces its run bit for bit
+    assert again.evaluate()["eval_bpb"] == gqa["val_bpb_seeds"][1]
+    capsys.readouterr()
+    assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", "gqa", *options]) == 0  # all reused
+    out = capsys.readouterr().out
+    assert f"[1/1] gqa (seed 0): reusing the finished run in {gqa_run} (10 steps)" in out
+    assert "(seed 1): reusing" in out and ": training" not in out
 
 
 def test_intervals_separation_and_pareto_front_on_known_numbers():
@@ -98,68 +134,6 @@ def test_intervals_separation_and_pareto_front_on_known_numbers():
     # A front of one point (the smallest cache is also the best) is still a line to the largest cache.
     assert front_line([(1.0, 2.0), (4.0, 2.5)]) == ([1.0, 4.0], [2.0, 2.0])
     assert speed((100.0,)) == "~100 (1 round)" and speed((90.0, 100.0, 110.0)) == "100 +-10%"
-
-
-@pytest.mark.slow
-def test_compare_with_seeds_trains_each_variant_per_seed_and_reports_intervals(tmp_path, capsys):
-    args = [
-        "compare",
-        "--quick",
-        "--seeds",
-        "2",
-        "--decode-contexts",
-        "64",
-        "128",
-        "--match-params",
-        "--out",
-        str(tmp_path),
-    ]
-    assert main([*args, "--variants", "gqa", "mqa"]) == 0
-    out = capsys.readouterr().out
-    record = json.loads((tmp_path / "compare.json").read_text())
-    gqa, mqa = record["rows"]  # mqa's narrower K/V projections given back as a wider FFN
-    assert mqa["ffn_dim"] > gqa["ffn_dim"] and abs(mqa["params"] - gqa["params"]) < 0.01 * gqa["params"]
-    assert (tmp_path / f"mqa-ffn{mqa['ffn_dim']}-seed1").is_dir() and "| ffn " in out
-    for row in record["rows"]:
-        assert row["seeds"] == [0, 1] and len(set(row["val_bpb_seeds"])) == 2  # the seeds really differ
-        assert row["val_bpb"] == pytest.approx(np.mean(row["val_bpb_seeds"])) and row["val_bpb_interval"] > 0
-    assert (tmp_path / "gqa-seed1" / "checkpoints").is_dir() and (tmp_path / "gqa" / "checkpoints").is_dir()
-    assert "gqa vs mqa: " in out and "2 seeds, 95%" in out
-    assert record["environment"]["jax"] == jax.__version__ and record["environment"]["platform"] == "cpu"
-    assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert all(
-        set(row["decode_curve"]) == {"64", "128"} and min(row["decode_curve"].values()) > 0 for row in record["rows"]
-    )
-    assert (tmp_path / "compare-decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    again = Trainer(
-        load_config("gqa", [*load_experiment().overrides, *load_experiment().quick, "train.seed=1"]),
-        tmp_path / "again",
-        progress=False,
-    )
-    again.run()  # the same seed reproduces its run bit for bit
-    assert again.evaluate()["eval_bpb"] == record["rows"][0]["val_bpb_seeds"][1]
-
-
-@pytest.mark.slow
-def test_compare_lr_grid_keeps_the_best_rate_on_a_split_it_does_not_report(tmp_path, capsys):
-    exp = load_experiment()
-    cfg = load_config("gqa", [*exp.overrides, *exp.quick])
-    corpus = prepare_corpus(cfg)
-    selection = selection_windows(corpus, cfg.data)
-    reported = corpus.val[: cfg.data.eval_windows]
-    assert len(selection) and not any((w == reported).all(axis=1).any() for w in selection)
-    args = ["compare", "--quick", "--lr-grid", "1e-5", "2e-2", "--out", str(tmp_path), "--variants", "gqa"]
-    assert main(args) == 0
-    (row,) = json.loads((tmp_path / "compare.json").read_text())["rows"]
-    grid = {float(k): v for k, v in row["lr_selection"].items()}
-    assert set(grid) == {1e-5, 2e-2} and row["lr"] == min(grid, key=grid.get)
-    assert (tmp_path / f"gqa-lr{row['lr']:g}" / "checkpoints").is_dir() and (
-        tmp_path / "lr-grid" / "gqa-lr1e-05"
-    ).is_dir()
-    assert "lr (grid)" in capsys.readouterr().out
-    small = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_windows=10_000))
-    with pytest.raises(ConfigError, match="selects on validation windows after"):
-        selection_windows(corpus, small.data)
 
 
 def test_compare_variants_are_checked_before_training(tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""The README and the design notes only point at files a clone has, and the README opens with the two
-commands CI and a new user run."""
+"""The README and docs/ only point at files a clone has, the README opens with the two commands CI and a
+new user run, stays short, and its table of what is implemented names exactly what the code accepts."""
 
 import re
 from pathlib import Path
@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_relative_links_point_at_files_in_the_repository():
-    for doc in (ROOT / "README.md", ROOT / "docs" / "design.md"):
+    for doc in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
         for target in re.findall(r"\]\(([^)#]+)\)", doc.read_text()):
             if "://" in target:
                 continue
@@ -21,3 +21,22 @@ def test_readme_opens_with_the_demo_and_the_test_command_that_ci_runs():
     commands = [line.split("#")[0].strip() for line in first_block.splitlines()]
     assert commands == ["make demo", "make test"]
     assert "make test" in ROOT.joinpath(".ci", "run").read_text()
+
+
+def _implemented() -> dict[str, set[str]]:
+    """Backquoted names per row of the README's 'What is implemented' table."""
+    text = ROOT.joinpath("README.md").read_text().split("## What is implemented", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    return {cells[1].strip(): set(re.findall(r"`([\w-]+)`", cells[2])) for cells in rows[1:]}
+
+
+def test_the_readme_is_short_and_its_implemented_table_names_what_the_code_accepts():
+    from kvjax.compress import policy
+
+    assert len(ROOT.joinpath("README.md").read_text().splitlines()) <= 200
+    table = _implemented()
+    assert table["model"] == {p.stem for p in (ROOT / "configs" / "models").glob("*.yaml")}
+    methods = policy.SCORERS + policy.QUANTIZERS + policy.LOW_RANK + policy.CHANNELS + policy.HEAD_LEVEL
+    listed = set().union(*(table[row] for row in ("token eviction", "encoding", "heads and layers")))
+    assert listed == set(methods + policy.LAYER_LEVEL)
+    assert table["budgets and merging"] == set(policy.ALLOCATORS + policy.REDUCERS)

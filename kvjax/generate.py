@@ -26,7 +26,7 @@ from kvjax.compress import (
     plan_stages,
 )
 from kvjax.compress.apply import observe_fn
-from kvjax.compress.scorers import observed_queries
+from kvjax.compress.scorers import accumulates, observed_queries
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.duo import duo_heads
 from kvjax.quant.lowrank import calibrate, lorc_bases
@@ -140,7 +140,7 @@ def _decode_step(model, tokens, pos, caches, stats, step, evict):
     obs = jnp.zeros(tokens.shape, jnp.int32)
     hidden, caches, observed = model.observe(tokens, pos, caches, obs, observe_fn((stage,)))
     running = tuple(
-        None if o is None or o[0] is None else (o[0] + st if stage.method in ("h2o", "d2o", "scissorhands") else o[0])
+        None if o is None or o[0] is None else (o[0] + st if accumulates(stage) else o[0])
         for o, st in zip(observed, stats)
     )
     as_observed = tuple(None if st is None else (st,) for st in running)

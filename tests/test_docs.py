@@ -36,7 +36,6 @@ def test_the_readme_is_short_and_its_implemented_table_names_what_the_code_accep
     assert len(ROOT.joinpath("README.md").read_text().splitlines()) <= 200
     table = _implemented()
     assert table["model"] == {p.stem for p in (ROOT / "configs" / "models").glob("*.yaml")}
-    methods = policy.SCORERS + policy.QUANTIZERS + policy.LOW_RANK + policy.CHANNELS + policy.HEAD_LEVEL
     listed = set().union(*(table[row] for row in ("token eviction", "encoding", "heads and layers")))
-    assert listed == set(methods + policy.LAYER_LEVEL)
+    assert listed == set(policy.all_methods())
     assert table["budgets and merging"] == set(policy.ALLOCATORS + policy.REDUCERS)

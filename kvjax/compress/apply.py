@@ -162,15 +162,10 @@ def observe_fn(stages: tuple[Stage, ...]):
 
     def reduce(probs, obs_pos, view, queries=None):
         pooled = getattr(view, "head", None) is not None
-        visible = None  # which keys each observed query saw: Scissorhands' average is over them
-        if any(stage.method == "scissorhands" for stage in stages):
+        visible = None  # which keys each observed query saw (Scissorhands' average is over them)
+        if scorers.needs_visibility(stages):
             visible = grouped_mask(obs_pos, view.pos, None, getattr(view, "head", None), probs.shape[1])
-        return tuple(
-            think.observe(stage, queries, obs_pos)
-            if stage.method == "think"
-            else scorers.observe(stage, probs, obs_pos, pooled, visible)
-            for stage in stages
-        )
+        return tuple(scorers.observe(stage, probs, obs_pos, pooled, visible, queries) for stage in stages)
 
     return reduce
 

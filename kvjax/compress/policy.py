@@ -26,13 +26,15 @@ import warnings
 
 import numpy as np
 
+from kvjax.compress.methods import METHODS
 from kvjax.config import ConfigError, Note
 from kvjax.quant import QuantSpec
 
-SCORERS = ("streaming", "h2o", "snapkv", "tova", "keynorm", "quest", "d2o", "scissorhands")
+SELECTORS = ("quest",)  # selects pages at attention time instead of scoring slots
 QUANTIZERS = ("int", "kivi", "kvquant", "gear")  # `method:bits`; they keep every token and encode it (kvjax.quant)
 LOW_RANK = ("palu", "lorc")  # `palu:ratio`, `lorc:ratio`: every token kept as a rank-r latent (kvjax.quant.lowrank)
-CHANNELS = ("think",)  # `think:ratio`: that fraction of key channels dropped (kvjax.compress.think)
+# Scoring methods (and ThinK's channel scoring) are registered by name in kvjax.compress.methods, one
+# module each: `registered(kind)` lists them, including any a user registers.
 HEAD_LEVEL = ("duo",)  # `duo:ratio`: that fraction of KV heads keeps only sinks + a recent window (kvjax.duo)
 LAYER_LEVEL = ("minicache",)  # `minicache:ratio`: that fraction of layers merged in pairs (compress.minicache)
 ALLOCATORS = ("uniform", "pyramid", "adakv")
@@ -41,9 +43,19 @@ POOLINGS = ("avg", "max")
 # Tokens always kept, per method: StreamingLLM's attention sinks and recent window (Xiao et al. 2024);
 # H2O's recent half of the budget (Zhang et al. 2023, equal heavy and recent budgets); SnapKV's
 # observation window (Li et al. 2024, w = 32). `window=None` means the method's own rule.
-_DEFAULT_SINKS = {"streaming": 4, "duo": 64, "d2o": 4}  # D2O: the reference keeps positions 0-3
+_DEFAULT_SINKS = {"duo": 64}  # scoring methods: their own (`Method.sinks`)
 # DuoAttention's deployment recent window (reference eval scripts); ThinK's unpruned recent prompt tokens
 _DEFAULT_RECENT = {"duo": 256, "think": 32}
+
+
+def registered(kind: str) -> tuple[str, ...]:
+    """The registered methods of a kind: "scorer" (token scores) or "channels" (ThinK)."""
+    return tuple(name for name, method in METHODS.items() if method.kind == kind)
+
+
+def all_methods() -> tuple[str, ...]:
+    """Every method a policy stage may name."""
+    return registered("scorer") + SELECTORS + QUANTIZERS + LOW_RANK + registered("channels") + HEAD_LEVEL + LAYER_LEVEL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +95,7 @@ class Stage:
 
     def __post_init__(self):
         where = f"policy stage {self.method!r}"
-        methods = SCORERS + QUANTIZERS + LOW_RANK + CHANNELS + HEAD_LEVEL + LAYER_LEVEL
+        methods = all_methods()
         if self.method not in methods:
             raise ConfigError(f"{where}: method={self.method!r} must be one of {methods}")
         if self.rank != 4 and self.method != "gear" or self.rank < 0:
@@ -122,7 +134,7 @@ class Stage:
             raise ConfigError(f"{where}: beta={self.beta} must be >= 1, floor={self.floor} in [0, 1], sigma > 0")
         if self.reducer == "cam" and self.method in ("streaming", "keynorm", "quest"):
             raise ConfigError(f"{where}: reducer='cam' weighs merges by attention; use h2o, snapkv or tova")
-        if self.method in LOW_RANK + CHANNELS and self.ratio is None:
+        if self.method in LOW_RANK + registered("channels") and self.ratio is None:
             raise ConfigError(f"{where}: give the fraction of K/V dimensions removed, a ratio in [0, 1)")
         if self.heads < 1:
             raise ConfigError(f"{where}: heads={self.heads} must be >= 1")
@@ -166,15 +178,15 @@ class Stage:
 
     @property
     def n_sinks(self) -> int:
-        return _DEFAULT_SINKS.get(self.method, 0) if self.sinks is None else self.sinks
+        if self.sinks is not None:
+            return self.sinks
+        return METHODS[self.method].sinks if self.method in METHODS else _DEFAULT_SINKS.get(self.method, 0)
 
     def n_window(self, keep: int) -> int:
         """Recent tokens always kept when `keep` tokens are kept."""
         if self.window is not None:
             return self.window
-        halves = {"h2o": keep // 2, "d2o": keep // 2}  # heavy hitters and recent tokens in equal parts
-        observed = {"snapkv": self.obs_window, "scissorhands": self.obs_window}  # the voting / history window
-        return {"streaming": max(0, keep - self.n_sinks), **observed, **halves}.get(self.method, 0)
+        return METHODS[self.method].window(self, keep) if self.method in METHODS else 0
 
     @property
     def recent(self) -> int:
@@ -188,7 +200,7 @@ class Stage:
     @property
     def encodes(self) -> bool:
         """Keeps every token in another form (quantized codes, a low-rank latent, pruned key channels)."""
-        return self.quantizes or self.method in LOW_RANK + CHANNELS
+        return self.quantizes or self.method in LOW_RANK + registered("channels")
 
     @property
     def quant_spec(self):
@@ -211,12 +223,9 @@ class Stage:
     @property
     def fixed_protected(self) -> int:
         """Sinks plus a window that does not scale with the budget (the least a layer may keep)."""
-        fixed = (
-            {"snapkv": self.obs_window, "scissorhands": self.obs_window}.get(self.method, 0)
-            if self.window is None
-            else self.window
-        )
-        return self.n_sinks + fixed
+        if self.window is not None:
+            return self.n_sinks + self.window
+        return self.n_sinks + (METHODS[self.method].fixed_window(self) if self.method in METHODS else 0)
 
     def keep(self, length: int) -> int:
         """Tokens this stage keeps of `length`."""
@@ -231,7 +240,7 @@ class Stage:
     @property
     def per_head(self) -> bool:
         """Whether heads may keep different tokens (so positions are stored per head)."""
-        return self.pooled or self.method in ("h2o", "snapkv", "keynorm", "d2o", "scissorhands")
+        return self.pooled or (self.method in METHODS and METHODS[self.method].per_head)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,9 +14,10 @@ from kvjax import DecodingConfig, Generator
 from kvjax.cache import KVCache, KVView, PooledKVCache, QuestKVCache, caches_nbytes
 from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
 from kvjax.compress.apply import observe_fn
+from kvjax.compress.methods.snapkv import pool
 from kvjax.compress.policy import BudgetNote, Stage, pyramid_counts, stage_counts
 from kvjax.compress.reducers import protected, top_slots
-from kvjax.compress.scorers import observe, pool, score
+from kvjax.compress.scorers import observe, score
 from kvjax.config import ConfigError
 from kvjax.ops import attend, attention, attention_probs, grouped_mask
 

@@ -1,0 +1,80 @@
+"""What a token-level scoring method is, and the registry that looks methods up by name.
+
+A method is a small class holding its defaults and two hooks, registered with `@register`: `observe`
+reduces the attention probabilities `[B,K,W,G,S]` of some queries (the model computes them while it
+runs, `Decoder.observe`) to a per-slot statistic, and `score` turns that statistic (or the cache
+alone) into a score per slot `[B,Kh,S]` (higher is kept; Kh = K when heads score on their own, 1 when
+one score serves every head). The options themselves travel in the policy stage (`Stage`), whose
+grammar and errors the user sees; nothing outside a method's module names the method.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+METHODS: dict[str, Method] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: make the method available to policies as `cls.name`."""
+    if cls.name in METHODS:
+        raise ValueError(f"a token-level method named {cls.name!r} is registered already")
+    METHODS[cls.name] = cls()
+    return cls
+
+
+class Method:
+    """Defaults of a scoring method and its hooks; subclasses override what differs."""
+
+    name: ClassVar[str]
+    kind: ClassVar[str] = "scorer"  # what the policy grammar calls it: a scorer, or "channels" (ThinK)
+    sinks: ClassVar[int] = 0  # first positions always kept, unless the stage says `sinks=`
+    per_head: ClassVar[bool] = False  # each KV head keeps its own tokens (positions stored per head)
+    accumulates: ClassVar[bool] = False  # a decode-time statistic adds up over steps (H2O's attention sums)
+    counts_visible: ClassVar[bool] = False  # `observe` needs which keys each query could see
+
+    def window(self, stage, keep: int) -> int:
+        """Recent tokens always kept when `keep` tokens are kept (the stage's `window=` overrides it)."""
+        return 0
+
+    def fixed_window(self, stage) -> int:
+        """The part of `window` that does not scale with the budget (the least a layer may keep)."""
+        return 0
+
+    def observed_queries(self, stage, length: int) -> int:
+        """How many of the last prompt queries the method observes (0: none; `length`: all)."""
+        return 0
+
+    def observe(
+        self, stage, probs: jax.Array, obs_pos: jax.Array, pooled: bool, visible=None, queries=None
+    ) -> jax.Array | None:
+        """The statistic of probabilities `[B,K,W,G,S]` of queries at positions obs_pos `[B,W]` (-1: none):
+        per slot `[B,Kh,S]`, or None for a method that does not read attention. `pooled`: the cache is an
+        AdaKV pool (one entry axis); `visible`: which keys each query could see; `queries` `[B,W,N,H]`:
+        the observed queries themselves (None for MLA)."""
+        return None
+
+    def score(self, stage, cache, stat: jax.Array | None, last_pos: jax.Array) -> jax.Array:
+        raise NotImplementedError(f"method {self.name!r} scores no slot")
+
+
+def voters(obs_pos: jax.Array, window: int | None) -> jax.Array:
+    """The observed queries `[B,W]` that vote: every real one, or the last `window` of each row."""
+    if window is None:
+        return obs_pos >= 0
+    last = jnp.max(obs_pos, axis=1)[:, None]
+    return (obs_pos >= 0) & (obs_pos > last - window)
+
+
+def attention_received(probs: jax.Array, voter: jax.Array) -> jax.Array:
+    """Attention each key received from the voting queries, summed over them and averaged over the
+    query heads of its KV head: `[B,K,S]`."""
+    return jnp.where(voter[:, None, :, None, None], probs, 0.0).sum(axis=2).mean(axis=2)
+
+
+def slot_positions(cache) -> jax.Array:
+    """Positions `[B,Kh,S]` of a cache's slots (shared by the heads, Kh = 1, or per head)."""
+    return cache.pos if cache.pos.ndim == 3 else cache.pos[:, None, :]

@@ -1,0 +1,17 @@
+"""ThinK's observation (Xu et al. 2024): it scores key channels by the last `obs_window` prompt queries
+(`kvjax.compress.think` prunes them); registered so that the prefill observes those queries."""
+
+from kvjax.compress import think
+from kvjax.compress.methods.base import Method, register
+
+
+@register
+class ThinK(Method):
+    name = "think"
+    kind = "channels"
+
+    def observed_queries(self, stage, length):
+        return min(stage.obs_window, length)
+
+    def observe(self, stage, probs, obs_pos, pooled, visible=None, queries=None):
+        return think.observe(stage, queries, obs_pos)

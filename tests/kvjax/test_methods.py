@@ -1,0 +1,53 @@
+"""The contract every registered token-level scoring method passes, parametrized over the registry (no
+hand-kept list: a method added to kvjax/compress/methods/ is held to it at once): a budget that covers
+the prompt changes nothing, measured bytes equal analytic bytes, generation equals teacher-forced
+scoring through the same compressed cache, and a bad option is a one-line error before compute."""
+
+import jax
+import numpy as np
+import pytest
+
+from kvjax import DecodingConfig, Generator
+from kvjax.cache import caches_nbytes
+from kvjax.compress import compressed_cache_bytes, parse_policy
+from kvjax.compress.methods import METHODS
+from kvjax.config import ConfigError
+
+PROMPTS = [list(range(3, 99)), [7, 1, 9, 4] * 17 + [2, 5]]  # 96 and 70 tokens: a half still covers a 32-token window
+NEW = 5
+CAPACITY = 96 + NEW
+
+
+@pytest.fixture(scope="module")
+def model(make_model):
+    return make_model("gqa", "model.n_layers=2", "model.init_std=0.2")[1]
+
+
+def scoring_methods() -> list[str]:
+    return sorted(name for name, method in METHODS.items() if method.kind == "scorer")
+
+
+def check_contract(model, name: str) -> None:
+    full = Generator(model, capacity=CAPACITY)
+    covering = Generator(model, capacity=CAPACITY, policy=parse_policy(f"{name}:0.0"))
+    continuation = np.asarray(full(PROMPTS, DecodingConfig(max_new_tokens=NEW)).tokens)
+    want, _ = full.score(PROMPTS, continuation.tolist())
+    got, _ = covering.score(PROMPTS, continuation.tolist())
+    np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{name}:0.0 changed the scores")
+
+    half = Generator(model, capacity=CAPACITY, policy=parse_policy(f"{name}:0.5"))
+    tokens, lengths = half.pad(PROMPTS, NEW)
+    logits, caches, stats = half.prefill_compressed(tokens, lengths, NEW)
+    plans = half.compression_plan(lengths, NEW)
+    assert caches_nbytes(caches) == compressed_cache_bytes(model.config, plans, len(PROMPTS), CAPACITY), name
+    out = half.decode(caches, logits, lengths, DecodingConfig(max_new_tokens=NEW), jax.random.key(0), stats)
+    scored, _ = half.score(PROMPTS, np.asarray(out.tokens).tolist())
+    np.testing.assert_allclose(scored, out.logprobs, atol=1e-5, err_msg=f"{name}: decode != teacher forcing")
+
+    with pytest.raises(ConfigError, match=f"policy stage '{name}:0.5:colour=red': unknown option 'colour'"):
+        parse_policy(f"{name}:0.5:colour=red")
+
+
+@pytest.mark.parametrize("name", scoring_methods())
+def test_every_registered_scoring_method_keeps_the_contract(model, name):
+    check_contract(model, name)

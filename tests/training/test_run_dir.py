@@ -104,3 +104,17 @@ def test_a_second_ctrl_c_aborts_and_says_what_was_lost_and_where_the_last_checkp
         trainer.run(log=ctrl_c_twice)
     assert Checkpointer(tmp_path / "checkpoints").latest_step() == 4
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
+
+
+def test_the_final_scores_are_those_logged_at_the_last_step_not_a_second_evaluation(small_config, tmp_path):
+    trainer = Trainer(small_config("train.steps=4", "train.eval_every=4"), tmp_path, progress=False)
+    history = trainer.run()
+    logged = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
+
+    def evaluate_again(*args, **kwargs):
+        raise AssertionError("`kvjax train` evaluated the last step twice")
+
+    trainer.evaluate = evaluate_again
+    assert trainer.final_scores(history) == logged and set(logged) == {"eval_loss", "eval_bpb", "eval_ppl"}
+    resumed = Trainer(small_config("train.steps=4", "train.eval_every=4"), tmp_path, progress=False)
+    assert resumed.final_scores(resumed.run()) == logged  # a finished run trains nothing, evaluates once

@@ -18,6 +18,7 @@ from flax import nnx
 
 from architectures import Decoder
 from kvjax.config import AttentionConfig, Config, ModelConfig
+from training.families import llama
 from training.tokenizer import HFTokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -145,12 +146,6 @@ def config_from_gguf(reader, path: Path) -> ModelConfig:
     )
 
 
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (interleaved pairs -> halves) of an [out, in] weight."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _dequantized(reader, path: Path) -> dict[str, np.ndarray]:
     import gguf
 
@@ -172,23 +167,8 @@ def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
     reader = _reader(path)
     cfg = config_from_gguf(reader, path)
     w = _dequantized(reader, path)
-    att = cfg.attention
-    expected = {"token_embd.weight", "output_norm.weight"} | {
-        f"blk.{i}.{n}.weight"
-        for i in range(cfg.n_layers)
-        for n in (
-            "attn_norm",
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_output",
-            "ffn_norm",
-            "ffn_gate",
-            "ffn_up",
-            "ffn_down",
-        )
-    }
-    if missing := sorted(expected - set(w)):
+    stored = [weight for weight in llama.weights(cfg) if weight.gguf is not None]
+    if missing := sorted({weight.gguf for weight in stored} - set(w)):
         raise GGUFError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # shapes only: every weight is set below
 
@@ -197,19 +177,9 @@ def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
             raise GGUFError(f"{path}: tensor of shape {value.shape} does not fit a parameter of shape {variable.shape}")
         variable.set_value(jnp.asarray(value, variable.dtype))
 
-    put(model.embed.embedding, w["token_embd.weight"])
-    put(model.final_norm.scale, w["output_norm.weight"])
-    if model.lm_head is not None:
-        put(model.lm_head.kernel, w["output.weight"].T)
-    for i, block in enumerate(model.blocks):
-        p = f"blk.{i}."
-        put(block.mixer_norm.scale, w[p + "attn_norm.weight"])
-        put(block.mixer.q.kernel, unpermute_rope_rows(w[p + "attn_q.weight"], att.n_heads).T)
-        put(block.mixer.k.kernel, unpermute_rope_rows(w[p + "attn_k.weight"], att.n_kv_heads).T)
-        put(block.mixer.v.kernel, w[p + "attn_v.weight"].T)
-        put(block.mixer.o.kernel, w[p + "attn_output.weight"].T)
-        put(block.mlp_norm.scale, w[p + "ffn_norm.weight"])
-        put(block.mlp.gate.kernel, w[p + "ffn_gate.weight"].T)
-        put(block.mlp.up.kernel, w[p + "ffn_up.weight"].T)
-        put(block.mlp.down.kernel, w[p + "ffn_down.weight"].T)
+    for weight in stored:
+        value = w[weight.gguf]
+        if weight.rope_heads is not None:
+            value = llama.unpermute_rope_rows(value, weight.rope_heads)
+        put(llama.parameter(model, weight.ours), value.T if weight.transpose else value)
     return Config(model=cfg), model

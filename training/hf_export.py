@@ -11,10 +11,7 @@ import numpy as np
 
 from architectures import Decoder
 from kvjax.config import ConfigError
-
-
-def _torch_name(i: int, part: str) -> str:
-    return f"model.layers.{i}.{part}.weight"
+from training.families import llama
 
 
 def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
@@ -36,21 +33,14 @@ def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:
             "export a model whose every layer has its own K/V (kind none, no kv_norm)"
         )
     arr = lambda v: np.asarray(v[...], np.float32)  # noqa: E731
-    out = {"model.embed_tokens.weight": arr(model.embed.embedding), "model.norm.weight": arr(model.final_norm.scale)}
-    if model.lm_head is not None:
-        out["lm_head.weight"] = arr(model.lm_head.kernel).T
-    for i, block in enumerate(model.blocks):
-        out[_torch_name(i, "input_layernorm")] = arr(block.mixer_norm.scale)
-        out[_torch_name(i, "post_attention_layernorm")] = arr(block.mlp_norm.scale)
-        for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
-            out[_torch_name(i, f"self_attn.{theirs}")] = arr(getattr(block.mixer, ours).kernel).T
-            if cfg.attention.qkv_bias:  # Llama's attention_bias also biases o_proj: zeros there keep it exact
-                bias = getattr(block.mixer, ours).bias
-                out[f"model.layers.{i}.self_attn.{theirs}.bias"] = (
-                    arr(bias) if bias is not None else np.zeros(cfg.d_model, np.float32)
-                )
-        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            out[_torch_name(i, f"mlp.{theirs}")] = arr(getattr(block.mlp, ours).kernel).T
+    out = {}
+    for weight in llama.weights(cfg):
+        value = arr(llama.parameter(model, weight.ours))
+        out[weight.hf] = value.T if weight.transpose else value
+    if cfg.attention.qkv_bias:  # Llama's attention_bias also biases o_proj: zeros there keep it exact
+        out.update(
+            {f"model.layers.{i}.self_attn.o_proj.bias": np.zeros(cfg.d_model, np.float32) for i in range(cfg.n_layers)}
+        )
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 

@@ -20,6 +20,7 @@ from flax import nnx
 
 from architectures import Decoder
 from kvjax.config import AttentionConfig, Config, ConfigError, ModelConfig
+from training.families import llama
 from training.tokenizer import HFTokenizer
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -112,22 +113,13 @@ def load_hf_model(directory: str | Path) -> tuple[Config, Decoder]:
             raise HFImportError(f"{path}: {name} has shape {value.shape}, kvjax expects {variable.shape}")
         variable.set_value(jnp.asarray(value, variable.dtype))
 
-    put(model.embed.embedding, "model.embed_tokens.weight")
-    put(model.final_norm.scale, "model.norm.weight")
-    if model.lm_head is not None:
-        put(model.lm_head.kernel, "lm_head.weight", transpose=True)
-    for i, block in enumerate(model.blocks):
-        p = f"model.layers.{i}."
-        put(block.mixer_norm.scale, p + "input_layernorm.weight")
-        put(block.mlp_norm.scale, p + "post_attention_layernorm.weight")
-        for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
-            put(getattr(block.mixer, ours).kernel, f"{p}self_attn.{theirs}.weight", transpose=True)
-            if ours != "o" and cfg.attention.qkv_bias:
-                put(getattr(block.mixer, ours).bias, f"{p}self_attn.{theirs}.bias")
-        if np.any(w.get(f"{p}self_attn.o_proj.bias", 0.0)):  # Llama's attention_bias: only zeros map exactly
-            raise HFImportError(f"{path}: {p}self_attn.o_proj.bias is not zero; kvjax's output projection has no bias")
-        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            put(getattr(block.mlp, ours).kernel, f"{p}mlp.{theirs}.weight", transpose=True)
+    for weight in llama.weights(cfg):
+        put(llama.parameter(model, weight.ours), weight.hf, weight.transpose)
+    for i in range(cfg.n_layers):  # Llama's attention_bias also biases o_proj: only zeros map exactly
+        if np.any(w.get(f"model.layers.{i}.self_attn.o_proj.bias", 0.0)):
+            raise HFImportError(
+                f"{path}: model.layers.{i}.self_attn.o_proj.bias is not zero; kvjax's output projection has no bias"
+            )
     return Config(model=cfg), model
 
 

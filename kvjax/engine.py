@@ -39,7 +39,8 @@ from kvjax.cache import LatentCache
 from kvjax.compress import Policy, parse_policy
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import Generator
-from kvjax.paged import PagedKVCache, PagedLatentCache, PagePool, PoolExhausted
+from kvjax.page_pool import PagePool, PoolExhausted
+from kvjax.paged import PagedKVCache, PagedLatentCache
 from kvjax.plan import LayerPlan
 from kvjax.quant.cache import QuantKVCache
 from kvjax.sampling import sample

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from kvjax.cache import init_caches
 from kvjax.ops import attention
-from kvjax.paged import NULL_PAGE, PagedKVCache, PagePool, PoolExhausted
+from kvjax.page_pool import NULL_PAGE, PagePool, PoolExhausted
+from kvjax.paged import PagedKVCache
 from kvjax.quant.packing import pack
 
 PS, PAGES, WIDTH = 4, 24, 8  # page size, pool pages, table columns

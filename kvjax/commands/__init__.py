@@ -27,13 +27,14 @@ from training.data import DataError
 from training.gguf_import import GGUFError
 from training.trainer import TrainingError, TrainingInterrupted
 
+DESCRIPTION = "Train, decode, compress and compare KV-cache-efficient language models (see docs/cli.md)."
 COMMANDS = (memory, train, evaluate, generate, uptrain, duo_train, compare, serve_bench)  # in --help order
 # Errors that are the user's to fix (bad configs, data, checkpoints, divergence): one line, no traceback.
 USER_ERRORS = (ConfigError, CheckpointError, DataError, GGUFError, TrainingError)
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="kvjax", description=__doc__)
+    parser = Parser(prog="kvjax", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)

@@ -24,7 +24,10 @@ def observe(stage: Stage, probs, obs_pos, pooled: bool, visible=None, queries=No
 
 def score(stage: Stage, cache, stat: jax.Array | None, last_pos: jax.Array) -> jax.Array:
     """Scores `[B,Kh,S]` of a cache's slots (KVCache, PooledKVCache or LatentCache)."""
-    return METHODS[stage.method].score(stage, cache, stat, last_pos)
+    method = METHODS[stage.method]
+    if stat is None and method.observed_queries(stage, 1):
+        raise ValueError(f"scorer {stage.method!r} needs an attention observation")
+    return method.score(stage, cache, stat, last_pos)
 
 
 def accumulates(stage: Stage) -> bool:

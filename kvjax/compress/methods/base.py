@@ -58,6 +58,8 @@ class Method:
         return None
 
     def score(self, stage, cache, stat: jax.Array | None, last_pos: jax.Array) -> jax.Array:
+        """Scores `[B,Kh,S]` (higher is kept); `stat` is `observe`'s statistic, never None for a method
+        that observes queries (the caller checks)."""
         raise NotImplementedError(f"method {self.name!r} scores no slot")
 
 

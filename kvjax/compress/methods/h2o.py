@@ -25,8 +25,6 @@ class H2O(Method):
         return per_query.sum(axis=1, keepdims=True) if pooled else per_query  # a pool: only own head's are non-zero
 
     def score(self, stage, cache, stat, last_pos):
-        if stat is None:
-            raise ValueError(f"scorer {self.name!r} needs an attention observation")
         if not stage.normalize:
             return stat
         seen = jnp.maximum(last_pos[:, None, None] - slot_positions(cache) + 1, 1)

@@ -33,7 +33,5 @@ class Scissorhands(Method):
         return per_query.sum(axis=1, keepdims=True) if pooled else per_query
 
     def score(self, stage, cache, stat, last_pos):
-        if stat is None:
-            raise ValueError(f"scorer {self.name!r} needs an attention observation")
         pos = slot_positions(cache)
         return -stat + 0.5 * pos / (jnp.max(pos) + 1.0)  # fewest below-average counts first; ties keep the newer

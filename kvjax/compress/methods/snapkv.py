@@ -35,8 +35,6 @@ class SnapKV(Method):
         return per_query.sum(axis=1, keepdims=True) if pooled else per_query
 
     def score(self, stage, cache, stat, last_pos):
-        if stat is None:
-            raise ValueError(f"scorer {self.name!r} needs an attention observation")
         pos = slot_positions(cache)
         in_window = pos > (last_pos[:, None, None] - stage.obs_window)  # kept anyway; pooled as padding
         stat = jnp.where(in_window, 0.0, stat)

@@ -15,6 +15,4 @@ class TOVA(Method):
         return (per_query.sum if pooled else per_query.mean)(axis=1, keepdims=True)
 
     def score(self, stage, cache, stat, last_pos):
-        if stat is None:
-            raise ValueError(f"scorer {self.name!r} needs an attention observation")
         return stat

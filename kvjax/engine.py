@@ -1,15 +1,12 @@
-"""A continuous-batching engine over paged KV memory (Orca's iteration-level scheduling, Yu et al. 2022,
-with vLLM's paged memory and recompute preemption, Kwon et al. 2023, sec. 4.5, and Sarathi-Serve's
-stall-free batches, Agrawal et al. 2024).
+"""A continuous-batching engine over paged KV memory: the device runner of `kvjax.scheduler`'s plans
+(Orca's iteration-level scheduling with vLLM's paged memory and recompute preemption; the scheduler's
+docstring says who runs when).
 
-Requests wait in arrival order; one is admitted while fewer than `slots` run and the pool has pages
-for its prompt (after prefix-cache hits). Every step is one jitted pass that feeds one token to each
-decoding sequence and, beside them, the next `chunk` tokens of the prompt being prefilled (one at a
-time), so a prefill shares the weights' reads with the decode rows instead of stalling them (static
-shapes: one compile per power-of-two row bucket and chunk bucket). A sequence that finishes frees its
-pages at once. When a running sequence needs a page and none is free, the newest request is
-preempted: its pages are released and it waits again, to be recomputed from its prompt and the tokens
-it has generated (vLLM V1's only preemption mode).
+Every step is one jitted pass that feeds one token to each decoding sequence and, beside them, the next
+`chunk` tokens of the prompt being prefilled (one at a time), so a prefill shares the weights' reads with
+the decode rows instead of stalling them (Sarathi-Serve, Agrawal et al. 2024; static shapes: one compile
+per power-of-two row bucket and chunk bucket). While no prompt is being prefilled and every running
+request decodes greedily, several decode steps run in one call.
 
 Works for attention models whose layers produce or share full-attention K/V (MHA/GQA/MQA, CLA, MLKV)
 or MLA latents (`PagedLatentCache`).
@@ -24,7 +21,6 @@ recomputed by compressing its prompt again and re-appending the tokens it genera
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 
@@ -39,52 +35,18 @@ from kvjax.cache import LatentCache
 from kvjax.compress import Policy, parse_policy
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import Generator
-from kvjax.page_pool import PagePool, PoolExhausted
+from kvjax.page_pool import PagePool
 from kvjax.paged import PagedKVCache, PagedLatentCache
 from kvjax.plan import LayerPlan
 from kvjax.quant.cache import QuantKVCache
 from kvjax.sampling import sample
+from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequence, Step, Work
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
     prompt: tuple[int, ...]
     decoding: DecodingConfig = DecodingConfig()
-
-
-@dataclasses.dataclass
-class Completion:
-    tokens: list[int]
-    logprobs: list[float]
-    preempted: int = 0  # times it was preempted and recomputed
-
-
-@dataclasses.dataclass
-class EngineStats:
-    steps: int = 0  # passes through the model (decode rows, with or without a prompt chunk)
-    calls: int = 0  # device calls: one per step, or one per `decode_steps` greedy steps
-    prefill_chunks: int = 0  # steps that carried a prompt chunk
-    prefill_tokens: int = 0  # prompt tokens computed (prefix-cache hits are not)
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    peak_pages: int = 0
-    peak_running: int = 0  # most sequences decoding together
-    preemptions: int = 0
-
-
-@dataclasses.dataclass
-class _Running:
-    """An admitted request: `tokens` (prompt + generated) are in its pages up to `at`; the rest is fed
-    next (a prompt chunk by chunk, a generated token as a decode row)."""
-
-    index: int  # request index
-    tokens: list[int]
-    done: Completion
-    at: int  # tokens of `tokens` already in the pages (or, compressed, represented by them)
-    fill: int  # len(tokens) at admission: tokens below it are prefill work, at and after it decoding
-
-    @property
-    def pending(self) -> int:
-        return len(self.tokens) - self.at
 
 
 # The block tables `[slots,M]` and lengths `[slots]` live once on the device, pushed from the host
@@ -231,12 +193,11 @@ class Engine:
                 f"the engine pages full-attention K/V and MLA latents; model mixers "
                 f"{sorted(set(cfg.mixers))} (window {cfg.attention.window}) are not supported yet"
             )
-        if slots < 1 or chunk < 1 or decode_steps < 1:
-            raise ConfigError(f"slots={slots}, chunk={chunk} and decode_steps={decode_steps} must be >= 1")
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
         self.model, self.pool = model, PagePool(n_pages, page_size)
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
         self.prefix_cache = prefix_cache and self.policy is None
+        self.reset()  # the scheduler: it checks slots, chunk and decode_steps
         self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
         att = cfg.attention
         self.gen = None
@@ -286,13 +247,26 @@ class Engine:
             self._leaves = jax.tree.leaves(self.params)
             self.caches = tuple(self._placed(c) for c in self.caches)
         self._sync([])
-        self.stats = EngineStats()
 
     def reset(self) -> None:
         """Forget every sequence, the prefix cache and the statistics, keeping the compiled functions (a
         page's stale contents are never read: a row sees only the slots below its length)."""
         self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
-        self.stats = EngineStats()
+        self.scheduler = Scheduler(
+            self.pool,
+            slots=self.slots,
+            chunk=self.chunk,
+            decode_steps=self.decode_steps,
+            prefix_cache=self.prefix_cache,
+        )
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
+
+    @property
+    def done(self) -> list[Completion]:
+        return self.scheduler.done
 
     def nbytes(self) -> int:
         """Exact bytes of the page pools, positions, block tables and lengths of every layer."""
@@ -324,16 +298,17 @@ class Engine:
         length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
         self._table, self._length = self._rows_placed(table), self._rows_placed(length)  # numpy: jit moves it
 
-    def _pick(self, logp, running: _Running, step: int, greedy: tuple[int, float] | None = None) -> int:
-        """The next token from log-probabilities `[V]`: argmax when greedy (`greedy`, the (token,
+    def _pick(self, seq: Sequence, logp, greedy: tuple[int, float] | None = None) -> None:
+        """Pick `seq`'s next token from log-probabilities `[V]`: argmax when greedy (`greedy`, the (token,
         log-probability) the device already chose, saves reading the row), else drawn with the request's
         own key (sampling a shifted copy of the logits is the same distribution)."""
-        decoding = self.requests[running.index].decoding
+        decoding = self.requests[seq.index].decoding
         if decoding.temperature == 0:
             tok = greedy[0] if greedy else int(np.argmax(logp))
             lp = greedy[1] if greedy else float(logp[tok])
         else:
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(decoding.seed), running.index), step)
+            step = len(seq.done.tokens)
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(decoding.seed), seq.index), step)
             tok = int(
                 sample(
                     jnp.asarray(logp)[None],
@@ -344,56 +319,7 @@ class Engine:
                 )[0]
             )
             lp = float(logp[tok])
-        running.done.tokens.append(tok)
-        running.done.logprobs.append(lp)
-        running.tokens.append(tok)
-        return tok
-
-    def _finished(self, running: _Running) -> bool:
-        decoding = self.requests[running.index].decoding
-        out = running.done.tokens
-        return len(out) >= decoding.max_new_tokens or (
-            decoding.eos_id is not None and bool(out) and out[-1] == decoding.eos_id
-        )
-
-    # --- scheduling -------------------------------------------------------------------------------
-    def _admit(self, index: int) -> _Running | None:
-        """Give request `index` pages for every token it brings (None, taking nothing, when they are not
-        free); its prompt is then fed chunk by chunk by the steps."""
-        request, done = self.requests[index], self.done[index]
-        tokens = [*request.prompt, *done.tokens]  # a preempted request recomputes what it generated
-        if self.policy is not None:
-            return self._admit_compressed(index, tokens)
-        hit = self.pool.admit(index, tokens if self.prefix_cache else None)  # full pages in the prefix cache
-        try:
-            self.pool.reserve(index, len(tokens) - hit)
-        except PoolExhausted:
-            self.pool.release(index)
-            return None
-        self.stats.cached_tokens += hit
-        return _Running(index, tokens, done, at=hit, fill=len(tokens))
-
-    def _admit_compressed(self, index: int, tokens: list[int]) -> _Running | None:
-        """Prefill the prompt whole and compress it as `Generator` does and load the kept tokens into
-        pages; what the request generated before a preemption (if anything) is then fed by the steps."""
-        prompt = self.requests[index].prompt
-        self.pool.admit(index)
-        padded, lengths = self.gen.pad([prompt], 0)
-        kept = self._kept(prompt)
-        try:
-            self.pool.reserve(index, kept + len(tokens) - len(prompt))
-        except PoolExhausted:
-            self.pool.release(index)
-            return None
-        self.stats.prefill_tokens += len(prompt)
-        logits, dense, _ = self.gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
-        self._sync([index])
-        self.caches, self._length = _load_row(self.caches, self._table, self._length, dense, 0)
-        self.pool.advance(index, kept)
-        running = _Running(index, tokens, self.done[index], at=len(prompt), fill=len(tokens))
-        if running.pending == 0:  # nothing was generated yet: the prefill's logits give the first token
-            self._pick(np.asarray(jax.nn.log_softmax(logits[0])), running, 0)
-        return running
+        self.scheduler.picked(seq, tok, lp)
 
     def _prefill_capacity(self, tokens: int) -> None:
         """With a policy: a Generator whose dense prefill cache holds prompts of `tokens` (a prompt may
@@ -401,72 +327,64 @@ class Engine:
         if self.policy is not None and (self.gen is None or self.gen.capacity < tokens):
             self.gen = Generator(self.model, capacity=tokens, policy=self.policy)
 
-    def _kept(self, prompt) -> int:
-        """The slots a prompt takes in pages: all its tokens, or what the policy keeps (the same in every
-        layer: budgets are uniform); an impossible budget is a ConfigError here, before any compute."""
-        if self.policy is None:
-            return len(prompt)
-        return int(self.gen.compression_plan(np.array([len(prompt)]), 0)[-1].counts.max())
+    def _work(self, requests: list[Request]) -> list[Work]:
+        """What the scheduler needs of each request, with the slots a compressed prompt keeps (the same in
+        every layer: budgets are uniform); an empty prompt or an impossible budget is a ConfigError here,
+        before any compute."""
+        out = []
+        for i, r in enumerate(requests):
+            if not r.prompt:
+                raise ConfigError(f"request {i}: the prompt is empty")
+            kept = None
+            if self.policy is not None:
+                kept = int(self.gen.compression_plan(np.array([len(r.prompt)]), 0)[-1].counts.max())
+            d = r.decoding
+            out.append(Work(tuple(r.prompt), d.max_new_tokens, d.eos_id, d.temperature == 0, kept))
+        return out
 
     def check(self, requests: list[Request]) -> None:
         """Refuse, before any compute, a request this engine can never serve (an empty prompt, an
         impossible policy budget, more pages than a sequence may hold)."""
-        for i, r in enumerate(requests):
-            if not r.prompt:
-                raise ConfigError(f"request {i}: the prompt is empty")
-            total = self._kept(r.prompt) + r.decoding.max_new_tokens
-            if self.pool.pages_for(total) > min(self.width, self.pool.n_pages - 1):
-                raise ConfigError(
-                    f"request {i}: {total} tokens need {self.pool.pages_for(total)} pages; a sequence "
-                    f"may hold {min(self.width, self.pool.n_pages - 1)}"
-                )
+        self._prefill_capacity(max((len(r.prompt) for r in requests), default=0))
+        self.scheduler.check(self._work(requests), self.width)
 
     def run(self, requests: list[Request]) -> list[Completion]:
-        """Serve `requests` (in arrival order) to completion; returns one Completion per request.
-
-        Each step feeds one token of every sequence that has one token left to feed (decode rows, and a
-        prompt's last token) and, in the same pass, the next `chunk` tokens of the oldest sequence with
-        more (a prompt being prefilled), so prefills never stall decoding (Sarathi-Serve)."""
-        self.check(requests)
-        self.requests = list(requests)
+        """Serve `requests` (in arrival order) to completion; returns one Completion per request."""
         self._prefill_capacity(max((len(r.prompt) for r in requests), default=0))
-        self.done = [Completion([], []) for _ in requests]
-        waiting = collections.deque(range(len(requests)))
-        seqs: dict[int, _Running] = {}
-        while waiting or seqs:
-            self._admit_waiting(waiting, seqs)
-            if not seqs:
-                raise RuntimeError("no request fits the free pages")  # cannot happen: sizes are checked above
-            rows = sorted((r for r in seqs.values() if r.pending == 1), key=lambda r: r.index)
-            self._grow(rows, seqs, waiting)
-            rows = [r for r in rows if r.index in seqs]
-            filling = min((r for r in seqs.values() if r.pending > 1), key=lambda r: r.index, default=None)
-            self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)
-            self.stats.peak_running = max(self.stats.peak_running, len(rows))
-            if filling is not None or not self._feed_greedy(rows, seqs):
-                self._feed(rows, filling, seqs)
-        return self.done
+        work = self._work(requests)
+        self.scheduler.check(work, self.width)
+        self.requests = list(requests)
+        done = self.scheduler.start(work)
+        while (plan := self.scheduler.next()) is not None:
+            if isinstance(plan, Prefill):
+                self._prefill(plan.seq)
+                continue
+            self.caches = tuple(c.copy_pages(plan.copies) for c in self.caches)
+            if plan.greedy_steps:
+                self._feed_greedy(plan)
+            else:
+                self._feed(plan)
+        return done
 
-    def _admit_waiting(self, waiting, seqs: dict) -> None:
-        """Admit waiting requests in arrival order while fewer than `slots` run and their pages are free,
-        one prompt being prefilled at a time (so pages are not reserved long before their chunks run)."""
-        while waiting and len(seqs) < self.slots and not any(r.pending > 1 for r in seqs.values()):
-            admitted = self._admit(waiting[0])
-            if admitted is None:
-                return
-            waiting.popleft()
-            seqs[admitted.index] = admitted
-            self._retire(admitted, seqs)  # a compressed prompt may end at its first token
+    def _prefill(self, seq: Sequence) -> None:
+        """Prefill `seq`'s prompt whole, compress it as `Generator` does and load the kept tokens into its
+        pages; what it generated before a preemption (if anything) is then fed by the steps."""
+        padded, lengths = self.gen.pad([self.requests[seq.index].prompt], 0)
+        logits, dense, _ = self.gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
+        self._sync([seq.index])
+        self.caches, self._length = _load_row(self.caches, self._table, self._length, dense, 0)
+        if self.scheduler.prefilled(seq):  # nothing was generated yet: the prefill's logits give the first token
+            self._pick(seq, np.asarray(jax.nn.log_softmax(logits[0])))
 
-    def _feed(self, rows: list[_Running], filling: _Running | None, seqs: dict) -> None:
-        """One step: the decode `rows` (rows 0.. of the step) and a chunk of `filling`'s pending tokens
-        (the row after them; see `run`)."""
+    def _feed(self, plan: Step) -> None:
+        """One step: the decode rows (rows 0.. of the step) and the chunk of the sequence being filled
+        (the row after them)."""
+        rows, filling, piece = plan.rows, plan.filling, plan.chunk
         order = rows + ([filling] if filling else [])
         R = self._rows(len(order))
         ids, pos = np.zeros(R, np.int32), np.full(R, -1, np.int32)
         for i, r in enumerate(rows):
             ids[i], pos[i] = r.tokens[r.at], r.at
-        piece = filling.tokens[filling.at : filling.at + self.chunk] if filling else []
         C = self._chunk_bucket(len(piece))
         chunk, chunk_pos = np.zeros(C, np.int32), np.full(C, -1, np.int32)
         chunk[: len(piece)], chunk_pos[: len(piece)] = piece, np.arange(len(piece)) + (filling.at if filling else 0)
@@ -488,59 +406,32 @@ class Engine:
         self.stats.prefill_chunks += bool(piece)
         best, best_lp = np.asarray(best), np.asarray(best_lp)
         fed = [(r, 1, i) for i, r in enumerate(rows)] + ([(filling, len(piece), R)] if filling else [])
-        sampling = any(self._samples(r) for r, _, _ in fed)
+        sampling = any(self.requests[r.index].decoding.temperature > 0 for r, _, _ in fed)
         logp = np.asarray(logp) if sampling else None  # the whole distribution only when some request samples
         for r, n, out in fed:
-            self._advance(r, n, seqs, None if logp is None else logp[out], (int(best[out]), float(best_lp[out])))
+            if self.scheduler.fed(r, n):
+                self._pick(r, None if logp is None else logp[out], (int(best[out]), float(best_lp[out])))
 
-    def _feed_greedy(self, rows: list[_Running], seqs: dict) -> bool:
-        """Up to `decode_steps` decode steps of `rows` in one call (`_greedy_steps`), when there are several
-        to run, every row decodes greedily and the pool holds pages for them all (False, nothing done,
-        otherwise: the caller takes one step)."""
-        stop = [self.requests[r.index].decoding.max_new_tokens - len(r.done.tokens) for r in rows]
-        if self.decode_steps == 1 or not rows or max(stop) < 2 or any(self._samples(r) for r in rows):
-            return False
-        stop = [min(n, self.decode_steps) for n in stop]
-        try:
-            for r, n in zip(rows, stop):
-                copies = self.pool.reserve(r.index, n)
-                self.caches = tuple(c.copy_pages(copies) for c in self.caches)
-        except PoolExhausted:
-            return False  # what was reserved stays with its rows, which fill it later
+    def _feed_greedy(self, plan: Step) -> None:
+        """Up to `decode_steps` greedy decode steps of the plan's rows in one call (`_greedy_steps`)."""
+        rows = plan.rows
         R = self._rows(len(rows))
         ids, pos, eos = np.zeros(R, np.int32), np.full(R, -1, np.int32), np.full(R, -1, np.int32)
         stops = np.zeros(R, np.int32)
-        for i, (r, n) in enumerate(zip(rows, stop)):
+        for i, (r, n) in enumerate(zip(rows, plan.stops)):
             ids[i], pos[i], stops[i] = r.tokens[r.at], r.at, n
             eos[i] = -1 if self.requests[r.index].decoding.eos_id is None else self.requests[r.index].decoding.eos_id
         self._sync([r.index for r in rows])
         tokens, logprobs, self.caches = self._greedy_steps(
-            self._leaves, self.caches, self._table, self._length, ids, pos, stops, eos, steps=self.decode_steps
+            self._leaves, self.caches, self._table, self._length, ids, pos, stops, eos, steps=plan.greedy_steps
         )
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         self.stats.steps += int((tokens >= 0).any(axis=1).sum())
         self.stats.calls += 1
         for step_tokens, step_lps in zip(tokens, logprobs):
             for r, tok, lp in zip(rows, step_tokens, step_lps):
-                if tok >= 0:
-                    self._advance(r, 1, seqs, None, (int(tok), float(lp)))
-        return True
-
-    def _samples(self, r: _Running) -> bool:
-        return self.requests[r.index].decoding.temperature > 0
-
-    def _advance(self, r: _Running, n: int, seqs: dict, logp, greedy: tuple[int, float]) -> None:
-        """Record that n more of r's pending tokens are in its pages; after its last, pick its next token
-        (from `logp` `[V]` when it samples, else `greedy`, the device's argmax and its log-probability)."""
-        self.pool.advance(r.index, n)
-        self.stats.prefill_tokens += max(0, min(r.at + n, r.fill) - r.at)
-        r.at += n
-        filled = self.pool.lengths[r.index] // self.pool.page_size
-        if self.prefix_cache and filled > (self.pool.lengths[r.index] - n) // self.pool.page_size:
-            self.pool.register(r.index, r.tokens)  # every page once it fills, generated ones too (vLLM V1)
-        if r.pending == 0:
-            self._pick(logp, r, len(r.done.tokens), greedy)
-            self._retire(r, seqs)
+                if tok >= 0 and self.scheduler.fed(r, 1):
+                    self.scheduler.picked(r, int(tok), float(lp))
 
     def _chunk_bucket(self, n: int) -> int:
         """Padded length of a prompt chunk of n tokens: 0 for none, else the next power of two from
@@ -556,25 +447,3 @@ class Engine:
         if self.mesh is not None:
             return self.slots
         return min(self.slots, 1 << (n - 1).bit_length())
-
-    def _retire(self, r: _Running, seqs: dict) -> None:
-        if r.index in seqs and self._finished(r):
-            self.pool.release(r.index)
-            del seqs[r.index]
-
-    def _grow(self, rows: list[_Running], seqs: dict, waiting) -> None:
-        """A page for each decode row's token, preempting the newest requests while short (a prompt
-        being prefilled included: its pages are released and it is recomputed later)."""
-        for r in rows:
-            while r.index in seqs:
-                try:
-                    copies = self.pool.reserve(r.index, 1)
-                    self.caches = tuple(c.copy_pages(copies) for c in self.caches)
-                    break
-                except PoolExhausted:
-                    victim = max(seqs.values(), key=lambda v: v.index)
-                    self.pool.release(victim.index)
-                    del seqs[victim.index]
-                    victim.done.preempted += 1
-                    self.stats.preemptions += 1
-                    waiting.appendleft(victim.index)

@@ -98,3 +98,14 @@ def test_the_graph_is_read_correctly(graph):
     assert "kvjax.config" in graph["kvjax.compress.policy"]
     assert "training.trainer" in graph["kvjax.commands.train"]
     assert _layer("kvjax.commands.train") > _layer("training.trainer") > _layer("kvjax.cache")
+
+
+@pytest.mark.parametrize("module", ["kvjax.page_pool", "kvjax.scheduler"])
+def test_the_serving_host_side_imports_no_jax(module):
+    """The page pool and the scheduler are host bookkeeping (plain data in, a plan out): no jax, flax or
+    project module that computes on the device."""
+    tree = ast.parse(_modules()[module].read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {n for n in names if n.split(".")[0] in ("jax", "flax")}, names
+    assert {n for n in names if n.startswith("kvjax.")} <= {"kvjax.config", "kvjax.page_pool"}, names

@@ -1,0 +1,242 @@
+"""The serving engine's host-side scheduler: plain data in, a plan out (Orca's iteration-level scheduling,
+Yu et al. 2022; vLLM's admission and recompute preemption, Kwon et al. 2023, sec. 4.5; Sarathi-Serve's
+stall-free batches, Agrawal et al. 2024). It decides, step by step, which requests are admitted, which
+sequences feed a decode token, which prompt feeds its next chunk, which pages are copied and who is
+preempted; `kvjax.engine` runs each plan on the device and reports back what was fed and picked. No
+model, no jax: a schedule can be tested with a stand-in for the device.
+
+Requests wait in arrival order; one is admitted while fewer than `slots` run, no other prompt is being
+prefilled, and the pool has pages for every token it brings (after prefix-cache hits). When a decode row
+needs a page and none is free, the newest request is preempted: its pages are released and it waits at
+the front, to be recomputed from its prompt and what it generated (vLLM V1's only preemption mode).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from kvjax.config import ConfigError
+from kvjax.page_pool import PagePool, PoolExhausted
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What the scheduler knows of a request: its prompt, when it stops, whether it decodes greedily (a
+    greedy sequence may run several steps in one device call), and the slots its prompt takes in pages
+    (`kept`: the whole prompt, or what a compression policy keeps of it)."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    eos_id: int | None = None
+    greedy: bool = True
+    kept: int | None = None  # None: len(prompt), uncompressed
+
+    @property
+    def compressed(self) -> bool:
+        return self.kept is not None
+
+
+@dataclasses.dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]
+    preempted: int = 0  # times it was preempted and recomputed
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0  # passes through the model (decode rows, with or without a prompt chunk)
+    calls: int = 0  # device calls: one per step, or one per `decode_steps` greedy steps
+    prefill_chunks: int = 0  # steps that carried a prompt chunk
+    prefill_tokens: int = 0  # prompt tokens computed (prefix-cache hits are not)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    peak_pages: int = 0
+    peak_running: int = 0  # most sequences decoding together
+    preemptions: int = 0
+
+
+@dataclasses.dataclass
+class Sequence:
+    """An admitted request: `tokens` (prompt + generated) are in its pages up to `at`; the rest is fed
+    next (a prompt chunk by chunk, a generated token as a decode row)."""
+
+    index: int  # request index
+    tokens: list[int]
+    done: Completion
+    at: int  # tokens of `tokens` already in the pages (or, compressed, represented by them)
+    fill: int  # len(tokens) at admission: tokens below it are prefill work, at and after it decoding
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.at
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """Compute `seq`'s whole prompt, compress it and load what is kept into its pages (then report
+    `prefilled`). Only for a compressed request: an uncompressed prompt is fed by `Step` chunks."""
+
+    seq: Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One device call: first run the page `copies` (src, dst; copy-on-write), then feed one token to each
+    of `rows` (its `tokens[at]`) and, beside them, `chunk` (the next tokens of `filling`, from its `at`).
+    `greedy_steps` > 0 (no chunk then): every row decodes greedily for up to `stops[i]` steps of one
+    call, at most `greedy_steps`, stopping at its end token."""
+
+    rows: list[Sequence]
+    filling: Sequence | None = None
+    chunk: list[int] = dataclasses.field(default_factory=list)
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    greedy_steps: int = 0
+    stops: list[int] = dataclasses.field(default_factory=list)
+
+
+class Scheduler:
+    """Schedule `work` over `pool`: at most `slots` sequences admitted, prompts fed `chunk` tokens a step,
+    up to `decode_steps` greedy steps in one call; `prefix_cache` reuses cached full prompt pages."""
+
+    def __init__(self, pool: PagePool, *, slots: int, chunk: int, decode_steps: int, prefix_cache: bool):
+        if slots < 1 or chunk < 1 or decode_steps < 1:
+            raise ConfigError(f"slots={slots}, chunk={chunk} and decode_steps={decode_steps} must be >= 1")
+        self.pool, self.slots, self.chunk, self.decode_steps = pool, slots, chunk, decode_steps
+        self.prefix_cache = prefix_cache
+        self.stats = EngineStats()
+        self.start([])
+
+    def check(self, work: list[Work], width: int) -> None:
+        """Refuse, before any compute, a request that can never be served: an empty prompt, or more pages
+        than a sequence may hold (`width` block-table columns, the whole pool)."""
+        for i, w in enumerate(work):
+            if not w.prompt:
+                raise ConfigError(f"request {i}: the prompt is empty")
+            total = (len(w.prompt) if w.kept is None else w.kept) + w.max_new_tokens
+            most = min(width, self.pool.n_pages - 1)
+            if self.pool.pages_for(total) > most:
+                raise ConfigError(
+                    f"request {i}: {total} tokens need {self.pool.pages_for(total)} pages; a sequence may hold {most}"
+                )
+
+    def start(self, work: list[Work]) -> list[Completion]:
+        """Queue `work` in arrival order; returns the completions it fills in."""
+        self.work = list(work)
+        self.done = [Completion([], []) for _ in work]
+        self.waiting = collections.deque(range(len(work)))
+        self.running: dict[int, Sequence] = {}
+        return self.done
+
+    # --- planning ---------------------------------------------------------------------------------
+    def next(self) -> Prefill | Step | None:
+        """The next thing for the device to do; None when every request has finished."""
+        if not (self.waiting or self.running):
+            return None
+        prefill = self._admit_waiting()
+        if prefill is not None:
+            return prefill
+        if not self.running:
+            raise RuntimeError("no request fits the free pages")  # cannot happen: `check` sized them
+        rows = sorted((s for s in self.running.values() if s.pending == 1), key=lambda s: s.index)
+        copies = self._grow(rows)
+        rows = [s for s in rows if s.index in self.running]
+        filling = min((s for s in self.running.values() if s.pending > 1), key=lambda s: s.index, default=None)
+        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)
+        self.stats.peak_running = max(self.stats.peak_running, len(rows))
+        if filling is None:
+            stops = self._greedy_stops(rows, copies)
+            if stops:
+                return Step(rows, copies=copies, greedy_steps=self.decode_steps, stops=stops)
+        chunk = filling.tokens[filling.at : filling.at + self.chunk] if filling else []
+        return Step(rows, filling, chunk, copies)
+
+    def _admit_waiting(self) -> Prefill | None:
+        """Admit waiting requests in arrival order while fewer than `slots` run and their pages are free,
+        one prompt being prefilled at a time (so pages are not reserved long before their chunks run).
+        A compressed request is prefilled whole on admission: returned, admitting no more until then."""
+        while self.waiting and len(self.running) < self.slots and not any(s.pending > 1 for s in self.running.values()):
+            index = self.waiting[0]
+            w, done = self.work[index], self.done[index]
+            tokens = [*w.prompt, *done.tokens]  # a preempted request recomputes what it generated
+            if w.compressed:
+                self.pool.admit(index)
+                hit, need = 0, w.kept + len(done.tokens)
+            else:
+                hit = self.pool.admit(index, tokens if self.prefix_cache else None)  # full pages cached
+                need = len(tokens) - hit
+            try:
+                self.pool.reserve(index, need)
+            except PoolExhausted:
+                self.pool.release(index)
+                return None
+            self.waiting.popleft()
+            self.running[index] = seq = Sequence(index, tokens, done, at=hit, fill=len(tokens))
+            if w.compressed:
+                return Prefill(seq)
+            self.stats.cached_tokens += hit
+        return None
+
+    def _grow(self, rows: list[Sequence]) -> list[tuple[int, int]]:
+        """A page for each decode row's token, preempting the newest requests while short (a prompt
+        being prefilled included: its pages are released and it is recomputed later). Returns the
+        page copies the reservations need."""
+        copies = []
+        for s in rows:
+            while s.index in self.running:
+                try:
+                    copies += self.pool.reserve(s.index, 1)
+                    break
+                except PoolExhausted:
+                    victim = max(self.running.values(), key=lambda v: v.index)
+                    self.pool.release(victim.index)
+                    del self.running[victim.index]
+                    victim.done.preempted += 1
+                    self.stats.preemptions += 1
+                    self.waiting.appendleft(victim.index)
+        return copies
+
+    def _greedy_stops(self, rows: list[Sequence], copies: list) -> list[int]:
+        """Steps each row may run in one multi-step call, with the pages for them reserved (their copies
+        added to `copies`), when there are several to run, every row decodes greedily and the pool holds
+        the pages for them all; else [] (what was reserved stays with its rows, which fill it later)."""
+        stops = [self.work[s.index].max_new_tokens - len(s.done.tokens) for s in rows]
+        if self.decode_steps == 1 or not rows or max(stops) < 2 or not all(self.work[s.index].greedy for s in rows):
+            return []
+        stops = [min(n, self.decode_steps) for n in stops]
+        try:
+            for s, n in zip(rows, stops):
+                copies += self.pool.reserve(s.index, n)
+        except PoolExhausted:
+            return []
+        return stops
+
+    # --- what the device did ----------------------------------------------------------------------
+    def prefilled(self, seq: Sequence) -> bool:
+        """`seq`'s compressed prompt is in its pages; True when its next token is to be picked (from the
+        prefill's logits: nothing was generated before a preemption)."""
+        self.stats.prefill_tokens += len(self.work[seq.index].prompt)
+        self.pool.advance(seq.index, self.work[seq.index].kept)
+        seq.at = len(self.work[seq.index].prompt)
+        return seq.pending == 0
+
+    def fed(self, seq: Sequence, n: int) -> bool:
+        """n more of `seq`'s pending tokens are in its pages; True when it has none left, so its next
+        token is to be picked (and reported with `picked`)."""
+        self.pool.advance(seq.index, n)
+        self.stats.prefill_tokens += max(0, min(seq.at + n, seq.fill) - seq.at)
+        seq.at += n
+        length, size = self.pool.lengths[seq.index], self.pool.page_size
+        if self.prefix_cache and length // size > (length - n) // size:
+            self.pool.register(seq.index, seq.tokens)  # every page once it fills, generated ones too (vLLM V1)
+        return seq.pending == 0
+
+    def picked(self, seq: Sequence, token: int, logprob: float) -> None:
+        """`seq` generated `token`; it retires (its pages freed) when that ends it."""
+        seq.done.tokens.append(token)
+        seq.done.logprobs.append(logprob)
+        seq.tokens.append(token)
+        w, out = self.work[seq.index], seq.done.tokens
+        if len(out) >= w.max_new_tokens or (w.eos_id is not None and out[-1] == w.eos_id):
+            self.pool.release(seq.index)
+            del self.running[seq.index]

@@ -30,7 +30,7 @@ def assert_cached_decode_equals_full_forward(
     """Prefill `prefill` of `length` tokens, then decode one at a time into caches of `capacity` slots
     (default: length): logits match the full forward everywhere. Returns the final caches."""
     tokens, pos = tokens_and_positions(cfg.vocab_size, length=length)
-    full, _ = model(tokens, pos)
+    full, _ = stepper(model, jit=True)(tokens, pos)
     step = stepper(model, jit)
     logits, caches = step(tokens[:, :prefill], pos[:, :prefill], init_caches(cfg, B, capacity or length))
     np.testing.assert_allclose(logits, full[:, :prefill], atol=2e-5, rtol=1e-5)
@@ -64,7 +64,7 @@ def assert_ragged_prefill_continues_each_row(cfg, model):
     """Rows of lengths T and 13, right-padded (position -1) and prefilled in chunks of 5 up to 15: row 1
     then continues from its true end as if the padding never happened (no state or buffer saw it)."""
     tokens, pos = tokens_and_positions(cfg.vocab_size, seed=1)
-    full, _ = model(tokens, pos)
+    full, _ = stepper(model, jit=True)(tokens, pos)
     ragged = jnp.where(pos < jnp.array([[T], [13]]), pos, -1)
     step = stepper(model, jit=True)
     caches = init_caches(cfg, B, T)

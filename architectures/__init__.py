@@ -1,5 +1,5 @@
 """Flax NNX modules for kvjax: mixers and the decoder stack built from a layer plan."""
 
-from architectures.decoder import Decoder
+from kvjax.architectures.decoder import Decoder
 
 __all__ = ["Decoder"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from architectures.layers import apply_rope, dense
+from kvjax.architectures.layers import apply_rope, dense
 from kvjax.cache import AttentionCache, KVView, QuestKVCache, heads_first
 from kvjax.config import AttentionConfig
 from kvjax.ops import attention, attention_probs

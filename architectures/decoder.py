@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from architectures.attention import Attention
-from architectures.layers import RMSNorm, SwiGLU, dense
-from architectures.mamba import Mamba
-from architectures.mla import MLA
-from architectures.retention import GatedRetention
-from architectures.rwkv import RWKVChannelMix, RWKVTimeMix
+from kvjax.architectures.attention import Attention
+from kvjax.architectures.layers import RMSNorm, SwiGLU, dense
+from kvjax.architectures.mamba import Mamba
+from kvjax.architectures.mla import MLA
+from kvjax.architectures.retention import GatedRetention
+from kvjax.architectures.rwkv import RWKVChannelMix, RWKVTimeMix
 from kvjax.cache import KVCache, LatentCache, LayerCache, PooledKVCache
 from kvjax.config import ModelConfig
 from kvjax.plan import SHARABLE_KINDS, LayerPlan

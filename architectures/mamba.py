@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from architectures.layers import dense, last_valid
+from kvjax.architectures.layers import dense, last_valid
 from kvjax.cache import SSMState
 from kvjax.config import MambaConfig
 

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from architectures.layers import RMSNorm, apply_rope, dense
+from kvjax.architectures.layers import RMSNorm, apply_rope, dense
 from kvjax.cache import LatentCache, LatentView, heads_first
 from kvjax.config import AttentionConfig, MLAConfig
 from kvjax.ops import attend, attention, blocked_decode, decode_block, kernel_impl, masked_softmax
+from kvjax.pallas_kernels import flash_attention, latent_decode_attention
 from kvjax.rope import frequencies, rotate
-from pallas_kernels import flash_attention, latent_decode_attention
 
 
 class MLA(nnx.Module):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from architectures.layers import apply_rope, dense
+from kvjax.architectures.layers import apply_rope, dense
 from kvjax.cache import RetentionState
 from kvjax.rope import rotate
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from architectures.layers import dense, last_valid
+from kvjax.architectures.layers import dense, last_valid
 from kvjax.cache import RWKVState
 from kvjax.config import RWKVConfig
 

@@ -33,11 +33,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import decode_attention, flash_attention
-from pallas_kernels.decode_attention import combine, decode_partials
-from pallas_kernels.paged_decode_attention import paged_decode_attention
-from pallas_kernels.quant_decode_attention import check as check_quant_kernel
-from pallas_kernels.quant_decode_attention import quant_decode_partials
+from kvjax.pallas_kernels import decode_attention, flash_attention
+from kvjax.pallas_kernels.decode_attention import combine, decode_partials
+from kvjax.pallas_kernels.paged_decode_attention import paged_decode_attention
+from kvjax.pallas_kernels.quant_decode_attention import check as check_quant_kernel
+from kvjax.pallas_kernels.quant_decode_attention import quant_decode_partials
 
 IMPLS = ("xla", "pallas", "auto")
 DECODE_BLOCK_RANGE = (32, 128, 256)  # smallest, preferred largest, largest key block of the decode path

@@ -8,8 +8,8 @@
 `kvjax.ops.attention(impl="pallas" | "auto")` dispatches to them.
 """
 
-from pallas_kernels.decode_attention import decode_attention, latent_decode_attention
-from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.paged_decode_attention import paged_decode_attention
+from kvjax.pallas_kernels.decode_attention import decode_attention, latent_decode_attention
+from kvjax.pallas_kernels.flash_attention import flash_attention
+from kvjax.pallas_kernels.paged_decode_attention import paged_decode_attention
 
 __all__ = ["decode_attention", "flash_attention", "latent_decode_attention", "paged_decode_attention"]

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import MASKED, block_size, call_options, pad_to, padded_features, padded_group
-from pallas_kernels.online_softmax import dot_t, start, visible, walk, weighted
+from kvjax.pallas_kernels.backend import MASKED, block_size, call_options, pad_to, padded_features, padded_group
+from kvjax.pallas_kernels.online_softmax import dot_t, start, visible, walk, weighted
 
 MAX_SPLITS = 16
 

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import MASKED, block_size, call_options, pad_to, padded_features
-from pallas_kernels.online_softmax import any_visible, dot_t, start, visible, walk, weighted
+from kvjax.pallas_kernels.backend import MASKED, block_size, call_options, pad_to, padded_features
+from kvjax.pallas_kernels.online_softmax import any_visible, dot_t, start, visible, walk, weighted
 
 
 def _flash_kernel(qpos_ref, q_ref, k_ref, v_ref, kpos_ref, o_ref, lse_ref, *, scale, block, window):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import MASKED
+from kvjax.pallas_kernels.backend import MASKED
 
 
 def visible(q_pos, k_pos, window: int | None):

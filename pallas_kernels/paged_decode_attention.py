@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu  # the scalar-prefetch grid spec (interpret mode runs it anywhere)
 
-from pallas_kernels.backend import call_options, pad_to, padded_features, padded_group, resolve
-from pallas_kernels.decode_attention import MAX_SPLITS, combine, decode_attention_reference
-from pallas_kernels.online_softmax import any_visible, dot_t, start, update, visible
+from kvjax.pallas_kernels.backend import call_options, pad_to, padded_features, padded_group, resolve
+from kvjax.pallas_kernels.decode_attention import MAX_SPLITS, combine, decode_attention_reference
+from kvjax.pallas_kernels.online_softmax import any_visible, dot_t, start, update, visible
 
 DESIGNS = ("gather", "grid")
 

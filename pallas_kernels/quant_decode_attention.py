@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.backend import block_size, call_options, pad_to, padded_group, resolve
-from pallas_kernels.decode_attention import MAX_SPLITS
-from pallas_kernels.online_softmax import dot_t, start, walk
+from kvjax.pallas_kernels.backend import block_size, call_options, pad_to, padded_group, resolve
+from kvjax.pallas_kernels.decode_attention import MAX_SPLITS
+from kvjax.pallas_kernels.online_softmax import dot_t, start, walk
 
 PLANE_BITS = (2, 4, 8)
 _LANES = 128  # a TPU block's last dim: a multiple of this or the whole axis

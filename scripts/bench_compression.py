@@ -41,7 +41,7 @@ QUANTIZED = ("int:8", "kivi:2", "kvquant:3", "gear:2", "palu:0.5")  # keep every
 
 
 def load(model_ref: str):
-    from training.loading import load_model
+    from kvjax.training.loading import load_model
 
     return load_model(model_ref).model
 

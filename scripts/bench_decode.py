@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from architectures import Decoder
 from kvjax import DecodingConfig, Generator
+from kvjax.architectures import Decoder
 from kvjax.cache import caches_nbytes
 from kvjax.config import AttentionConfig, ModelConfig
 from kvjax.ops import attention

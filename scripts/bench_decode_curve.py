@@ -21,12 +21,12 @@ from pathlib import Path
 
 from flax import nnx
 
-from architectures import Decoder
 from kvjax import memory
+from kvjax.architectures import Decoder
 from kvjax.config import load_config
 from kvjax.report import format_bytes, format_table
-from training.compare import decode_curve, environment, load_experiment, match_params, plot_decode_curves
-from training.trainer import prepare_corpus
+from kvjax.training.compare import decode_curve, environment, load_experiment, match_params, plot_decode_curves
+from kvjax.training.trainer import prepare_corpus
 
 
 def main() -> None:

@@ -25,8 +25,8 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import decode_step_time  # noqa: E402
 
-from architectures import Decoder  # noqa: E402
 from kvjax import Generator  # noqa: E402
+from kvjax.architectures import Decoder  # noqa: E402
 from kvjax.cache import caches_nbytes, init_caches  # noqa: E402
 from kvjax.config import load_config  # noqa: E402
 from kvjax.report import format_bytes, format_table  # noqa: E402

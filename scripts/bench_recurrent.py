@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import best_of, decode_step_time  # noqa: E402
 from bench_mla import filled_cache  # noqa: E402
 
-from architectures import Decoder  # noqa: E402
 from kvjax import Generator  # noqa: E402
+from kvjax.architectures import Decoder  # noqa: E402
 from kvjax.cache import init_caches  # noqa: E402
 from kvjax.config import load_config  # noqa: E402
 from kvjax.report import format_table  # noqa: E402
-from training.trainer import token_losses  # noqa: E402
+from kvjax.training.trainer import token_losses  # noqa: E402
 
 VARIANTS = ("gqa", "mamba", "rwkv7", "hybrid-mamba-attn")
 

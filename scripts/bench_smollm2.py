@@ -15,7 +15,7 @@ import torch
 
 from kvjax.report import format_table
 from kvjax.timing import generation_times
-from training.gguf_import import load_gguf_model, resolve_gguf
+from kvjax.training.gguf_import import load_gguf_model, resolve_gguf
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from architectures import Decoder
+from kvjax.architectures import Decoder
 from kvjax.cache import caches_nbytes
 from kvjax.config import load_config
 from kvjax.generate import Generator

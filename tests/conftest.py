@@ -23,7 +23,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from architectures import Decoder  # noqa: E402
+from kvjax.architectures import Decoder  # noqa: E402
 from kvjax.config import load_config  # noqa: E402
 
 

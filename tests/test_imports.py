@@ -2,24 +2,27 @@
 and no arrow pointing up the layers that docs/design.md names."""
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pallas_kernels", "kvjax", "architectures", "training")
-# Layers, lowest first: a module may import its own layer and those below it. The commands sit on top
-# of everything and nothing in the library imports them.
-LAYERS = ("pallas_kernels", "kvjax", "architectures", "training", "kvjax.commands")
+# The folders of the one import package `kvjax` (pyproject.toml installs the last three as subpackages).
+PACKAGES = {"kvjax": "kvjax", "architectures": "kvjax.architectures", "training": "kvjax.training"}
+PACKAGES["pallas_kernels"] = "kvjax.pallas_kernels"
+# Layers, lowest first: a module may import its own layer and those below it (a module's layer is the
+# longest that names it). The commands sit on top of everything and nothing in the library imports them.
+LAYERS = ("kvjax.pallas_kernels", "kvjax", "kvjax.architectures", "kvjax.training", "kvjax.commands")
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    folder, *parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join([PACKAGES[folder], *(parts[:-1] if parts[-1] == "__init__" else parts)])
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    return {_module_name(p): p for folder in PACKAGES for p in (ROOT / folder).rglob("*.py")}
 
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
@@ -47,7 +50,8 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
 
 
 def _layer(module: str) -> int:
-    return max(i for i, layer in enumerate(LAYERS) if module == layer or module.startswith(layer + "."))
+    matches = [layer for layer in LAYERS if module == layer or module.startswith(layer + ".")]
+    return LAYERS.index(max(matches, key=len))
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +100,33 @@ def test_no_import_cycles(graph):
 def test_the_graph_is_read_correctly(graph):
     """The checks above can fail: the reader sees module-level and function-level imports."""
     assert "kvjax.config" in graph["kvjax.compress.policy"]
-    assert "training.trainer" in graph["kvjax.commands.train"]
-    assert _layer("kvjax.commands.train") > _layer("training.trainer") > _layer("kvjax.cache")
+    assert "kvjax.training.trainer" in graph["kvjax.commands.train"]
+    assert _layer("kvjax.commands.train") > _layer("kvjax.training.trainer") > _layer("kvjax.cache")
+    assert _layer("kvjax.pallas_kernels.backend") < _layer("kvjax.cache")
+
+
+def test_one_import_package_whose_folders_pyproject_installs():
+    """Every package folder is listed in pyproject.toml (a missing one would be left out of the wheel)
+    and no module imports a folder by its own top-level name (which would load it twice, or clash
+    with another project's `training` in site-packages)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert listed == {_module_name(p) for folder in PACKAGES for p in (ROOT / folder).rglob("__init__.py")}
+    bare = sorted(
+        f"{path.relative_to(ROOT)}: {target}"
+        for path in [*ROOT.glob("[!.]*/**/*.py")]
+        if ".venv" not in path.parts
+        for target in _bare_imports(path)
+    )
+    assert not bare, bare
+
+
+def _bare_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        found |= {n for n in names if n.split(".")[0] in ("training", "architectures", "pallas_kernels")}
+    return found
 
 
 @pytest.mark.parametrize("module", ["kvjax.page_pool", "kvjax.scheduler"])

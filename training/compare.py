@@ -26,8 +26,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from architectures.decoder import Decoder
 from kvjax import memory
+from kvjax.architectures.decoder import Decoder
 from kvjax.cache import caches_nbytes
 from kvjax.config import (
     CONFIG_ROOT,
@@ -38,8 +38,8 @@ from kvjax.config import (
 )
 from kvjax.report import format_bytes, format_table
 from kvjax.timing import decode_seconds, decode_timings
-from training.trainer import Trainer, prepare_corpus
-from training.uptrain_compare import UptrainExperiment
+from kvjax.training.trainer import Trainer, prepare_corpus
+from kvjax.training.uptrain_compare import UptrainExperiment
 
 
 @dataclasses.dataclass(frozen=True)

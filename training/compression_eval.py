@@ -31,9 +31,9 @@ from kvjax.memory import cache_bytes
 from kvjax.quant.lowrank import lorc_bases
 from kvjax.report import format_table
 from kvjax.timing import decode_rounds
-from training.data import DataError, load_corpus, split_documents
-from training.retrieval import answered, needle_case, passkey_case
-from training.tokenizer import Tokenizer
+from kvjax.training.data import DataError, load_corpus, split_documents
+from kvjax.training.retrieval import answered, needle_case, passkey_case
+from kvjax.training.tokenizer import Tokenizer
 
 TASKS = ("continuation", "passkey", "needle")
 ANSWER_TOKENS = 10  # tokens generated for a passkey / needle answer

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from architectures import Decoder
+from kvjax.architectures import Decoder
 from kvjax.config import (
     ConfigError,
     KVSharingConfig,

@@ -23,8 +23,8 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from training.retrieval import passkey_case
-from training.tokenizer import FILE_ERRORS, Tokenizer
+from kvjax.training.retrieval import passkey_case
+from kvjax.training.tokenizer import FILE_ERRORS, Tokenizer
 
 CORPORA = ("kjv", "python-stdlib", "text:<path or glob>", "hf:<name>[:<split>]")
 

@@ -28,7 +28,7 @@ from flax import nnx
 from kvjax.config import ConfigError
 from kvjax.duo import RECENT, SINKS, GateMix
 from kvjax.plan import LayerPlan, compressible, kv_heads
-from training.retrieval import haystack
+from kvjax.training.retrieval import haystack
 
 NATO = (
     "alfa",

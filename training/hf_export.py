@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from architectures import Decoder
-from training.families import llama
+from kvjax.architectures import Decoder
+from kvjax.training.families import llama
 
 
 def hf_state_dict(model: Decoder) -> dict[str, np.ndarray]:

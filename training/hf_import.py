@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from architectures import Decoder
+from kvjax.architectures import Decoder
 from kvjax.config import Config
-from training.families import BY_HF_ARCHITECTURE, HFImportError
-from training.families.llama import parameter
-from training.tokenizer import HFTokenizer
+from kvjax.training.families import BY_HF_ARCHITECTURE, HFImportError
+from kvjax.training.families.llama import parameter
+from kvjax.training.tokenizer import HFTokenizer
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 

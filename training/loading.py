@@ -9,17 +9,17 @@ import json
 import sys
 from pathlib import Path
 
-from architectures import Decoder
+from kvjax.architectures import Decoder
 from kvjax.config import Config, ConfigError
-from training.gguf_import import (
+from kvjax.training.gguf_import import (
     SHIPPED,
     gguf_context_length,
     load_gguf_model,
     load_gguf_tokenizer,
 )
-from training.hf_import import is_hf_dir, load_hf_model, load_hf_tokenizer
-from training.tokenizer import Tokenizer
-from training.trainer import load_trained
+from kvjax.training.hf_import import is_hf_dir, load_hf_model, load_hf_tokenizer
+from kvjax.training.tokenizer import Tokenizer
+from kvjax.training.trainer import load_trained
 
 
 class ModelRefError(ConfigError):

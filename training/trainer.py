@@ -24,14 +24,14 @@ import optax
 import yaml
 from flax import nnx, struct
 
-from architectures import Decoder
+from kvjax.architectures import Decoder
 from kvjax.config import Config, ConfigError, ModelConfig, TrainConfig, from_dict
 from kvjax.progress import progress
-from training.checkpoint import Checkpointer, CheckpointError, abstract
-from training.data import BatchIterator, TrainingMix, load_corpus, pack, split_documents
-from training.sharding import make_mesh, shard_batch, shard_params
-from training.tokenizer import Tokenizer
-from training.vocab import get_tokenizer
+from kvjax.training.checkpoint import Checkpointer, CheckpointError, abstract
+from kvjax.training.data import BatchIterator, TrainingMix, load_corpus, pack, split_documents
+from kvjax.training.sharding import make_mesh, shard_batch, shard_params
+from kvjax.training.tokenizer import Tokenizer
+from kvjax.training.vocab import get_tokenizer
 
 
 class TrainingError(RuntimeError):

@@ -26,12 +26,12 @@ from kvjax.config import (
     load_config,
     resolve_config_path,
 )
-from training.compression_eval import calibration_tokens
-from training.convert import Conversion, conversion_for, convert, parse_conversion
-from training.hf_import import is_hf_dir
-from training.loading import is_gguf, load_model
-from training.trainer import Trainer, evaluate_model
-from training.vocab import GGUF_PREFIX, HF_PREFIX
+from kvjax.training.compression_eval import calibration_tokens
+from kvjax.training.convert import Conversion, conversion_for, convert, parse_conversion
+from kvjax.training.hf_import import is_hf_dir
+from kvjax.training.loading import is_gguf, load_model
+from kvjax.training.trainer import Trainer, evaluate_model
+from kvjax.training.vocab import GGUF_PREFIX, HF_PREFIX
 
 RECORD = "uptrain.json"
 # An imported (GGUF or Hugging Face) source's defaults: a short run at a small learning rate, as

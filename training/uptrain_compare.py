@@ -23,10 +23,10 @@ from kvjax import memory
 from kvjax.config import CONFIG_ROOT, ConfigError, load_config
 from kvjax.report import format_table
 from kvjax.timing import decode_seconds
-from training.convert import parse_conversion
-from training.loading import load_model
-from training.trainer import Trainer, evaluate_model, prepare_corpus
-from training.uptrain import converted_model, uptrain
+from kvjax.training.convert import parse_conversion
+from kvjax.training.loading import load_model
+from kvjax.training.trainer import Trainer, evaluate_model, prepare_corpus
+from kvjax.training.uptrain import converted_model, uptrain
 
 
 @dataclasses.dataclass(frozen=True)

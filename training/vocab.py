@@ -3,9 +3,9 @@ from `training.tokenizer` so that the importers, which build tokenizers, are not
 
 from __future__ import annotations
 
-from training.gguf_import import load_gguf_tokenizer
-from training.hf_import import load_hf_tokenizer
-from training.tokenizer import ByteTokenizer, Tokenizer
+from kvjax.training.gguf_import import load_gguf_tokenizer
+from kvjax.training.hf_import import load_hf_tokenizer
+from kvjax.training.tokenizer import ByteTokenizer, Tokenizer
 
 TOKENIZERS = {"byte": ByteTokenizer}
 GGUF_PREFIX = "gguf:"  # `gguf:smollm2` or `gguf:/path/model.gguf`: the vocabulary a GGUF file carries

@@ -22,10 +22,10 @@ from kvjax.commands import (
 )
 from kvjax.commands.args import Parser
 from kvjax.config import ConfigError, Note
-from training.checkpoint import CheckpointError
-from training.data import DataError
-from training.gguf_import import GGUFError
-from training.trainer import TrainingError, TrainingInterrupted
+from kvjax.training.checkpoint import CheckpointError
+from kvjax.training.data import DataError
+from kvjax.training.gguf_import import GGUFError
+from kvjax.training.trainer import TrainingError, TrainingInterrupted
 
 DESCRIPTION = "Train, decode, compress and compare KV-cache-efficient language models (see docs/cli.md)."
 COMMANDS = (memory, train, evaluate, generate, uptrain, duo_train, compare, serve_bench)  # in --help order

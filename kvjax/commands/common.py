@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvjax.compress import parse_policy
 from kvjax.duo import default_pattern, duo_heads, with_pattern
-from training import compression_eval as ce
+from kvjax.training import compression_eval as ce
 
 
 def calibration_tokens(loaded, policies, corpus: str | None):

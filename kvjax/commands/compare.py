@@ -24,10 +24,10 @@ from kvjax.commands.common import (
 )
 from kvjax.compress import parse_policy
 from kvjax.config import ConfigError
-from training import compression_eval as ce
-from training.compare import load_experiment, run_compare
-from training.loading import check_context, load_model
-from training.uptrain_compare import UptrainExperiment, run_uptrain_compare
+from kvjax.training import compression_eval as ce
+from kvjax.training.compare import load_experiment, run_compare
+from kvjax.training.loading import check_context, load_model
+from kvjax.training.uptrain_compare import UptrainExperiment, run_uptrain_compare
 
 
 def run(args) -> None:

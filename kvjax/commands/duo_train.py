@@ -20,9 +20,9 @@ from kvjax.duo import (
     save_pattern,
     streaming_heads,
 )
-from training import compression_eval as ce
-from training.duo import GateTraining, learn_gates
-from training.loading import check_context, load_model
+from kvjax.training import compression_eval as ce
+from kvjax.training.duo import GateTraining, learn_gates
+from kvjax.training.loading import check_context, load_model
 
 
 def run(args) -> None:

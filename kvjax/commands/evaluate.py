@@ -17,10 +17,10 @@ from kvjax.commands.common import (
 from kvjax.compress import parse_policy
 from kvjax.config import ConfigError
 from kvjax.report import format_table
-from training import compression_eval as ce
-from training.data import load_corpus, pack, split_documents
-from training.loading import check_context, load_model
-from training.trainer import evaluate_model
+from kvjax.training import compression_eval as ce
+from kvjax.training.data import load_corpus, pack, split_documents
+from kvjax.training.loading import check_context, load_model
+from kvjax.training.trainer import evaluate_model
 
 
 def run(args) -> None:

@@ -16,7 +16,7 @@ from kvjax.commands.common import calibration_tokens, check_duo, resolve_duo
 from kvjax.compress import parse_policy
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import generate
-from training.loading import check_context, load_model
+from kvjax.training.loading import check_context, load_model
 
 
 def run(args) -> None:

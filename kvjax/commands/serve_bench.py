@@ -7,13 +7,13 @@ from pathlib import Path
 
 from flax import nnx
 
-from architectures import Decoder
+from kvjax.architectures import Decoder
 from kvjax.commands.args import MODEL_HELP, NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT
 from kvjax.compress import parse_policy
 from kvjax.config import CONFIG_ROOT, ConfigError, load_config
 from kvjax.engine import check_engine_policy
 from kvjax.serve_bench import Workload, render, serve_bench
-from training.loading import load_model
+from kvjax.training.loading import load_model
 
 
 def run(args) -> None:

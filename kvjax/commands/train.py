@@ -7,9 +7,9 @@ from pathlib import Path
 
 from kvjax.commands.args import split_overrides
 from kvjax.config import Config, ConfigError, apply_overrides, from_dict, load_config
-from training.checkpoint import Checkpointer
-from training.sharding import maybe_initialize_distributed
-from training.trainer import RUN_CONFIG, Trainer
+from kvjax.training.checkpoint import Checkpointer
+from kvjax.training.sharding import maybe_initialize_distributed
+from kvjax.training.trainer import RUN_CONFIG, Trainer
 
 
 def _train_target(names: list[str], overrides: list[str], run_dir: str | None):

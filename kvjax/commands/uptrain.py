@@ -7,7 +7,7 @@ from pathlib import Path
 from kvjax.commands.args import MODEL_HELP
 from kvjax.config import ConfigError
 from kvjax.report import format_table
-from training.uptrain import uptrain
+from kvjax.training.uptrain import uptrain
 
 
 def run(args) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from architectures import Decoder
+from kvjax.architectures import Decoder
 from kvjax.cache import init_caches
 from kvjax.ops import decode_block
 from tests.architectures.oracles import (

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from architectures.layers import RMSNorm, SwiGLU, apply_rope
+from kvjax.architectures.layers import RMSNorm, SwiGLU, apply_rope
 
 
 def test_rope_is_a_complex_rotation_of_channel_pairs():

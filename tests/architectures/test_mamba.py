@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from architectures.mamba import Mamba, ssm_scan_associative, ssm_scan_sequential
 from kvjax import memory
+from kvjax.architectures.mamba import Mamba, ssm_scan_associative, ssm_scan_sequential
 from kvjax.cache import KVCache, SSMState, caches_nbytes, init_caches
 from kvjax.config import ConfigError, MambaConfig, load_config
 from tests.architectures.oracles import (

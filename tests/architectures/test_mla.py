@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from architectures.mla import MLA
 from kvjax import memory
+from kvjax.architectures.mla import MLA
 from kvjax.cache import LatentCache, caches_nbytes, init_caches
 from kvjax.config import AttentionConfig, ConfigError, MLAConfig, load_config
 from kvjax.ops import attention

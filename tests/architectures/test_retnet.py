@@ -6,14 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from architectures.retention import (
+from kvjax import memory
+from kvjax.architectures.retention import (
     retention_chunkwise,
     retention_parallel,
     retention_recurrent,
     retnet_angles,
     retnet_log_decay,
 )
-from kvjax import memory
 from kvjax.cache import RetentionState, caches_nbytes, init_caches
 from kvjax.config import ConfigError, load_config
 from tests.architectures.oracles import (

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from architectures.rwkv import GROUP_NORM_EPS, RWKVTimeMix, wkv_associative, wkv_scan
 from kvjax import DecodingConfig, Generator, memory
+from kvjax.architectures.rwkv import GROUP_NORM_EPS, RWKVTimeMix, wkv_associative, wkv_scan
 from kvjax.cache import RWKVState, caches_nbytes, init_caches
 from kvjax.config import ConfigError, RWKVConfig, load_config
 from tests.architectures.oracles import (

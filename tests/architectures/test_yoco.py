@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from architectures.retention import retention_chunkwise, retention_parallel, retention_recurrent
 from kvjax import DecodingConfig, Generator, memory
+from kvjax.architectures.retention import retention_chunkwise, retention_parallel, retention_recurrent
 from kvjax.cache import KVCache, RetentionState, RingKVCache, caches_nbytes, init_caches
 from kvjax.config import ConfigError, load_config
 from tests.architectures.oracles import B, T, assert_cached_decode_equals_full_forward, stepper, tokens_and_positions

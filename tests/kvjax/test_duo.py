@@ -14,9 +14,9 @@ from kvjax.compress import compressed_cache_bytes, parse_policy
 from kvjax.config import ConfigError
 from kvjax.duo import DuoKVCache, GateMix, load_pattern, save_pattern, streaming_attention, streaming_heads
 from kvjax.ops import attention
+from kvjax.training.duo import GateTraining, gate_caches, learn_gates, objective, passkey_sample
+from kvjax.training.tokenizer import ByteTokenizer
 from tests.kvjax.test_compress import CAPACITY, GREEDY, NEW, PROMPTS
-from training.duo import GateTraining, gate_caches, learn_gates, objective, passkey_sample
-from training.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")

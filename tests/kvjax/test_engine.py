@@ -173,7 +173,7 @@ SHARDED = textwrap.dedent(
     from jax.sharding import Mesh
     from kvjax import DecodingConfig, Engine, Request
     from kvjax.config import load_config
-    from architectures import Decoder
+    from kvjax.architectures import Decoder
 
     model = Decoder(load_config("gqa", ["model.n_layers=2"]).model, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_attention import decode_attention, decode_attention_reference, latent_decode_attention
+from kvjax.pallas_kernels.decode_attention import decode_attention, decode_attention_reference, latent_decode_attention
 from tests.pallas_kernels.lowering import TARGETS, assert_lowers
 
 SHAPES = {  # (query heads, KV heads, head dim, slots) of kvjax's compare models and SmolLM2

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from kvjax.pallas_kernels.flash_attention import flash_attention, flash_attention_reference
 from tests.pallas_kernels.lowering import TARGETS, assert_lowers
 
 SHAPES = {  # (tokens, query heads, KV heads, head dim) of a compare model's training step and SmolLM2's prefill

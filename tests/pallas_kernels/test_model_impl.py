@@ -54,7 +54,7 @@ def test_a_quantized_cache_decodes_the_same_through_the_fused_kernel(make_model,
 
 
 def test_a_training_step_has_the_same_loss_and_gradients(make_model):
-    from training.trainer import token_losses
+    from kvjax.training.trainer import token_losses
 
     cfg, xla, pallas = _pair(make_model, "gqa")
     windows = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 17)))

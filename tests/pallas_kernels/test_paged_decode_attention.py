@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvjax.paged import PagedKVCache
-from pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_reference
+from kvjax.pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_reference
 from tests.pallas_kernels.lowering import TARGETS, assert_lowers
 
 P, PS = 12, 4  # pool pages, page size

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvjax.ops import attention
+from kvjax.pallas_kernels.quant_decode_attention import check, quant_decode_partials
 from kvjax.quant import QuantKVCache, QuantSpec
-from pallas_kernels.quant_decode_attention import check, quant_decode_partials
 from tests.pallas_kernels.lowering import TARGETS, assert_lowers
 
 LAYOUTS = {  # per-token int (symmetric, min-max) and KIVI (per-channel keys, per-token value groups)

@@ -10,8 +10,7 @@ import pytest
 
 from kvjax.commands import main
 from kvjax.config import ConfigError, load_config
-from tests.training.conftest import SMALL_CORPUS
-from training.compare import (
+from kvjax.training.compare import (
     Row,
     front_line,
     load_experiment,
@@ -21,7 +20,8 @@ from training.compare import (
     separation,
     speed,
 )
-from training.trainer import Trainer, prepare_corpus
+from kvjax.training.trainer import Trainer, prepare_corpus
+from tests.training.conftest import SMALL_CORPUS
 
 TINY = [
     "model.n_layers=2",
@@ -157,7 +157,7 @@ def test_experiments_by_name_inherit_the_budget(tmp_path):
 def test_match_params_gives_each_variant_the_first_ones_parameter_count(monkeypatch):
     """--match-params: ffn_dim per variant, nearest the reference's count (within half a step of
     ffn_dim); the reference is untouched; impossible matches are clear errors."""
-    import training.compare as compare
+    import kvjax.training.compare as compare
 
     overrides = load_experiment("study").overrides
     configs = {v: load_config(v, overrides) for v in ("gqa", "mqa-cla2", "yoco-gret", "rwkv7", "retnet")}

@@ -204,8 +204,8 @@ def test_smaller_messages_say_what_they_mean(run, tmp_path, argv, message, capsy
 
 
 def test_duo_training_text_too_short_says_the_minimum():
-    from training.retrieval import haystack
-    from training.tokenizer import ByteTokenizer
+    from kvjax.training.retrieval import haystack
+    from kvjax.training.tokenizer import ByteTokenizer
 
     with pytest.raises(
         ConfigError,
@@ -216,7 +216,7 @@ def test_duo_training_text_too_short_says_the_minimum():
 
 
 def test_generated_text_stops_before_the_end_token():
-    from training.tokenizer import ByteTokenizer
+    from kvjax.training.tokenizer import ByteTokenizer
 
     class Shown(ByteTokenizer):  # renders its end token, as SmolLM2's tokenizer shows <|im_end|>
         def decode(self, ids):

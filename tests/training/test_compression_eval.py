@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from kvjax.commands import main
+from kvjax.training import compression_eval as ce
+from kvjax.training import retrieval
+from kvjax.training.tokenizer import ByteTokenizer
 from tests.training.conftest import SMALL_CORPUS
 from tests.training.test_cli import TINY
-from training import compression_eval as ce
-from training import retrieval
-from training.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from kvjax.cache import caches_nbytes, init_caches
 from kvjax.config import ConfigError
 from kvjax.memory import cache_bytes
 from kvjax.memory import kv_bytes_per_token as memory_per_token
+from kvjax.training.convert import convert, parse_conversion, pool_heads
 from tests.architectures.oracles import assert_cached_decode_equals_full_forward, tokens_and_positions
-from training.convert import convert, parse_conversion, pool_heads
 
 
 def _with_random_norms(model, seed=0):
@@ -191,7 +191,7 @@ def test_mla_partial_rope_at_full_rank_equals_the_partial_rope_model(make_model)
 def test_the_two_norm_rule_ranks_pairs_by_query_times_key_norms(make_model):
     """Layer 0's choice recomputed by hand: per KV head, the top pairs of (sum over its query heads of
     the mean pair norm of q) x (mean pair norm of k)."""
-    from training.convert import rope_pairs
+    from kvjax.training.convert import rope_pairs
 
     _, source = make_model(*MLA_SOURCE)
     tokens, _ = tokens_and_positions(source.config.vocab_size)

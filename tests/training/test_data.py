@@ -3,9 +3,9 @@ import importlib.util
 import numpy as np
 import pytest
 
-from training.data import BatchIterator, DataError, Document, load_corpus, pack, split_documents
-from training.tokenizer import ByteTokenizer
-from training.vocab import get_tokenizer
+from kvjax.training.data import BatchIterator, DataError, Document, load_corpus, pack, split_documents
+from kvjax.training.tokenizer import ByteTokenizer
+from kvjax.training.vocab import get_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_a_passkey_mix_rewrites_that_fraction_of_rows_in_the_eval_template(kjv, 
     as they were. Keys are drawn afresh each epoch, and a resumed iterator repeats the same batches."""
     import re
 
-    from training.data import TrainingMix
+    from kvjax.training.data import TrainingMix
 
     tok = get_tokenizer("byte")
     windows = pack(kjv[:1], tok, 513)[:40]
@@ -177,7 +177,7 @@ def test_a_passkey_mix_rewrites_that_fraction_of_rows_in_the_eval_template(kjv, 
 def test_induction_rows_repeat_a_random_string_at_a_random_period(kjv):
     """data.repeats: that fraction of rows (besides the pass-key rows) becomes a random string of
     printable characters repeated to the row's length, its period drawn per row; weights stay 1."""
-    from training.data import INDUCTION_PERIODS, TrainingMix
+    from kvjax.training.data import INDUCTION_PERIODS, TrainingMix
 
     tok = get_tokenizer("byte")
     windows = pack(kjv[:1], tok, 257)[:64]

@@ -8,10 +8,10 @@ gguf = pytest.importorskip("gguf")
 
 from flax import nnx  # noqa: E402
 
-from architectures import Decoder  # noqa: E402
+from kvjax.architectures import Decoder  # noqa: E402
 from kvjax.config import load_config  # noqa: E402
-from training.families.llama import unpermute_rope_rows  # noqa: E402
-from training.gguf_import import GGUFError, load_gguf_model  # noqa: E402
+from kvjax.training.families.llama import unpermute_rope_rows  # noqa: E402
+from kvjax.training.gguf_import import GGUFError, load_gguf_model  # noqa: E402
 
 
 def llama_cpp_permute(w, n_heads):

@@ -3,7 +3,7 @@
 import pytest
 
 from kvjax.config import ConfigError
-from training.hf_export import hf_state_dict
+from kvjax.training.hf_export import hf_state_dict
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from training.hf_export import export_llama
-from training.hf_import import HFImportError, load_hf_model
+from kvjax.training.hf_export import export_llama
+from kvjax.training.hf_import import HFImportError, load_hf_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -107,9 +107,9 @@ def test_a_checkpoint_directory_is_a_model_for_eval_generate_and_uptrain(make_mo
     GGUF file, and uptrains with its own tokenizer (`data.tokenizer=hf:<dir>`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    from kvjax.training.loading import load_model
+    from kvjax.training.uptrain import uptrain
     from tests.training.conftest import SMALL_CORPUS
-    from training.loading import load_model
-    from training.uptrain import uptrain
 
     _, model = make_model("gqa", "model.n_layers=2")
     tok = Tokenizer(models.BPE())

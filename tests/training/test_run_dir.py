@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from kvjax.commands import main
+from kvjax.training.checkpoint import Checkpointer
+from kvjax.training.trainer import STOPPING, Trainer, TrainingInterrupted
 from tests.training.test_cli import TINY
-from training.checkpoint import Checkpointer
-from training.trainer import STOPPING, Trainer, TrainingInterrupted
 
 
 def test_a_run_directory_resumes_as_written_and_extends_explicitly(tmp_path, capsys):

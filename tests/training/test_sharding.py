@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     import jax
     from jax.sharding import PartitionSpec as P
     from kvjax.config import load_config
-    from training.trainer import Trainer
+    from kvjax.training.trainer import Trainer
 
     overrides = sys.argv[1:]
     out = {}
@@ -64,7 +64,7 @@ def test_eight_device_step_equals_one_device():
 
 
 def test_mesh_size_errors():
-    from training.sharding import make_mesh
+    from kvjax.training.sharding import make_mesh
 
     with pytest.raises(ConfigError, match="needs 4 devices but 1 are visible"):
         make_mesh(MeshConfig(data=2, fsdp=2), devices=["cpu0"])

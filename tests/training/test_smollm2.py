@@ -13,9 +13,9 @@ transformers = pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 
 from kvjax import DecodingConfig, generate  # noqa: E402
-from training.data import load_corpus  # noqa: E402
-from training.gguf_import import GGUFError, load_gguf_model, load_gguf_tokenizer, resolve_gguf  # noqa: E402
-from training.hf_export import export_llama  # noqa: E402
+from kvjax.training.data import load_corpus  # noqa: E402
+from kvjax.training.gguf_import import GGUFError, load_gguf_model, load_gguf_tokenizer, resolve_gguf  # noqa: E402
+from kvjax.training.hf_export import export_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +94,7 @@ def test_greedy_continuations_match(ours, reference, text_ids):
 def test_a_conversion_without_reduction_reproduces_smollm2(ours, text_ids, full):
     """Keeping all 3 KV heads (first of each group of one) and a K/V layer for each of the 30 layers is
     SmolLM2 itself."""
-    from training.convert import convert, parse_conversion
+    from kvjax.training.convert import convert, parse_conversion
 
     ids, pos = jnp.asarray([text_ids[:32]]), jnp.arange(32)[None]
     same = convert(ours[1], parse_conversion("gqa:kv_heads=3,pool=first+mlkv:layers=30"))
@@ -103,8 +103,8 @@ def test_a_conversion_without_reduction_reproduces_smollm2(ours, text_ids, full)
 
 
 def test_an_mqa_smollm2_exports_to_a_llama_that_transformers_runs(ours, text_ids, full, tmp_path):
-    from training.convert import convert, parse_conversion
-    from training.hf_import import load_hf_model
+    from kvjax.training.convert import convert, parse_conversion
+    from kvjax.training.hf_import import load_hf_model
 
     mqa = convert(ours[1], parse_conversion("mqa"))
     export_llama(mqa, tmp_path)

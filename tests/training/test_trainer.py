@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvjax.config import ConfigError
-from training.checkpoint import CheckpointError
-from training.trainer import Trainer, TrainingError, load_trained
+from kvjax.training.checkpoint import CheckpointError
+from kvjax.training.trainer import Trainer, TrainingError, load_trained
 
 
 def losses(history):
@@ -126,7 +126,7 @@ def test_weighted_steps_unit_weights_are_the_plain_step_and_accumulation_keeps_t
     the update; with grad_accum the weights follow their rows (== one big weighted batch)."""
     from functools import partial
 
-    from training.trainer import _train_step, make_optimizer
+    from kvjax.training.trainer import _train_step, make_optimizer
 
     cfg = small_config("train.batch_size=4")
     trainer = Trainer(cfg, tmp_path / "a", progress=False)

@@ -9,9 +9,9 @@ import pytest
 
 from kvjax.commands import main
 from kvjax.config import ConfigError
-from training.loading import load_model
-from training.trainer import Trainer, load_trained
-from training.uptrain import uptrain
+from kvjax.training.loading import load_model
+from kvjax.training.trainer import Trainer, load_trained
+from kvjax.training.uptrain import uptrain
 
 SHORT = ["train.steps=6", "train.warmup_steps=1", "train.checkpoint_every=3", "train.eval_every=6"]
 
@@ -92,7 +92,7 @@ def test_training_only_the_converted_kv_parameters(source_run, tmp_path):
     """train.trainable=kv: K/V projections and norms move, every other parameter stays the converted one."""
     from flax import nnx
 
-    from training.convert import convert, parse_conversion
+    from kvjax.training.convert import convert, parse_conversion
 
     uptrain(source_run, "cla2", tmp_path / "kv", [*SHORT, "train.trainable=kv"], progress=False, log=lambda _: None)
     start = nnx.state(convert(load_model(source_run).model, parse_conversion("cla2")))
@@ -166,7 +166,7 @@ def test_a_shorter_run_scales_its_warm_up_unless_given():
     from types import SimpleNamespace
 
     from kvjax.config import load_config
-    from training.uptrain import uptrain_config
+    from kvjax.training.uptrain import uptrain_config
 
     loaded = SimpleNamespace(config=load_config("gqa"), corpus="kjv")
     model = loaded.config.model

@@ -11,7 +11,7 @@ class HFImportError(ConfigError):
     """A directory that is not a checkpoint kvjax can load, with the reason."""
 
 
-from training.families import llama  # noqa: E402 (a family raises the error above)
+from kvjax.training.families import llama  # noqa: E402 (a family raises the error above)
 
 BY_HF_ARCHITECTURE = {name: llama for name in llama.HF_ARCHITECTURES}
 BY_GGUF_ARCHITECTURE = {name: llama for name in llama.GGUF_ARCHITECTURES}

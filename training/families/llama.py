@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from kvjax.config import AttentionConfig, ConfigError, ModelConfig
-from training.families import HFImportError
+from kvjax.training.families import HFImportError
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GGUF_ARCHITECTURES = ("llama",)

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.cache import LatentCache
 from kvjax.compress import Policy, parse_policy
+from kvjax.compress.methods import METHODS
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import Generator
 from kvjax.page_pool import PagePool
@@ -143,18 +144,16 @@ def _load_row(caches, table, length, dense, row):
     return tuple(out), out[0].length
 
 
-EVICTION = ("streaming", "h2o", "snapkv", "tova", "keynorm")  # the token-eviction scorers pages support
-
-
 def check_engine_policy(policy: Policy) -> tuple[bool, bool]:
     """What the engine's pages need for `policy` (positions per head, int8 codes); a policy it cannot
     page is a ConfigError naming the stage."""
     for stage in policy.stages:
         where = f"engine policy stage {stage.method!r}"
         if stage.quantizes:
-            if stage.method != "int" or stage.bits != 8 or stage.asym:
+            spec = stage.quant_spec  # int8 pages: codes and one symmetric scale per token and head
+            if spec.blocked or not spec.scheme.plain or spec.bits != 8 or spec.asym:
                 raise ConfigError(f"{where}:{stage.bits}: quantized pages are int:8 (symmetric) only")
-        elif stage.method not in EVICTION:
+        elif not (stage.method in METHODS and METHODS[stage.method].pageable):
             raise ConfigError(f"{where}: the engine pages token eviction and int:8; {stage.method} is not supported")
         elif stage.every or stage.allocator != "uniform":
             raise ConfigError(

@@ -22,14 +22,13 @@ from kvjax.compress import (
     check_policy,
     compress_caches,
     compressible,
-    d2o,
     plan_stages,
+    prepare_policy,
 )
 from kvjax.compress.apply import observe_fn
+from kvjax.compress.methods import METHODS
 from kvjax.compress.scorers import accumulates, observed_queries
 from kvjax.config import ConfigError, DecodingConfig
-from kvjax.duo import duo_heads
-from kvjax.quant.lowrank import calibrate, lorc_bases
 from kvjax.sampling import sample
 
 MIN_BUCKET = 8
@@ -121,11 +120,13 @@ def _prefill_compressed(graphdef, params, tokens, lengths, obs_index, arrays, *,
 
 
 def _prefill_densities(graphdef, params, tokens, lengths, obs_index, *, capacity, stages, slots):
-    """D2O's first half: the observed prefill and each compressible layer's attention density sigma
-    `[n, B]` (`d2o.layer_sigma`), which the host turns into layer budgets before compressing."""
+    """The first half of a method that plans layer budgets at the prefill (D2O): the observed prefill
+    and each compressible layer's density `[n, B]` (`Method.layer_density`), which the host turns into
+    layer budgets before compressing."""
     model = nnx.merge(graphdef, params)
     hidden, caches, observed = _observe_prompt(model, tokens, lengths, obs_index, stages, capacity)
-    sigma = jnp.stack([d2o.layer_sigma(observed[s][-1], caches[s].pos) for s in slots])
+    method = METHODS[stages[-1].method]
+    sigma = jnp.stack([method.layer_density(observed[s][-1], caches[s].pos) for s in slots])
     return _last_logits(model, hidden, lengths), caches, observed, sigma
 
 
@@ -245,21 +246,10 @@ class Generator:
         self.config = model.config
         self.capacity = capacity
         self.policy = policy
-        self._bases = None
+        self._prepared = {}  # what the policy's methods computed from the model (`prepare_policy`)
         if policy is not None:
             check_policy(policy, self.config)
-            palu = [s for s in policy.stages if s.method == "palu"]
-            if palu and calibration is None:
-                raise ConfigError("policy stage 'palu' needs calibration data: Generator(..., calibration=tokens)")
-            if palu:  # Palu's bases, from a plain prefill of the calibration tokens
-                self._bases = calibrate(model, calibration, compressible(self.config), palu[0].ratio, palu[0].heads)
-            lorc = [s for s in policy.stages if s.method == "lorc"]
-            if lorc:  # LoRC's bases and progressive ranks, from the K/V weights
-                self._bases = lorc_bases(model, compressible(self.config), lorc[0].ratio, lorc[0].heads)
-        self._streaming = None
-        duo_stage = next((s for s in policy.stages if s.method == "duo"), None) if policy is not None else None
-        if duo_stage is not None:  # DuoAttention's streaming heads, from the learned gates
-            self._streaming = duo_heads(duo_stage, self.config)
+            self._prepared = prepare_policy(policy, model, calibration)
         graphdef, self.params = nnx.split(model)
         self._prefill = jax.jit(partial(_prefill, graphdef), static_argnames=("capacity",))
         self._prefill_chunk = jax.jit(partial(_prefill_chunk, graphdef), donate_argnums=(1, 2))
@@ -271,7 +261,7 @@ class Generator:
             partial(_prefill_densities, graphdef), static_argnames=("capacity", "stages", "slots")
         )
         self._compress = jax.jit(compress_caches, static_argnames=("statics", "slots"))
-        self._layer_counts = None  # D2O: (lengths, tokens kept per cache and row) of the last prefill
+        self._layer_counts = None  # (lengths, tokens kept per cache and row) of the last prefill (D2O)
         self._decode = jax.jit(
             partial(_decode, graphdef),
             static_argnames=("n_new", "sampling", "eos_id", "pad_id", "evict"),
@@ -281,8 +271,14 @@ class Generator:
 
     @property
     def layer_counts(self) -> np.ndarray | None:
-        """D2O: tokens each compressible cache keeps per row `[n, B]`, planned at the last prefill."""
+        """Tokens each compressible cache keeps per row `[n, B]`, planned at the last prefill by a method
+        whose budgets come from it (D2O); None otherwise."""
         return None if self._layer_counts is None else self._layer_counts[1]
+
+    @property
+    def _budgets_at_prefill(self) -> bool:
+        last = self.policy.stages[-1].method
+        return last in METHODS and METHODS[last].budgets_at_prefill
 
     @property
     def _holds_budget(self) -> bool:
@@ -339,17 +335,17 @@ class Generator:
         decode = self.policy.decode_stage
         headroom = decode.every if decode is not None else max_new_tokens
         counts = None
-        if self.policy.stages[-1].method == "d2o":
+        if self._budgets_at_prefill:
             if self._layer_counts is None or not np.array_equal(self._layer_counts[0], lengths):
                 raise ConfigError(
-                    "policy stage 'd2o' plans its layer budgets at the prefill: prefill these "
-                    "prompts first (prefill_compressed)"
+                    f"policy stage {self.policy.stages[-1].method!r} plans its layer budgets at the prefill: "
+                    "prefill these prompts first (prefill_compressed)"
                 )
             counts = self._layer_counts[1]
-        plans = plan_stages(self.config, self.policy.stages, lengths, headroom, self._bases, self._streaming, counts)
+        plans = plan_stages(self.config, self.policy.stages, lengths, headroom, layer_counts=counts, **self._prepared)
         if sized_for is None:
             return plans
-        sized = plan_stages(self.config, self.policy.stages, [sized_for], headroom, self._bases, self._streaming)
+        sized = plan_stages(self.config, self.policy.stages, [sized_for], headroom, **self._prepared)
         return tuple(
             dataclasses.replace(p, keep_caps=s.keep_caps, capacities=s.capacities) for p, s in zip(plans, sized)
         )
@@ -363,12 +359,13 @@ class Generator:
         obs_index = np.asarray(lengths)[:, None] - max(window, 1) + np.arange(max(window, 1))[None, :]
         obs_index = np.where(obs_index >= 0, obs_index, -1).astype(np.int32)
         slots = compressible(self.config)
-        if self.policy.stages[-1].method == "d2o":  # layer budgets from the prefill's attention, then compress
+        if self._budgets_at_prefill:  # layer budgets from the prefill's attention, then compress
             logits, caches, observed, sigma = self._prefill_densities(
                 self.params, tokens, lengths, obs_index, capacity=self.capacity, stages=self.policy.stages, slots=slots
             )
-            keep = 1 - self.policy.stages[-1].ratio
-            counts = d2o.layer_counts(np.asarray(sigma), lengths, keep, never=int(lengths.max()) + max_new_tokens)
+            last = self.policy.stages[-1]
+            never = int(lengths.max()) + max_new_tokens
+            counts = METHODS[last.method].layer_budgets(last, np.asarray(sigma), lengths, never)
             self._layer_counts = (np.array(lengths), counts)
             plans = self.compression_plan(lengths, max_new_tokens)
             caches, stats = self._compress(

@@ -31,9 +31,8 @@ from bench_mla import filled_cache  # noqa: E402
 
 from kvjax import Generator  # noqa: E402
 from kvjax.cache import caches_nbytes, init_caches  # noqa: E402
-from kvjax.compress import compress_caches, compressible, parse_policy, plan_stages  # noqa: E402
+from kvjax.compress import compress_caches, compressible, parse_policy, plan_stages, prepare_policy  # noqa: E402
 from kvjax.config import ConfigError  # noqa: E402
-from kvjax.quant.lowrank import calibrate  # noqa: E402
 from kvjax.report import format_bytes, format_table  # noqa: E402
 
 LAYOUTS = ("streaming", "keynorm", "keynorm:allocator=adakv", "quest")
@@ -85,12 +84,8 @@ def main() -> None:
         runs += [(text, "1") for text in QUANTIZED]
     for text, kept in runs:
         policy = parse_policy(text)
-        bases = (
-            calibrate(model, rng_tokens, slots, policy.stages[-1].ratio, policy.stages[-1].heads)
-            if "palu" in text
-            else None
-        )
-        plans = plan_stages(cfg, policy.stages, lengths, headroom=room, bases=bases)
+        prepared = prepare_policy(policy, model, calibration=rng_tokens)  # Palu: random tokens calibrate here
+        plans = plan_stages(cfg, policy.stages, lengths, headroom=room, **prepared)
         caches, _ = compress_caches(
             full,
             (None,) * len(full),

@@ -25,7 +25,7 @@ from bench_decode import BENCH_MODEL, best_of  # noqa: E402
 
 from kvjax.config import Config, DataConfig, TrainConfig  # noqa: E402
 from kvjax.report import format_table  # noqa: E402
-from training.trainer import Trainer  # noqa: E402
+from kvjax.training.trainer import Trainer  # noqa: E402
 
 
 def matmul_peak(n: int = 2048, repeats: int = 5) -> float:

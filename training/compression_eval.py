@@ -20,15 +20,13 @@ import numpy as np
 from kvjax.compress import (
     Policy,
     compressed_cache_bytes,
-    compressible,
     parse_policy,
     plan_stages,
+    prepare_policy,
 )
 from kvjax.config import DecodingConfig
-from kvjax.duo import duo_heads
 from kvjax.generate import Generator
 from kvjax.memory import cache_bytes
-from kvjax.quant.lowrank import lorc_bases
 from kvjax.report import format_table
 from kvjax.timing import decode_rounds
 from kvjax.training.data import DataError, load_corpus, split_documents
@@ -99,17 +97,10 @@ def stored_bytes_per_token(model, policy: Policy | None, prefix: int, layer_coun
     cfg = model.config
     if policy is None:
         return cache_bytes(cfg, prefix) / prefix
-    bases = () if any(s.method == "palu" for s in policy.stages) else None  # bytes do not depend on them
-    lorc = next((s for s in policy.stages if s.method == "lorc"), None)
-    if lorc is not None:  # LoRC's ranks differ by layer: its bases say how many
-        bases = lorc_bases(model, compressible(cfg), lorc.ratio, lorc.heads)
-    duo = next((s for s in policy.stages if s.method == "duo"), None)
-    streaming = duo_heads(duo, cfg) if duo is not None else None  # how many heads keep every token
+    prepared = prepare_policy(policy, model, shapes_only=True)  # what sizes the caches (LoRC's ranks, Duo's heads)
     if layer_counts is not None:  # a layer never keeps more than the prefix it was given
         layer_counts = np.minimum(layer_counts, prefix)
-    plans = plan_stages(
-        cfg, policy.stages, [prefix], headroom=0, bases=bases, streaming=streaming, layer_counts=layer_counts
-    )
+    plans = plan_stages(cfg, policy.stages, [prefix], headroom=0, layer_counts=layer_counts, **prepared)
     return compressed_cache_bytes(cfg, plans, 1, prefix) / prefix
 
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvjax.compress import parse_policy
-from kvjax.duo import default_pattern, duo_heads, with_pattern
+from kvjax.compress import check_policy, needs_calibration, parse_policy
+from kvjax.duo import default_pattern, with_pattern
 from kvjax.training import compression_eval as ce
 
 
 def calibration_tokens(loaded, policies, corpus: str | None):
     """Palu's calibration tokens (the corpus's training split) when a policy needs them, else None."""
 
-    if not any(s.method == "palu" for p in policies for s in p.stages):
+    if not needs_calibration(policies):
         return None
     return ce.calibration_tokens(loaded.tokenizer, corpus or loaded.corpus)
 
@@ -28,13 +28,12 @@ def resolve_duo(texts: list[str], model_ref: str, loaded) -> list[str]:
     return [with_pattern(text, shown) for text in texts]
 
 
-def check_duo(texts: list[str], loaded) -> None:
-    """Each `duo` stage's pattern exists and fits the model, checked before any compute."""
+def check_policies(texts: list[str], loaded) -> None:
+    """Each policy fits the model (a `duo` stage's pattern exists and has every head), checked before
+    any compute."""
 
     for text in texts:
-        for stage in parse_policy(text).stages:
-            if stage.method == "duo":
-                duo_heads(stage, loaded.config.model)
+        check_policy(parse_policy(text), loaded.config.model)
 
 
 PREFIX, CONTINUATION, DECODE_CONTEXT, LENGTHS = 1536, 255, 2048, (512, 1024)  # defaults, fitted to the model

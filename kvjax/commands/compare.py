@@ -18,7 +18,7 @@ from kvjax.commands.common import (
     DECODE_CONTEXT,
     PREFIX,
     calibration_tokens,
-    check_duo,
+    check_policies,
     fit_to_context,
     resolve_duo,
 )
@@ -77,7 +77,7 @@ def _compare_policies(args) -> None:
     loaded = load_model(model_ref)
     fit_to_context(args, loaded)
     args.policies = resolve_duo(args.policies, model_ref, loaded)
-    check_duo([text for text, _ in ce.table_runs(args.policies, args.budgets)[1:]], loaded)
+    check_policies([text for text, _ in ce.table_runs(args.policies, args.budgets)[1:]], loaded)
     allow = args.allow_long_context
     check_context(loaded, args.prefix + args.continuation + 1, "--prefix + --continuation + 1", allow)
     check_context(loaded, args.context, f"--context={args.context}", allow)

@@ -10,7 +10,7 @@ from kvjax.commands.common import (
     LENGTHS,
     PREFIX,
     calibration_tokens,
-    check_duo,
+    check_policies,
     fit_to_context,
     resolve_duo,
 )
@@ -51,7 +51,7 @@ def _eval_compressed(args, task: str) -> None:
     parsed = [parse_policy(p) for p in args.policy or []]  # every policy is checked before compute
     loaded = load_model(args.model)
     policies = resolve_duo([str(p) for p in parsed], args.model, loaded)
-    check_duo(policies, loaded)
+    check_policies(policies, loaded)
     fit_to_context(args, loaded)
     model, tokenizer, corpus = loaded.model, loaded.tokenizer, args.corpus or loaded.corpus
     if task == "continuation":

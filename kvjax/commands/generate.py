@@ -12,7 +12,7 @@ from kvjax.commands.args import (
     OPEN_UNIT,
     POSITIVE,
 )
-from kvjax.commands.common import calibration_tokens, check_duo, resolve_duo
+from kvjax.commands.common import calibration_tokens, check_policies, resolve_duo
 from kvjax.compress import parse_policy
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import generate
@@ -24,7 +24,7 @@ def run(args) -> None:
     loaded = load_model(args.model)
     if policy is not None:
         text = resolve_duo([str(policy)], args.model, loaded)
-        check_duo(text, loaded)
+        check_policies(text, loaded)
         policy = parse_policy(text[0])
     tokenizer = loaded.tokenizer
     # Runs trained here saw BOS at every document start; imported models get no special token unless asked.

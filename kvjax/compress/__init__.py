@@ -6,7 +6,9 @@ from kvjax.compress.apply import (
     compress_caches,
     compressed_cache_bytes,
     compressible,
+    needs_calibration,
     plan_stages,
+    prepare_policy,
 )
 from kvjax.compress.policy import Policy, Stage, parse_policy
 
@@ -17,6 +19,8 @@ __all__ = [
     "compress_caches",
     "compressed_cache_bytes",
     "compressible",
+    "needs_calibration",
     "parse_policy",
     "plan_stages",
+    "prepare_policy",
 ]

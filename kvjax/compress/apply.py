@@ -17,6 +17,7 @@ import numpy as np
 
 from kvjax.cache import KVCache, LatentCache, QuestKVCache
 from kvjax.compress import d2o, minicache, reducers, scorers, think
+from kvjax.compress.methods import METHODS
 from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.duo import DuoKVCache
@@ -62,6 +63,8 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
                 f"{where}: {cfg.name!r} has MLA layers, whose cache is one latent shared by all heads: key "
                 "norm and Quest (no per-head keys), CaM (no separate values) and AdaKV (no heads) do not apply"
             )
+        if stage.method in METHODS:
+            METHODS[stage.method].check(stage, cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +98,22 @@ class StagePlan:
         return (*budgets, self.bases)
 
 
+def prepare_policy(policy: Policy, model, calibration=None, shapes_only: bool = False) -> dict:
+    """What the policy's stages need from `model` before any prompt (each method's `prepare`: Palu's
+    calibrated bases, LoRC's weight bases, DuoAttention's streaming heads), as keyword arguments of
+    `plan_stages`. `shapes_only`: for memory accounting, only what sizes the caches."""
+    prepared = {}
+    for stage in policy.stages:
+        if stage.method in METHODS:
+            prepared.update(METHODS[stage.method].prepare(stage, model, calibration, shapes_only))
+    return prepared
+
+
+def needs_calibration(policies) -> bool:
+    """Whether any stage of `policies` needs calibration tokens to prepare (Palu)."""
+    return any(METHODS[s.method].needs_calibration for p in policies for s in p.stages if s.method in METHODS)
+
+
 def plan_stages(
     cfg: ModelConfig,
     stages: tuple[Stage, ...],
@@ -115,9 +134,9 @@ def plan_stages(
     for i, stage in enumerate(stages):
         last = i == len(stages) - 1
         counts = np.stack([stage_counts(stage, current[j], len(slots))[j] for j in range(len(slots))])
-        if stage.method == "d2o":
+        if stage.method in METHODS and METHODS[stage.method].budgets_at_prefill:
             if layer_counts is None:
-                raise ConfigError("policy stage 'd2o' needs its layer budgets from the prefill's attention")
+                raise ConfigError(f"policy stage {stage.method!r} needs its layer budgets from the prefill's attention")
             counts = np.asarray(layer_counts, np.int64)
         windows = np.vectorize(stage.n_window)(counts)
         floors = np.floor(stage.floor * counts + 1e-9).astype(np.int64)
@@ -130,13 +149,14 @@ def plan_stages(
         if stage.quantizes:  # key groups tile the quantized cache
             quant = dataclasses.replace(stage.quant_spec, rope_theta=cfg.attention.rope_theta)
             capacities = tuple(quant.slots(c) for c in capacities)
-        if stage.method in ("palu", "lorc") and bases is None:
+        prepared = {"bases": bases, "streaming": streaming}
+        needs = METHODS[stage.method].prepares if stage.method in METHODS else ()
+        missing = [name for name in needs if prepared[name] is None]
+        if missing:
             raise ConfigError(
-                f"policy stage {stage.method!r} needs its bases: calibration data for palu "
-                "(Generator(..., calibration=tokens)), the model's weights for lorc"
+                f"policy stage {stage.method!r} needs its {', '.join(missing)} from the model before any "
+                "prompt (`prepare_policy`; Generator does it, given calibration=tokens where a method needs them)"
             )
-        if stage.method == "duo" and streaming is None:
-            raise ConfigError("policy stage 'duo' needs the streaming heads of a learned pattern (kvjax.duo)")
         theta = cfg.attention.rope_theta
         plans.append(
             StagePlan(
@@ -149,8 +169,8 @@ def plan_stages(
                 tuple(heads),
                 quant,
                 theta,
-                bases if stage.method in ("palu", "lorc") else None,
-                streaming if stage.method == "duo" else None,
+                bases if "bases" in needs else None,
+                streaming if "streaming" in needs else None,
             )
         )
         current = counts
@@ -341,21 +361,20 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
 
 
 def quant_cache_bytes(spec, capacity: int, K: int, H: int, dtype, positions: int = 1) -> int:
-    """Exact bytes of one sequence's `QuantKVCache` of `capacity` slots: packed codes, scales and zero
-    points, the KIVI / KVQuant / GEAR residual, KVQuant's and GEAR's outliers (value + uint8 channel),
-    KVQuant's sinks, GEAR's low-rank factors, positions
-    (`positions` per slot) and two int32 counters."""
+    """Exact bytes of one sequence's `QuantKVCache` of `capacity` slots, part by part: packed codes,
+    scales and zero points, the blocked schemes' residual, exact outliers (value + uint8 channel), exact
+    sinks, the low-rank error's factors, positions (`positions` per slot) and two int32 counters."""
     item = jnp.dtype(dtype).itemsize
     codes = 2 * K * packed_width(H, spec.bits)
-    if spec.method == "int":  # one K scale and one V scale (and zero points with asym) per token and head
+    if not spec.blocked:  # one K scale and one V scale (and zero points with asym) per token and head
         total, fixed = capacity * (codes + 2 * K * item * (2 if spec.asym else 1)), 0
     else:  # keys: scale + zero per channel per group of tokens; values: per token per channel group
         groups = H // spec.value_group(H)
         total = capacity * (codes + 2 * K * groups * item) + capacity // spec.group * 2 * K * H * item
         fixed = 2 * K * spec.residual * H * item
-    total += capacity * 2 * K * spec.n_outliers(H) * (item + 1)  # KVQuant's and GEAR's exact outliers
-    if spec.method == "kvquant":
+    total += capacity * 2 * K * spec.n_outliers(H) * (item + 1)  # exact outliers
+    if spec.scheme.exact_sinks:
         fixed += 2 * K * spec.sinks * H * item
-    if spec.rank:  # GEAR: Q per token and P per block of `residual` tokens, for K and V
+    if spec.rank:  # low-rank error: Q per token and P per block of `residual` tokens, for K and V
         total += capacity * 2 * K * spec.rank * item + -(-capacity // spec.residual) * 2 * K * H * spec.rank * item
     return total + fixed + capacity * _INT32 * positions + 2 * _INT32

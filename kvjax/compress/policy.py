@@ -29,13 +29,13 @@ import numpy as np
 from kvjax.compress.methods import METHODS
 from kvjax.config import ConfigError, Note
 from kvjax.quant import QuantSpec
+from kvjax.quant.schemes import SCHEMES
 
 SELECTORS = ("quest",)  # selects pages at attention time instead of scoring slots
-QUANTIZERS = ("int", "kivi", "kvquant", "gear")  # `method:bits`; they keep every token and encode it (kvjax.quant)
-LOW_RANK = ("palu", "lorc")  # `palu:ratio`, `lorc:ratio`: every token kept as a rank-r latent (kvjax.quant.lowrank)
-# Scoring methods (and ThinK's channel scoring) are registered by name in kvjax.compress.methods, one
-# module each: `registered(kind)` lists them, including any a user registers.
-HEAD_LEVEL = ("duo",)  # `duo:ratio`: that fraction of KV heads keeps only sinks + a recent window (kvjax.duo)
+# Scoring methods, ThinK's channel scoring, the low-rank caches (`palu:ratio`, `lorc:ratio`: every token
+# kept as a rank-r latent) and DuoAttention (`duo:ratio`: that fraction of KV heads keeps only sinks and
+# a recent window) are registered by name in kvjax.compress.methods, one module each: `registered(kind)`
+# lists them, including any a user registers.
 LAYER_LEVEL = ("minicache",)  # `minicache:ratio`: that fraction of layers merged in pairs (compress.minicache)
 ALLOCATORS = ("uniform", "pyramid", "adakv")
 REDUCERS = ("select", "cam", "kvmerger")
@@ -43,19 +43,22 @@ POOLINGS = ("avg", "max")
 # Tokens always kept, per method: StreamingLLM's attention sinks and recent window (Xiao et al. 2024);
 # H2O's recent half of the budget (Zhang et al. 2023, equal heavy and recent budgets); SnapKV's
 # observation window (Li et al. 2024, w = 32). `window=None` means the method's own rule.
-_DEFAULT_SINKS = {"duo": 64}  # scoring methods: their own (`Method.sinks`)
 # DuoAttention's deployment recent window (reference eval scripts); ThinK's unpruned recent prompt tokens
 _DEFAULT_RECENT = {"duo": 256, "think": 32}
 
 
 def registered(kind: str) -> tuple[str, ...]:
-    """The registered methods of a kind: "scorer" (token scores) or "channels" (ThinK)."""
+    """The registered methods of a kind: "scorer" (token scores), "channels" (ThinK), "low_rank" (Palu,
+    LoRC) or "head_level" (DuoAttention)."""
     return tuple(name for name, method in METHODS.items() if method.kind == kind)
 
 
 def all_methods() -> tuple[str, ...]:
     """Every method a policy stage may name."""
-    return registered("scorer") + SELECTORS + QUANTIZERS + LOW_RANK + registered("channels") + HEAD_LEVEL + LAYER_LEVEL
+    low_rank, head_level = registered("low_rank"), registered("head_level")
+    return (
+        registered("scorer") + SELECTORS + tuple(SCHEMES) + low_rank + registered("channels") + head_level + LAYER_LEVEL
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +101,10 @@ class Stage:
         methods = all_methods()
         if self.method not in methods:
             raise ConfigError(f"{where}: method={self.method!r} must be one of {methods}")
-        if self.rank != 4 and self.method != "gear" or self.rank < 0:
-            raise ConfigError(f"{where}: rank={self.rank} must be >= 0, and applies to gear only")
+        low_rank_error = self.quantizes and SCHEMES[self.method].low_rank
+        if self.rank != 4 and not low_rank_error or self.rank < 0:
+            with_rank = ", ".join(name for name, s in SCHEMES.items() if s.low_rank)
+            raise ConfigError(f"{where}: rank={self.rank} must be >= 0, and applies to {with_rank} only")
         if self.quantizes:
             try:
                 self.quant_spec
@@ -134,7 +139,7 @@ class Stage:
             raise ConfigError(f"{where}: beta={self.beta} must be >= 1, floor={self.floor} in [0, 1], sigma > 0")
         if self.reducer == "cam" and self.method in ("streaming", "keynorm", "quest"):
             raise ConfigError(f"{where}: reducer='cam' weighs merges by attention; use h2o, snapkv or tova")
-        if self.method in LOW_RANK + registered("channels") and self.ratio is None:
+        if self.method in registered("low_rank") + registered("channels") and self.ratio is None:
             raise ConfigError(f"{where}: give the fraction of K/V dimensions removed, a ratio in [0, 1)")
         if self.heads < 1:
             raise ConfigError(f"{where}: heads={self.heads} must be >= 1")
@@ -169,7 +174,7 @@ class Stage:
                 object.__setattr__(self, "every", 1)
         elif self.ema != 0.5:
             raise ConfigError(f"{where}: ema= applies to d2o only")
-        if self.method in ("quest", "think", "duo", "minicache", *LOW_RANK) and (
+        if self.method in ("quest", "think", "duo", "minicache", *registered("low_rank")) and (
             self.every or self.allocator != "uniform" or self.reducer != "select"
         ):
             raise ConfigError(
@@ -180,7 +185,7 @@ class Stage:
     def n_sinks(self) -> int:
         if self.sinks is not None:
             return self.sinks
-        return METHODS[self.method].sinks if self.method in METHODS else _DEFAULT_SINKS.get(self.method, 0)
+        return METHODS[self.method].sinks if self.method in METHODS else 0
 
     def n_window(self, keep: int) -> int:
         """Recent tokens always kept when `keep` tokens are kept."""
@@ -195,20 +200,20 @@ class Stage:
 
     @property
     def quantizes(self) -> bool:
-        return self.method in QUANTIZERS
+        return self.method in SCHEMES
 
     @property
     def encodes(self) -> bool:
         """Keeps every token in another form (quantized codes, a low-rank latent, pruned key channels)."""
-        return self.quantizes or self.method in LOW_RANK + registered("channels")
+        return self.quantizes or self.method in registered("low_rank") + registered("channels")
 
     @property
     def quant_spec(self):
         sinks = 1 if self.sinks is None else self.sinks
-        gear = self.method == "gear"
-        group = (64 if gear else 32) if self.group is None else self.group
-        residual = (64 if gear else 128) if self.residual is None else self.residual
-        outliers = (0.02 if gear else 0.01) if self.outliers is None else self.outliers
+        scheme = SCHEMES[self.method]
+        group = scheme.group if self.group is None else self.group
+        residual = scheme.residual if self.residual is None else self.residual
+        outliers = scheme.outlier_fraction if self.outliers is None else self.outliers
         return QuantSpec(
             self.method,
             self.bits,
@@ -217,7 +222,7 @@ class Stage:
             residual,
             outliers=outliers,
             sinks=sinks,
-            rank=self.rank if gear else 0,
+            rank=self.rank if scheme.low_rank else 0,
         )
 
     @property
@@ -229,7 +234,7 @@ class Stage:
 
     def keep(self, length: int) -> int:
         """Tokens this stage keeps of `length`."""
-        if self.encodes or self.method in HEAD_LEVEL + LAYER_LEVEL:
+        if self.encodes or self.method in registered("head_level") + LAYER_LEVEL:
             return length
         return int(length * (1 - self.ratio) + 1e-9) if self.ratio is not None else self.size
 
@@ -253,7 +258,7 @@ class Policy:
         if len(self.stages) > 1 and any(s.method == "quest" for s in self.stages):
             raise ConfigError("policy stage 'quest' cannot be chained: it selects pages at attention time")
         for stage in self.stages:
-            if len(self.stages) > 1 and stage.method in HEAD_LEVEL + LAYER_LEVEL + ("d2o",):
+            if len(self.stages) > 1 and stage.method in registered("head_level") + LAYER_LEVEL + ("d2o",):
                 raise ConfigError(
                     f"policy stage {stage.method!r} cannot be chained: it sets what each head or "
                     "layer stores from the whole prompt"
@@ -326,7 +331,7 @@ def parse_stage(text: str) -> Stage:
         if not eq:
             raise ConfigError(f"{where}: option {item!r} must be key=value")
         options[name.strip()] = _option(name.strip(), raw.strip(), where)
-    if method in QUANTIZERS:
+    if method in SCHEMES:
         return Stage(method, bits=int(value), **options)
     budget_field = {"ratio": value} if value < 1 else {"size": int(value)}
     return Stage(method, **budget_field, **options)

@@ -1,32 +1,11 @@
 """`QuantKVCache`: K/V stored as bit-packed integer codes with their scales (and zero points), plus, for
 KIVI, a full-precision residual of the most recent tokens. Attention reads a dequantized view.
 
-- `int` (the common serving baseline): per token and KV head over head_dim, symmetric (one scale) or,
-  with `asym`, min-max (a scale and a zero point: the "per-token asymmetric" baseline of KIVI's and
-  KVQuant's tables); every token is quantized when written.
-- `kivi` (Liu et al. 2024, arXiv 2402.02750, sec. 3-4): asymmetric min-max; keys per channel over
-  groups of `group` tokens, values per token over groups of `min(group, head_dim)` channels. New
-  tokens go to a full-precision residual; whenever it holds `residual` tokens (a multiple of `group`)
-  they are quantized as whole groups and the residual empties. Quantized history is never touched
-  again (never re-quantized from dequantized values).
-- `kvquant`, KVQuant-style (Hooper et al. 2024, arXiv 2401.18079, sec. 3): keys quantized per channel
-  *before* RoPE (the cache un-rotates incoming keys and rotates dequantized ones at each slot's true
-  position), values per token; the first `sinks` tokens kept in full precision (sec. 3.5); dense and
-  sparse (sec. 3.4): the ceil(outliers x head_dim) largest magnitudes of each token vector are kept
-  exactly (value + channel index) and left out of the quantization range. Deviations: min-max uniform
-  codes with scales computed online per block of `group` tokens (through the same residual as KIVI)
-  instead of calibrated non-uniform datatypes and per-channel scales; outliers chosen per token vector,
-  for keys too, as the issue asks (KVQuant thresholds keys per channel).
-- `gear` (Kang et al. 2024, arXiv 2403.05527, alg. 1; GEAR-KIVI as its reference `cuda_supported_gear`
-  runs): KIVI's codes, plus per flushed block of `residual` tokens and KV head a rank-`rank` approximation
-  Q P^T of the quantization error (power iteration, 3 passes, QR on the last, as the reference's
-  `fake_poweriteration_group`; P starts from a fixed uniform draw), plus a sparse set of exact outliers:
-  each token vector's ceil(outliers x head_dim / 2) largest and smallest entries, set to the vector's
-  mean before quantizing and written back exactly after (the reference's order). Defaults: 2 bits, group
-  and block 64, outliers 0.02, rank 4. Deviations: outliers per head's token vector for keys and
-  values (the reference: keys per channel over tokens, values over all heads); one rank for prefill
-  and decode (the reference lowers it to 2 during decoding); 2^b - 1 levels (the reference's b^2 - 1
-  equals it at 2 and 4 bits).
+The cache is built from parts, and a quantizer (`kvjax/quant/schemes/`, one module each: `int`, `kivi`,
+`kvquant`, `gear`) is the set of parts it switches on: codes per token, or per-channel key blocks
+through a full-precision residual (`blocked`), value channel groups, exact outliers (largest
+magnitudes, or both extremes), keys quantized before RoPE, exact sinks, and a low-rank error term.
+Nothing here names a quantizer; each scheme's module says what it is and where it deviates.
 
 Slots are the usual ones (token t of a row at slot `length` when written, `pos` per slot, -1 empty),
 so positions, masks and eviction work as for `KVCache`. Bytes (`nbytes()`) count codes, scales, zero
@@ -50,16 +29,15 @@ from flax import struct
 from kvjax.cache import KVView, _append_slots, _Positioned, _scatter
 from kvjax.quant.packing import pack, packed_width, unpack
 from kvjax.quant.quantizers import dequantize, quantize
+from kvjax.quant.schemes import SCHEMES, Scheme
 from kvjax.rope import rotate_slots
-
-METHODS = ("int", "kivi", "kvquant", "gear")
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    """How a QuantKVCache encodes K and V: `method` int | kivi | kvquant, `bits` (int: 4 or 8, with
-    `asym` 2, 4 or 8; kivi: 2 or 4; kvquant: 2, 3 or 4), KIVI's `group` (tokens per key group, channels
-    per value group) and `residual` (full-precision recent tokens, a multiple of group)."""
+    """How a QuantKVCache encodes K and V: `method` a registered scheme (`SCHEMES`: its parts and the
+    code widths it allows), `bits`, `group` (tokens per key group, channels per value group) and
+    `residual` (full-precision recent tokens, a multiple of group) of the blocked schemes."""
 
     method: str
     bits: int
@@ -72,16 +50,21 @@ class QuantSpec:
     rank: int = 0  # gear: rank of each block's error approximation
 
     def __post_init__(self):
-        allowed = {"int": (2, 4, 8) if self.asym else (4, 8), "kivi": (2, 4), "kvquant": (2, 3, 4), "gear": (2, 4)}
-        if self.rank < 0 or (self.rank and self.method != "gear"):
-            raise ValueError(f"{self.method}: rank={self.rank} must be >= 0, and applies to gear only")
-        if self.method not in METHODS:
-            raise ValueError(f"quantization method={self.method!r} must be one of {METHODS}")
-        if self.asym and self.method != "int":
+        if self.method not in SCHEMES:
+            raise ValueError(f"quantization method={self.method!r} must be one of {tuple(SCHEMES)}")
+        scheme = self.scheme
+        if self.rank < 0 or (self.rank and not scheme.low_rank):
+            with_rank = tuple(name for name, s in SCHEMES.items() if s.low_rank)
+            raise ValueError(
+                f"{self.method}: rank={self.rank} must be >= 0, and applies to {', '.join(with_rank)} only"
+            )
+        if self.asym and not scheme.asym_bits:
             raise ValueError(f"{self.method}: asym=true applies to int only ({self.method} is asymmetric already)")
-        if self.bits not in allowed[self.method]:
-            kind = " with asym=true" if self.asym else " (asym=true also allows 2)" if self.method == "int" else ""
-            raise ValueError(f"{self.method}: bits={self.bits} must be one of {allowed[self.method]}{kind}")
+        allowed = scheme.asym_bits if self.asym else scheme.bits
+        if self.bits not in allowed:
+            extra = set(scheme.asym_bits) - set(scheme.bits)
+            kind = " with asym=true" if self.asym else f" (asym=true also allows {min(extra)})" if extra else ""
+            raise ValueError(f"{self.method}: bits={self.bits} must be one of {allowed}{kind}")
         if self.blocked and (self.group < 1 or self.residual < self.group or self.residual % self.group):
             raise ValueError(
                 f"{self.method}: residual={self.residual} must be a positive multiple of group={self.group}"
@@ -90,18 +73,22 @@ class QuantSpec:
             raise ValueError(f"{self.method}: outliers={self.outliers} must be in [0, 0.5) and sinks={self.sinks} >= 0")
 
     @property
+    def scheme(self) -> Scheme:
+        return SCHEMES[self.method]
+
+    @property
     def blocked(self) -> bool:
         """Keys quantized per channel over token groups, through a full-precision residual."""
-        return self.method != "int"
+        return self.scheme.blocked
 
     def value_group(self, head_dim: int) -> int:
-        return min(self.group, head_dim) if self.method in ("kivi", "gear") else head_dim
+        return min(self.group, head_dim) if self.scheme.value_grouped else head_dim
 
     def n_outliers(self, head_dim: int) -> int:
-        """Exact entries per token vector: KVQuant's largest magnitudes, GEAR's largest and smallest."""
-        if not self.outliers or self.method not in ("kvquant", "gear"):
+        """Exact entries per token vector: the largest magnitudes, or as many largest and smallest."""
+        if not self.outliers or self.scheme.outliers is None:
             return 0
-        if self.method == "gear":
+        if self.scheme.outliers == "extremes":
             return 2 * math.ceil(self.outliers * head_dim / 2)
         return math.ceil(self.outliers * head_dim)
 
@@ -215,7 +202,7 @@ class QuantKVCache(_Positioned):
         B, K, H, S = batch, n_kv_heads, head_dim, spec.slots(capacity)
         width = packed_width(H, spec.bits)
         zeros = lambda *shape: jnp.zeros(shape, dtype)  # noqa: E731
-        if spec.method == "int":
+        if not spec.blocked:
             zero = (lambda: zeros(B, K, S, 1)) if spec.asym else (lambda: None)  # noqa: E731
             scales = dict(k_scale=zeros(B, K, S, 1), v_scale=zeros(B, K, S, 1), k_zero=zero(), v_zero=zero())
             res = dict(k_res=None, v_res=None)
@@ -228,7 +215,7 @@ class QuantKVCache(_Positioned):
                 v_zero=zeros(B, K, H // Gv, S),
             )
             res = dict(k_res=zeros(B, K, spec.residual, H), v_res=zeros(B, K, spec.residual, H))
-        if spec.method in ("kvquant", "gear"):
+        if spec.scheme.outliers is not None:
             n = spec.n_outliers(H)
             res |= dict(
                 k_out=zeros(B, K, S, n),
@@ -236,7 +223,7 @@ class QuantKVCache(_Positioned):
                 k_out_idx=jnp.zeros((B, K, S, n), jnp.uint8),
                 v_out_idx=jnp.zeros((B, K, S, n), jnp.uint8),
             )
-        if spec.method == "kvquant":
+        if spec.scheme.exact_sinks:
             res |= dict(k_sink=zeros(B, K, spec.sinks, H), v_sink=zeros(B, K, spec.sinks, H))
         if spec.rank:
             r, blocks = spec.rank, -(-S // spec.residual)
@@ -266,7 +253,7 @@ class QuantKVCache(_Positioned):
         new = cls.init(spec, B, capacity, K, H, cache.k.dtype)
         slot = jnp.arange(S, dtype=jnp.int32)[None, :]
         k = cache.k
-        if spec.method == "kvquant":  # un-rotate at the true positions (shared or per head)
+        if spec.scheme.pre_rope_keys:  # un-rotate at the true positions (shared or per head)
             k = rotate_slots(k, -cache.pos, spec.rope_theta)
         new = new._append(k, cache.v, jnp.where(slot < cache.length[:, None], slot, -1))
         return new.replace(pos=cache.pos)
@@ -281,22 +268,22 @@ class QuantKVCache(_Positioned):
         if v.shape != k.shape or pos.shape != (B, T) or self.k_codes.shape[:2] != (B, K):
             raise ValueError(f"new k {k.shape} / v {v.shape} / pos {pos.shape} do not fit this cache")
         k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B,K,T,H]
-        if self.spec.method == "kvquant":
+        if self.spec.scheme.pre_rope_keys:
             k_hm = rotate_slots(k_hm, -pos, self.spec.rope_theta)
         new = self._append(k_hm, v_hm, pos)
         k_view, v_view = new.dequantized()
         return new, KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos, quant=new.stored())
 
     def stored(self) -> QuantizedKV | None:
-        """The codes as `QuantizedKV` (int and KIVI; None for KVQuant and GEAR, whose 3-bit codes,
-        outliers, sinks, RoPE re-rotation and low-rank terms only the dequantized view applies)."""
+        """The codes as `QuantizedKV` (a plain scheme: int, KIVI); None when outliers, sinks, RoPE
+        re-rotation or low-rank terms (KVQuant, GEAR) are parts, which only the dequantized view applies."""
         spec = self.spec
-        if spec.method in ("kvquant", "gear"):
+        if not spec.scheme.plain:
             return None
         slot = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
         in_codes = slot < self.n_quant[:, None]
         pos = jnp.where(in_codes if self.pos.ndim == 2 else in_codes[:, None], self.pos, -1)
-        if spec.method == "int":
+        if not spec.blocked:
             B, K, S, _ = self.k_scale.shape
             per_token = lambda x: None if x is None else x.reshape(B, K, 1, S)  # noqa: E731  ([B,K,S,1]: a free reshape)
             return QuantizedKV(
@@ -343,12 +330,12 @@ class QuantKVCache(_Positioned):
         return self.k_codes.shape[-1] * 8 // self.spec.bits
 
     def _append(self, k_hm, v_hm, pos):
-        """Write head-major k, v `[B,K,T,H]` (pre-RoPE keys for kvquant) at positions `[B,T]`."""
+        """Write head-major k, v `[B,K,T,H]` (pre-RoPE keys with `pre_rope_keys`) at positions `[B,T]`."""
         slots = _append_slots(self.length, pos, self.capacity)
         new = self._write_slots(slots, pos)
-        if self.spec.method == "int":
+        if not self.spec.blocked:
             return new._store(slots, k_hm, v_hm, self.spec.bits).replace(n_quant=new.length)
-        if self.spec.method == "kvquant":  # the first slots, kept exactly
+        if self.spec.scheme.exact_sinks:  # the first slots, kept exactly
             new = new.replace(
                 k_sink=_head_major_scatter(new.k_sink, slots, k_hm), v_sink=_head_major_scatter(new.v_sink, slots, v_hm)
             )
@@ -393,10 +380,10 @@ class QuantKVCache(_Positioned):
         dense_k, dense_v, extra = work_k, work_v, {}
         n_out = spec.n_outliers(H)
         if n_out:  # dense and sparse: each vector's outliers stay exact, out of the range
-            gear = spec.method == "gear"
+            extremes = spec.scheme.outliers == "extremes"
             (dense_k, k_out, k_idx), (dense_v, v_out, v_idx) = (
-                _split_outliers(work_k, n_out, gear),
-                _split_outliers(work_v, n_out, gear),
+                _split_outliers(work_k, n_out, extremes),
+                _split_outliers(work_v, n_out, extremes),
             )
             extra = dict(
                 k_out=_head_major_scatter(self.k_out, slots, k_out),
@@ -463,7 +450,7 @@ class QuantKVCache(_Positioned):
         spec = self.spec
         kc, vc = unpack(self.k_codes, spec.bits), unpack(self.v_codes, spec.bits)
         H = kc.shape[-1]
-        if spec.method == "int":
+        if not spec.blocked:
             return (
                 dequantize(kc, self.k_scale, self.k_zero, spec.bits, H),
                 dequantize(vc, self.v_scale, self.v_zero, spec.bits, H),
@@ -477,7 +464,7 @@ class QuantKVCache(_Positioned):
             k, v = k + self._error(self.k_lr_q, self.k_lr_p), v + self._error(self.v_lr_q, self.v_lr_p)
         if spec.n_outliers(H):
             k, v = _restore(k, self.k_out_idx, self.k_out), _restore(v, self.v_out_idx, self.v_out)
-        if spec.method == "kvquant":
+        if spec.scheme.exact_sinks:
             n = min(spec.sinks, self.capacity)
             k = k.at[:, :, :n].set(self.k_sink[:, :, :n].astype(k.dtype))
             v = v.at[:, :, :n].set(self.v_sink[:, :, :n].astype(v.dtype))
@@ -485,6 +472,6 @@ class QuantKVCache(_Positioned):
         at = self.n_quant[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
         at = jnp.where(at < self.length[:, None], at, self.capacity)
         k, v = _head_major_scatter(k, at, self.k_res), _head_major_scatter(v, at, self.v_res)
-        if spec.method == "kvquant":  # RoPE at each slot's true position
+        if spec.scheme.pre_rope_keys:  # RoPE at each slot's true position
             k = rotate_slots(k, self.pos, spec.rope_theta)
         return k, v

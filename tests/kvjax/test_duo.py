@@ -135,7 +135,7 @@ def _assert_decoding_matches_rounded_gates(cfg, model, gates, tmp_path, *, sinks
     n = min(8, sinks + recent)
     prompt, cont = rng.integers(3, cfg.vocab_size, n).tolist(), rng.integers(3, cfg.vocab_size, 16).tolist()
     logp, _ = gen.score([prompt], [cont])
-    streaming = gen._streaming
+    streaming = gen._prepared["streaming"]
     K = cfg.attention.n_kv_heads
     gates = tuple(jnp.asarray([0.0 if h in s else 1.0 for h in range(K)]) for s in streaming)
     tokens = jnp.asarray([prompt + cont])

@@ -3,15 +3,17 @@ hand-kept list: a method added to kvjax/compress/methods/ is held to it at once)
 the prompt changes nothing, measured bytes equal analytic bytes, generation equals teacher-forced
 scoring through the same compressed cache, and a bad option is a one-line error before compute."""
 
+import inspect
+
 import jax
 import numpy as np
 import pytest
 
 from kvjax import DecodingConfig, Generator
 from kvjax.cache import caches_nbytes
-from kvjax.compress import compressed_cache_bytes, parse_policy
+from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
 from kvjax.compress.methods import METHODS
-from kvjax.config import ConfigError
+from kvjax.config import ConfigError, load_config
 
 PROMPTS = [list(range(3, 99)), [7, 1, 9, 4] * 17 + [2, 5]]  # 96 and 70 tokens: a half still covers a 32-token window
 NEW = 5
@@ -51,3 +53,18 @@ def check_contract(model, name: str) -> None:
 @pytest.mark.parametrize("name", scoring_methods())
 def test_every_registered_scoring_method_keeps_the_contract(model, name):
     check_contract(model, name)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_registered_method_refuses_bad_options_and_declares_what_it_prepares(name):
+    """Every kind (scorers, channel pruning, low-rank caches, head-level): an unknown option is a one-line
+    error naming the stage; what `prepare` gives is a keyword `plan_stages` takes, and planning without
+    it is an error naming what is missing (never a silent full cache)."""
+    with pytest.raises(ConfigError, match=f"policy stage '{name}:0.5:colour=red': unknown option 'colour'"):
+        parse_policy(f"{name}:0.5:colour=red")
+    method = METHODS[name]
+    assert set(method.prepares) <= set(inspect.signature(plan_stages).parameters), method.prepares
+    if method.prepares:
+        cfg = load_config("gqa", ["model.n_layers=2"]).model
+        with pytest.raises(ConfigError, match=f"policy stage '{name}' needs its {method.prepares[0]}"):
+            plan_stages(cfg, parse_policy(f"{name}:0.5").stages, [40], headroom=1)

@@ -1,11 +1,14 @@
-"""What a token-level scoring method is, and the registry that looks methods up by name.
+"""What a token-level method is, and the registry that looks methods up by name.
 
-A method is a small class holding its defaults and two hooks, registered with `@register`: `observe`
-reduces the attention probabilities `[B,K,W,G,S]` of some queries (the model computes them while it
-runs, `Decoder.observe`) to a per-slot statistic, and `score` turns that statistic (or the cache
-alone) into a score per slot `[B,Kh,S]` (higher is kept; Kh = K when heads score on their own, 1 when
-one score serves every head). The options themselves travel in the policy stage (`Stage`), whose
-grammar and errors the user sees; nothing outside a method's module names the method.
+A method is a small class holding its defaults and hooks, registered with `@register`. A scoring method
+(kind "scorer") has two: `observe` reduces the attention probabilities `[B,K,W,G,S]` of some queries (the
+model computes them while it runs, `Decoder.observe`) to a per-slot statistic, and `score` turns that
+statistic (or the cache alone) into a score per slot `[B,Kh,S]` (higher is kept; Kh = K when heads score
+on their own, 1 when one score serves every head). A method that needs something from the model before
+any prompt (Palu's calibrated bases, LoRC's weight bases, DuoAttention's streaming heads) computes it in
+`prepare`, once per `Generator`. The options themselves travel in the policy stage (`Stage`), whose
+grammar and errors the user sees; `Generator`, the engine and the evaluations ask the method, not its
+name.
 """
 
 from __future__ import annotations
@@ -35,6 +38,19 @@ class Method:
     per_head: ClassVar[bool] = False  # each KV head keeps its own tokens (positions stored per head)
     accumulates: ClassVar[bool] = False  # a decode-time statistic adds up over steps (H2O's attention sums)
     counts_visible: ClassVar[bool] = False  # `observe` needs which keys each query could see
+    pageable: ClassVar[bool] = False  # the serving engine holds what it keeps in pages (kvjax.engine)
+    prepares: ClassVar[tuple[str, ...]] = ()  # what `prepare` gives `plan_stages` (keyword names)
+    needs_calibration: ClassVar[bool] = False  # `prepare` needs calibration tokens
+    budgets_at_prefill: ClassVar[bool] = False  # its layer budgets come from the prefill (`layer_budgets`)
+
+    def check(self, stage, cfg) -> None:
+        """Errors for a model config this stage cannot run on, raised before any compute."""
+
+    def prepare(self, stage, model, calibration=None, shapes_only: bool = False) -> dict:
+        """What the stage needs from `model` before any prompt, as keyword arguments of `plan_stages`
+        (`prepares` names them). `shapes_only`: only what sizes the caches is wanted (memory accounting),
+        so a method whose sizes do not depend on the model may skip the work."""
+        return {}
 
     def window(self, stage, keep: int) -> int:
         """Recent tokens always kept when `keep` tokens are kept (the stage's `window=` overrides it)."""
@@ -56,6 +72,16 @@ class Method:
         AdaKV pool (one entry axis); `visible`: which keys each query could see; `queries` `[B,W,N,H]`:
         the observed queries themselves (None for MLA)."""
         return None
+
+    def layer_density(self, stat: jax.Array, pos: jax.Array) -> jax.Array:
+        """For `budgets_at_prefill`: a compressible layer's statistic `[B]` from its observed statistic
+        and its cache's slot positions, computed inside the jitted prefill."""
+        raise NotImplementedError(f"method {self.name!r} plans no layer budgets")
+
+    def layer_budgets(self, stage, density, lengths, never: int):
+        """For `budgets_at_prefill`: tokens kept per compressible cache and row `[n, B]` (numpy) from the
+        layers' densities `[n, B]`; `never`: a count no layer reaches (the cache's capacity)."""
+        raise NotImplementedError(f"method {self.name!r} plans no layer budgets")
 
     def score(self, stage, cache, stat: jax.Array | None, last_pos: jax.Array) -> jax.Array:
         """Scores `[B,Kh,S]` (higher is kept); `stat` is `observe`'s statistic, never None for a method

@@ -11,6 +11,7 @@ from kvjax.compress.methods.base import Method, attention_received, register, sl
 @register
 class H2O(Method):
     name = "h2o"
+    pageable = True
     per_head = True
     accumulates = True
 

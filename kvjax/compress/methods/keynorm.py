@@ -10,6 +10,7 @@ from kvjax.compress.methods.base import Method, register
 @register
 class KeyNorm(Method):
     name = "keynorm"
+    pageable = True
     per_head = True
 
     def score(self, stage, cache, stat, last_pos):

@@ -19,6 +19,7 @@ from kvjax.compress.methods.base import Method, attention_received, register, sl
 @register
 class SnapKV(Method):
     name = "snapkv"
+    pageable = True
     per_head = True
 
     def window(self, stage, keep):

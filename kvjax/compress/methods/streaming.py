@@ -7,6 +7,7 @@ from kvjax.compress.methods.base import Method, register, slot_positions
 @register
 class Streaming(Method):
     name = "streaming"
+    pageable = True
     sinks = 4
 
     def window(self, stage, keep):

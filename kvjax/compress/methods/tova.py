@@ -6,6 +6,7 @@ from kvjax.compress.methods.base import Method, attention_received, register, vo
 @register
 class TOVA(Method):
     name = "tova"
+    pageable = True
 
     def observed_queries(self, stage, length):
         return 1

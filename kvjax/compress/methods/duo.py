@@ -1,0 +1,20 @@
+"""DuoAttention (Xiao et al. 2024): a fraction of the KV heads, chosen by learned gates, become streaming
+heads that keep only attention sinks and a recent window; the rest keep every token (`kvjax.duo`).
+The deployment defaults of the reference evaluation scripts: 64 sinks, a recent window of 256."""
+
+from kvjax.compress.methods.base import Method, register
+from kvjax.duo import duo_heads
+
+
+@register
+class Duo(Method):
+    name = "duo"
+    kind = "head_level"
+    sinks = 64
+    prepares = ("streaming",)
+
+    def check(self, stage, cfg):
+        duo_heads(stage, cfg)  # the pattern exists and has a gate for every KV head of the model
+
+    def prepare(self, stage, model, calibration=None, shapes_only=False):
+        return {"streaming": duo_heads(stage, model.config)}

@@ -1,0 +1,18 @@
+"""LoRC (Zhang et al. 2024, "LoRC: Low-Rank Compression for LLMs KV Cache with a Progressive
+Compression Strategy"): Palu's latent cache with bases from the K/V projection weights themselves (a
+truncated SVD) and progressive ranks per layer; no calibration data (`kvjax.quant.lowrank`)."""
+
+from kvjax.compress.methods.base import Method, register
+from kvjax.plan import compressible
+from kvjax.quant.lowrank import lorc_bases
+
+
+@register
+class LoRC(Method):
+    name = "lorc"
+    kind = "low_rank"
+    prepares = ("bases",)
+
+    def prepare(self, stage, model, calibration=None, shapes_only=False):
+        # each layer's rank comes from its weights' condition numbers, so the sizes need the bases too
+        return {"bases": lorc_bases(model, compressible(model.config), stage.ratio, stage.heads)}

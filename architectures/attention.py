@@ -11,6 +11,7 @@ import jax
 from flax import nnx
 
 from kvjax.architectures.layers import apply_rope, dense
+from kvjax.architectures.mixers import common, register_mixer
 from kvjax.cache import AttentionCache, KVView, QuestKVCache, heads_first
 from kvjax.config import AttentionConfig
 from kvjax.ops import attention, attention_probs
@@ -95,3 +96,15 @@ class Attention(nnx.Module):
 
     def _view_args(self, view: KVView) -> dict:
         return dict(window=self.cfg.window, impl=self.cfg.impl, k_head=view.head, n_kv_heads=self.cfg.n_kv_heads)
+
+
+def _build(kind: str):
+    def build(cfg, layer, produces_kv, rngs):
+        att = cfg.attention_for(kind)  # YOCO's `swa` layers take its window
+        return Attention(cfg.d_model, att, produces_kv=produces_kv, rngs=rngs, **common(cfg))
+
+    return build
+
+
+register_mixer("attention", _build("attention"))
+register_mixer("swa", _build("swa"))

@@ -6,15 +6,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# The mixer modules register their kinds' builders when imported: one import per module.
+from kvjax.architectures import mamba, mla, retention, rwkv  # noqa: F401
 from kvjax.architectures.attention import Attention
 from kvjax.architectures.layers import RMSNorm, SwiGLU, dense
-from kvjax.architectures.mamba import Mamba
-from kvjax.architectures.mla import MLA
-from kvjax.architectures.retention import GatedRetention
-from kvjax.architectures.rwkv import RWKVChannelMix, RWKVTimeMix
+from kvjax.architectures.mixers import MIXERS
 from kvjax.cache import KVCache, LatentCache, LayerCache, PooledKVCache
 from kvjax.config import ModelConfig
-from kvjax.plan import SHARABLE_KINDS, LayerPlan
+from kvjax.plan import LayerPlan, sharable_kinds
 
 Caches = tuple[LayerCache, ...]
 
@@ -22,66 +21,24 @@ Caches = tuple[LayerCache, ...]
 class Block(nnx.Module):
     """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x)).
 
-    Layer `layer` of the plan builds the mixer its kind names. A K/V producer for which
-    `cfg.uses_kv_norm(layer)` holds (CLA producers, YOCO's first cross layer) feeds its K/V projections
-    through a separate `kv_norm` of x, since those K/V also serve other layers.
+    Layer `layer` of the plan builds the mixer its kind registered (`kvjax.architectures.mixers`). A K/V
+    producer for which `cfg.uses_kv_norm(layer)` holds (CLA producers, YOCO's first cross layer) feeds its
+    K/V projections through a separate `kv_norm` of x, since those K/V also serve other layers.
     """
 
     def __init__(self, cfg: ModelConfig, *, layer: int, rngs: nnx.Rngs):
         kind, produces_kv = cfg.mixers[layer], cfg.kv_source[layer] == layer
-        dtype, std, eps = jnp.dtype(cfg.dtype), cfg.init_std, cfg.norm_eps
+        dtype, eps = jnp.dtype(cfg.dtype), cfg.norm_eps
         self.mixer_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype)
         self.kv_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype) if cfg.uses_kv_norm(layer) else None
-        if kind == "mla":
-            self.mixer = MLA(
-                cfg.d_model, cfg.attention, cfg.mla, norm_eps=eps, std=std, dtype=dtype, rngs=rngs, layer=layer
-            )
-        elif kind == "rwkv":
-            self.mixer = RWKVTimeMix(
-                cfg.d_model, cfg.rwkv, layer=layer, n_layers=cfg.n_layers, std=std, dtype=dtype, rngs=rngs
-            )
-        elif kind == "mamba":
-            self.mixer = Mamba(cfg.d_model, cfg.mamba, std=std, dtype=dtype, rngs=rngs)
-        elif kind == "gret":
-            att, yoco = cfg.attention, cfg.yoco
-            self.mixer = GatedRetention(
-                cfg.d_model,
-                att.n_heads,
-                att.head_dim,
-                rope_theta=att.rope_theta,
-                form=yoco.gret_form,
-                chunk=yoco.chunk,
-                norm_eps=eps,
-                std=std,
-                dtype=dtype,
-                rngs=rngs,
-            )
-        elif kind == "retnet":
-            att, ret = cfg.attention, cfg.retnet
-            self.mixer = GatedRetention(
-                cfg.d_model,
-                att.n_heads,
-                att.head_dim,
-                rope_theta=att.rope_theta,
-                form=ret.form,
-                chunk=ret.chunk,
-                norm_eps=eps,
-                std=std,
-                dtype=dtype,
-                rngs=rngs,
-                decay="fixed",
-                value_factor=ret.value_factor,
-            )
-        else:
-            att = cfg.attention_for(kind)
-            self.mixer = Attention(cfg.d_model, att, produces_kv=produces_kv, std=std, dtype=dtype, rngs=rngs)
+        mixer = MIXERS[kind]
+        self.mixer = mixer.build(cfg, layer, produces_kv, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype)
-        if kind == "rwkv":  # RWKV's channel mix has a token shift, so it reads and updates the layer state
-            self.mlp = RWKVChannelMix(
-                cfg.d_model, cfg.ffn_dim, layer=layer, n_layers=cfg.n_layers, std=std, dtype=dtype, rngs=rngs
-            )
+        self.stateful_mlp = mixer.mlp is not None  # the kind's own MLP reads and updates the layer state
+        if self.stateful_mlp:
+            self.mlp = mixer.mlp(cfg, layer, rngs)
         else:
-            self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, std=std, dtype=dtype, rngs=rngs)
+            self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, std=cfg.init_std, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, cache=None, *, shared=None):
         """Returns (x, cache, view): the mixer's updated cache and the K/V view it attended to (None for
@@ -92,7 +49,7 @@ class Block(nnx.Module):
             sharing = {} if self.kv_norm is None else {"kv_x": self.kv_norm(x)}
         y, cache, view = self.mixer(self.mixer_norm(x), positions, cache, **sharing)
         x = x + y
-        if isinstance(self.mlp, RWKVChannelMix):
+        if self.stateful_mlp:
             y, cache = self.mlp(self.mlp_norm(x), positions, cache)
             return x + y, cache, view
         return x + self.mlp(self.mlp_norm(x)), cache, view
@@ -199,7 +156,7 @@ class Decoder(nnx.Module):
         plan = self.plan
         e = plan.kv_source[-1]
         tail = range(e, plan.n_layers)
-        if all(plan.kv_source[i] == e and plan.mixers[i] in SHARABLE_KINDS for i in tail):
+        if all(plan.kv_source[i] == e and plan.mixers[i] in sharable_kinds() for i in tail):
             return e
         return plan.n_layers
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.architectures.layers import dense, last_valid
+from kvjax.architectures.mixers import common, register_mixer
 from kvjax.cache import SSMState
 from kvjax.config import MambaConfig
 
@@ -107,3 +108,6 @@ class Mamba(nnx.Module):
         take = n_valid[:, None] + jnp.arange(cfg.d_conv - 1)[None, :]
         conv_state = jnp.take_along_axis(xs, take[..., None], axis=1)
         return out, SSMState(conv=conv_state.astype(state.conv.dtype), h=last_valid(hs, valid, h0)), None
+
+
+register_mixer("mamba", lambda cfg, layer, produces_kv, rngs: Mamba(cfg.d_model, cfg.mamba, rngs=rngs, **common(cfg)))

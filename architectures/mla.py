@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.architectures.layers import RMSNorm, apply_rope, dense
+from kvjax.architectures.mixers import common, register_mixer
 from kvjax.cache import LatentCache, LatentView, heads_first
 from kvjax.config import AttentionConfig, MLAConfig
 from kvjax.ops import attend, attention, blocked_decode, decode_block, kernel_impl, masked_softmax
@@ -178,3 +179,10 @@ class MLA(nnx.Module):
         q = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
         k = jnp.concatenate([view.c, view.k_rope.astype(view.c.dtype)], axis=-1)[:, None]
         return flash_attention(q, k, view.c[:, None], positions, view.pos, scale=self.scale)
+
+
+def _build(cfg, layer, produces_kv, rngs):
+    return MLA(cfg.d_model, cfg.attention, cfg.mla, norm_eps=cfg.norm_eps, rngs=rngs, layer=layer, **common(cfg))
+
+
+register_mixer("mla", _build)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.architectures.layers import apply_rope, dense
+from kvjax.architectures.mixers import common, register_mixer
 from kvjax.cache import RetentionState
 from kvjax.rope import rotate
 
@@ -165,3 +166,41 @@ class GatedRetention(nnx.Module):
         out = jax.nn.silu(self.g(x).astype(f32)) * o.reshape(B, T, -1)
         new_state = None if state is None else RetentionState(s=s)
         return self.o(out.astype(x.dtype)), new_state, None
+
+
+def _gated(cfg, layer, produces_kv, rngs):
+    """YOCO's gated retention (its self-decoder's `gret` layers)."""
+    att, yoco = cfg.attention, cfg.yoco
+    return GatedRetention(
+        cfg.d_model,
+        att.n_heads,
+        att.head_dim,
+        rope_theta=att.rope_theta,
+        form=yoco.gret_form,
+        chunk=yoco.chunk,
+        norm_eps=cfg.norm_eps,
+        rngs=rngs,
+        **common(cfg),
+    )
+
+
+def _retnet(cfg, layer, produces_kv, rngs):
+    """RetNet's multi-scale retention: fixed decays, wider values."""
+    att, ret = cfg.attention, cfg.retnet
+    return GatedRetention(
+        cfg.d_model,
+        att.n_heads,
+        att.head_dim,
+        rope_theta=att.rope_theta,
+        form=ret.form,
+        chunk=ret.chunk,
+        norm_eps=cfg.norm_eps,
+        rngs=rngs,
+        decay="fixed",
+        value_factor=ret.value_factor,
+        **common(cfg),
+    )
+
+
+register_mixer("gret", _gated)
+register_mixer("retnet", _retnet)

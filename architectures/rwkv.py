@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.architectures.layers import dense, last_valid
+from kvjax.architectures.mixers import common, register_mixer
 from kvjax.cache import RWKVState
 from kvjax.config import RWKVConfig
 
@@ -160,3 +161,14 @@ class RWKVChannelMix(nnx.Module):
         if state is None:
             return out, None
         return out, state.replace(ffn_shift=last_valid(x, positions >= 0, prev).astype(state.ffn_shift.dtype))
+
+
+def _time_mix(cfg, layer, produces_kv, rngs):
+    return RWKVTimeMix(cfg.d_model, cfg.rwkv, layer=layer, n_layers=cfg.n_layers, rngs=rngs, **common(cfg))
+
+
+def _channel_mix(cfg, layer, rngs):
+    return RWKVChannelMix(cfg.d_model, cfg.ffn_dim, layer=layer, n_layers=cfg.n_layers, rngs=rngs, **common(cfg))
+
+
+register_mixer("rwkv", _time_mix, mlp=_channel_mix)

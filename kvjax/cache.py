@@ -18,9 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.config import ModelConfig
-from kvjax.plan import LayerPlan
-
 
 class KVView(NamedTuple):
     """What a chunk of queries attends to: keys and values `[B,K,S,H]` and their positions `[B,S]` (or
@@ -396,37 +393,6 @@ def layer_slots(window: int | None, capacity: int) -> int:
 
 
 LayerCache = AttentionCache | LatentCache | RetentionState | SSMState | RWKVState
-
-
-def init_caches(cfg: ModelConfig, batch: int, capacity: int, *, fresh: bool = False) -> tuple[LayerCache, ...]:
-    """Empty caches for every producer layer of the model's plan, in plan order. `fresh`: marked known
-    empty (see `_SlotCache.fresh`), for a prefill that writes its chunk in one update."""
-    if batch <= 0 or capacity <= 0:
-        raise ValueError(f"batch={batch} and capacity={capacity} must be > 0")
-    mla = cfg.mla
-    dtype = jnp.dtype(cfg.dtype)
-    plan = LayerPlan.from_config(cfg)
-
-    def init(kind: str):
-        if kind == "mla":
-            return LatentCache.init(batch, capacity, mla.kv_lora_rank, mla.rope_heads * mla.qk_rope_head_dim, dtype)
-        if kind == "gret":
-            return RetentionState.init(batch, cfg.attention.n_heads, cfg.attention.head_dim)
-        if kind == "retnet":
-            H = cfg.attention.head_dim
-            return RetentionState.init(batch, cfg.attention.n_heads, H, cfg.retnet.value_factor * H)
-        if kind == "rwkv":
-            return RWKVState.init(batch, cfg.d_model, cfg.rwkv.head_size, dtype)
-        if kind == "mamba":
-            m = cfg.mamba
-            return SSMState.init(batch, m.d_conv, m.expand * cfg.d_model, m.d_state, dtype)
-        att = cfg.attention_for(kind)
-        cls = KVCache if att.window is None else RingKVCache
-        return cls.init(batch, layer_slots(att.window, capacity), att.n_kv_heads, att.head_dim, dtype).replace(
-            fresh=fresh
-        )
-
-    return tuple(init(plan.mixers[i]) for i in plan.producers)
 
 
 def caches_nbytes(caches) -> int:

@@ -15,17 +15,11 @@ from typing import Any
 
 import yaml
 
+from kvjax.kinds import KINDS
+
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "pallas", "auto")  # kvjax.ops.attention's backends
 TRAINABLE = ("all", "kv")  # train.trainable: every parameter, or only the K/V projections and norms
-MIXER_KINDS = ("attention", "mla", "swa", "gret", "mamba", "rwkv", "retnet")  # what a layer of the plan may be
-PATTERN_KINDS = (
-    "attention",
-    "mla",
-    "mamba",
-    "rwkv",
-    "retnet",
-)  # what model.layer_pattern may name (YOCO places its own)
 RWKV_FORMS = ("scan", "associative")
 MAMBA_SCANS = ("associative", "sequential")
 YOCO_SELF_MIXERS = ("swa", "gret")
@@ -321,11 +315,12 @@ class ModelConfig:
     def __post_init__(self):
         _positive("model", self, "vocab_size", "d_model", "n_layers", "ffn_dim", "norm_eps", "init_std")
         _require(self.dtype in DTYPES, "model.dtype", self.dtype, f"must be one of {DTYPES}")
+        pattern_kinds = tuple(name for name, kind in KINDS.items() if kind.in_pattern)  # YOCO places the rest
         _require(
-            bool(self.layer_pattern) and all(kind in PATTERN_KINDS for kind in self.layer_pattern),
+            bool(self.layer_pattern) and all(kind in pattern_kinds for kind in self.layer_pattern),
             "model.layer_pattern",
             list(self.layer_pattern),
-            f"must be a non-empty list of mixer kinds from {PATTERN_KINDS} (repeated to fill model.n_layers)",
+            f"must be a non-empty list of mixer kinds from {pattern_kinds} (repeated to fill model.n_layers)",
         )
         if "rwkv" in self.layer_pattern:
             _require(

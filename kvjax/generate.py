@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from kvjax.cache import init_caches
 from kvjax.compress import (
     Policy,
     check_policy,
@@ -29,6 +28,7 @@ from kvjax.compress.apply import observe_fn
 from kvjax.compress.methods import METHODS
 from kvjax.compress.scorers import accumulates, observed_queries
 from kvjax.config import ConfigError, DecodingConfig
+from kvjax.plan import init_caches
 from kvjax.sampling import sample
 
 MIN_BUCKET = 8

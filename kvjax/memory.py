@@ -17,50 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
-from kvjax.cache import layer_slots
 from kvjax.config import KVSharingConfig, ModelConfig
+from kvjax.kinds import KINDS, LayerMemory
 from kvjax.plan import LayerPlan
-
-_INT32 = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerMemory:
-    """Bytes one producer layer's cache takes for one sequence."""
-
-    kv_bytes_per_slot: int  # K and V payload
-    meta_bytes_per_slot: int  # the slot's position
-    bytes_per_sequence: int  # fixed bookkeeping (the length counter)
-    max_slots: int | None  # the sliding window, or None when the cache grows without bound
-
-    def bytes(self, tokens: int) -> int:
-        slots = layer_slots(self.max_slots, tokens)
-        return slots * (self.kv_bytes_per_slot + self.meta_bytes_per_slot) + self.bytes_per_sequence
 
 
 def layer_memory(cfg: ModelConfig) -> tuple[LayerMemory, ...]:
-    """One entry per producer layer of the model's plan."""
-    mla, item = cfg.mla, jnp.dtype(cfg.dtype).itemsize
-
-    def memory(kind: str) -> LayerMemory:
-        if kind == "mla":
-            return LayerMemory((mla.kv_lora_rank + mla.rope_heads * mla.qk_rope_head_dim) * item, _INT32, _INT32, None)
-        if kind in ("gret", "retnet"):  # fp32 state S [N, H, Hv], nothing per token
-            att = cfg.attention
-            value_dim = att.head_dim * (cfg.retnet.value_factor if kind == "retnet" else 1)
-            return LayerMemory(0, 0, att.n_heads * att.head_dim * value_dim * 4, 0)
-        if kind == "rwkv":  # two token-shift inputs [D] in the model dtype + fp32 S [N, H, H]
-            return LayerMemory(0, 0, 2 * cfg.d_model * item + cfg.d_model * cfg.rwkv.head_size * 4, 0)
-        if kind == "mamba":  # conv buffer [d_conv - 1, E] in the model dtype + fp32 h [E, N]
-            m, inner = cfg.mamba, cfg.mamba.expand * cfg.d_model
-            return LayerMemory(0, 0, (m.d_conv - 1) * inner * item + inner * m.d_state * 4, 0)
-        att = cfg.attention_for(kind)
-        return LayerMemory(2 * att.n_kv_heads * att.head_dim * item, _INT32, _INT32, att.window)
-
+    """One entry per producer layer of the model's plan: its kind's memory formula (`kvjax.kinds`)."""
     plan = LayerPlan.from_config(cfg)
-    return tuple(memory(plan.mixers[i]) for i in plan.producers)
+    return tuple(KINDS[plan.mixers[i]].memory(cfg) for i in plan.producers)
 
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:

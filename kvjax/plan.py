@@ -2,17 +2,21 @@
 
 `kv_source[i] == i` means layer i computes and caches its own K/V (a producer); `kv_source[i] == j < i`
 means it reads producer j's cache and stores nothing. The model, the caches and memory accounting all
-read the same plan, so they cannot drift apart.
+read the same plan, and each layer's kind (`kvjax.kinds`) says what its cache is, so they cannot drift
+apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from kvjax.config import MIXER_KINDS, ConfigError, ModelConfig, check_kv_source
+from kvjax.config import ConfigError, ModelConfig, check_kv_source
+from kvjax.kinds import KINDS
 
-SHARABLE_KINDS = ("attention", "swa")  # mixers with a K/V cache another layer can attend to
-KV_KINDS = (*SHARABLE_KINDS, "mla")  # mixers that cache K/V (or an MLA latent) per token
+
+def sharable_kinds() -> tuple[str, ...]:
+    """Layer kinds whose K/V cache another layer may attend to."""
+    return tuple(name for name, kind in KINDS.items() if kind.shares_kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,14 +28,14 @@ class LayerPlan:
         if len(self.mixers) != len(self.kv_source):
             raise ConfigError(f"layer plan: {len(self.mixers)} mixers but {len(self.kv_source)} kv_source entries")
         for i, kind in enumerate(self.mixers):
-            if kind not in MIXER_KINDS:
-                raise ConfigError(f"layer plan: mixers[{i}]={kind!r} must be one of {MIXER_KINDS}")
+            if kind not in KINDS:
+                raise ConfigError(f"layer plan: mixers[{i}]={kind!r} must be one of {tuple(KINDS)}")
         check_kv_source(self.kv_source, "layer plan: kv_source")
         for i, src in enumerate(self.kv_source):
-            if src != i and not {self.mixers[i], self.mixers[src]} <= set(SHARABLE_KINDS):
+            if src != i and not {self.mixers[i], self.mixers[src]} <= set(sharable_kinds()):
                 raise ConfigError(
                     f"layer plan: layer {i} ({self.mixers[i]}) reads layer {src} ({self.mixers[src]}); only "
-                    f"{SHARABLE_KINDS} layers share K/V"
+                    f"{sharable_kinds()} layers share K/V"
                 )
 
     @classmethod
@@ -55,16 +59,20 @@ class LayerPlan:
 def compressible(cfg: ModelConfig) -> tuple[int, ...]:
     """Cache indices (positions in the model's cache tuple) of the caches a policy compresses."""
     plan = LayerPlan.from_config(cfg)
-    out = []
-    for slot, layer in enumerate(plan.producers):
-        kind = plan.mixers[layer]
-        if kind == "mla" or (kind in ("attention", "swa") and cfg.attention_for(kind).window is None):
-            out.append(slot)
-    return tuple(out)
+    return tuple(slot for slot, layer in enumerate(plan.producers) if KINDS[plan.mixers[layer]].compressible(cfg))
 
 
 def kv_heads(cfg: ModelConfig, slot: int) -> int:
     """KV heads of compressible cache `slot` (1 for an MLA latent, which serves every head)."""
     plan = LayerPlan.from_config(cfg)
-    kind = plan.mixers[plan.producers[slot]]
-    return 1 if kind == "mla" else cfg.attention_for(kind).n_kv_heads
+    return KINDS[plan.mixers[plan.producers[slot]]].kv_heads(cfg)
+
+
+def init_caches(cfg: ModelConfig, batch: int, capacity: int, *, fresh: bool = False) -> tuple:
+    """Empty caches for every producer layer of the model's plan, in plan order (each its kind's cache).
+    `fresh`: marked known empty (see `kvjax.cache._SlotCache.fresh`), for a prefill that writes its
+    chunk in one update."""
+    if batch <= 0 or capacity <= 0:
+        raise ValueError(f"batch={batch} and capacity={capacity} must be > 0")
+    plan = LayerPlan.from_config(cfg)
+    return tuple(KINDS[plan.mixers[i]].init_cache(cfg, batch, capacity, fresh) for i in plan.producers)

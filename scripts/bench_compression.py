@@ -30,9 +30,10 @@ from bench_decode import decode_step_time  # noqa: E402
 from bench_mla import filled_cache  # noqa: E402
 
 from kvjax import Generator  # noqa: E402
-from kvjax.cache import caches_nbytes, init_caches  # noqa: E402
+from kvjax.cache import caches_nbytes  # noqa: E402
 from kvjax.compress import compress_caches, compressible, parse_policy, plan_stages, prepare_policy  # noqa: E402
 from kvjax.config import ConfigError  # noqa: E402
+from kvjax.plan import init_caches  # noqa: E402
 from kvjax.report import format_bytes, format_table  # noqa: E402
 
 LAYOUTS = ("streaming", "keynorm", "keynorm:allocator=adakv", "quest")

@@ -27,8 +27,9 @@ from bench_decode import decode_step_time  # noqa: E402
 
 from kvjax import Generator  # noqa: E402
 from kvjax.architectures import Decoder  # noqa: E402
-from kvjax.cache import caches_nbytes, init_caches  # noqa: E402
+from kvjax.cache import caches_nbytes  # noqa: E402
 from kvjax.config import load_config  # noqa: E402
+from kvjax.plan import init_caches  # noqa: E402
 from kvjax.report import format_bytes, format_table  # noqa: E402
 
 VARIANTS = {"gqa": ("gqa", []), "mla naive": ("mla", ["model.mla.absorb=false"]), "mla absorbed": ("mla", [])}

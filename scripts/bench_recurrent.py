@@ -28,8 +28,8 @@ from bench_mla import filled_cache  # noqa: E402
 
 from kvjax import Generator  # noqa: E402
 from kvjax.architectures import Decoder  # noqa: E402
-from kvjax.cache import init_caches  # noqa: E402
 from kvjax.config import load_config  # noqa: E402
+from kvjax.plan import init_caches  # noqa: E402
 from kvjax.report import format_table  # noqa: E402
 from kvjax.training.trainer import token_losses  # noqa: E402
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from kvjax import memory
 from kvjax.commands.args import POSITIVE, split_overrides
 from kvjax.config import ConfigError, load_config
-from kvjax.plan import KV_KINDS, SHARABLE_KINDS
+from kvjax.kinds import KINDS
+from kvjax.plan import sharable_kinds
 from kvjax.report import format_bytes, format_table
 
 
@@ -16,7 +17,7 @@ def _kv_shape(cfg) -> tuple[str, str]:
             cfg.mla.qk_rope_head_dim if cfg.mla.rope_heads == 1 else f"{cfg.mla.rope_heads}x{cfg.mla.qk_rope_head_dim}"
         )
         return "latent", f"{cfg.mla.kv_lora_rank}+{rope}"
-    if not set(SHARABLE_KINDS) & set(cfg.mixers):
+    if not set(sharable_kinds()) & set(cfg.mixers):
         return "-", "-"
     return str(cfg.attention.n_kv_heads), str(cfg.attention.head_dim)
 
@@ -36,7 +37,7 @@ def memory_table(names: list[str], overrides: list[str], tokens: list[int], batc
             [
                 cfg.name,
                 cfg.n_layers,
-                sum(cfg.mixers[i] in KV_KINDS for i in set(cfg.kv_source)),
+                sum(KINDS[cfg.mixers[i]].caches_tokens for i in set(cfg.kv_source)),
                 *_kv_shape(cfg),
                 cfg.dtype,
                 memory.kv_bytes_per_token(cfg),

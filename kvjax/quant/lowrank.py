@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.cache import KVView, _append_slots, _Positioned, init_caches
+from kvjax.cache import KVView, _append_slots, _Positioned
 from kvjax.ops import attention, blocked_probs, decode_block, kernel_impl
-from kvjax.plan import LayerPlan
+from kvjax.plan import LayerPlan, init_caches
 from kvjax.rope import rotate_slots
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.cache import init_caches
+from kvjax.plan import init_caches
 
 B, T = 2, 24
 

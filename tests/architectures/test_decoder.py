@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from kvjax.architectures import Decoder
-from kvjax.cache import init_caches
 from kvjax.ops import decode_block
+from kvjax.plan import init_caches
 from tests.architectures.oracles import (
     B,
     T,

@@ -6,8 +6,8 @@ import pytest
 from flax import nnx
 
 from kvjax import memory
-from kvjax.cache import caches_nbytes, init_caches
-from kvjax.plan import LayerPlan
+from kvjax.cache import caches_nbytes
+from kvjax.plan import LayerPlan, init_caches
 from tests.architectures.oracles import assert_cached_decode_equals_full_forward, tokens_and_positions
 
 THREE_LAYERS = "model.n_layers=3"

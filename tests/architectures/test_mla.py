@@ -10,9 +10,10 @@ from flax import nnx
 
 from kvjax import memory
 from kvjax.architectures.mla import MLA
-from kvjax.cache import LatentCache, caches_nbytes, init_caches
+from kvjax.cache import LatentCache, caches_nbytes
 from kvjax.config import AttentionConfig, ConfigError, MLAConfig, load_config
 from kvjax.ops import attention
+from kvjax.plan import init_caches
 from tests.architectures.oracles import (
     B,
     T,

@@ -14,8 +14,9 @@ from kvjax.architectures.retention import (
     retnet_angles,
     retnet_log_decay,
 )
-from kvjax.cache import RetentionState, caches_nbytes, init_caches
+from kvjax.cache import RetentionState, caches_nbytes
 from kvjax.config import ConfigError, load_config
+from kvjax.plan import init_caches
 from tests.architectures.oracles import (
     assert_cached_decode_equals_full_forward,
     assert_gradient_causal,

@@ -11,8 +11,9 @@ from flax import nnx
 
 from kvjax import DecodingConfig, Generator, memory
 from kvjax.architectures.rwkv import GROUP_NORM_EPS, RWKVTimeMix, wkv_associative, wkv_scan
-from kvjax.cache import RWKVState, caches_nbytes, init_caches
+from kvjax.cache import RWKVState, caches_nbytes
 from kvjax.config import ConfigError, RWKVConfig, load_config
+from kvjax.plan import init_caches
 from tests.architectures.oracles import (
     assert_cached_decode_equals_full_forward,
     assert_finite_on_long_sequence,

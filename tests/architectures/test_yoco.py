@@ -8,8 +8,9 @@ import pytest
 
 from kvjax import DecodingConfig, Generator, memory
 from kvjax.architectures.retention import retention_chunkwise, retention_parallel, retention_recurrent
-from kvjax.cache import KVCache, RetentionState, RingKVCache, caches_nbytes, init_caches
+from kvjax.cache import KVCache, RetentionState, RingKVCache, caches_nbytes
 from kvjax.config import ConfigError, load_config
+from kvjax.plan import init_caches
 from tests.architectures.oracles import B, T, assert_cached_decode_equals_full_forward, stepper, tokens_and_positions
 
 SMALL_WINDOW = "model.yoco.window=8"  # the ring wraps within T = 24 tokens

@@ -216,7 +216,7 @@ def test_h2o_accumulates_attention_of_every_prompt_and_decode_query(gqa):
         seq = np.asarray([prompt + out.tokens[b, : NEW - 1].tolist()])
         T = seq.shape[1]
         graphdef, params = nnx.split(model)
-        from kvjax.cache import init_caches
+        from kvjax.plan import init_caches
 
         _, _, observed = nnx.merge(graphdef, params).observe(
             jnp.asarray(seq), jnp.arange(T)[None], init_caches(cfg, 1, T), jnp.arange(T)[None], observe_fn((stage,))
@@ -765,9 +765,9 @@ def test_h2o_normalize_divides_by_the_queries_that_saw_each_key():
 def test_compressed_bytes_and_protected_tokens_over_random_shapes(K, lengths, kept, method, seed):
     """compress_caches on random caches (no model): measured bytes == analytic, every row keeps its
     budget, and the sinks and windows of the last stage survive."""
-    from kvjax.cache import init_caches
     from kvjax.compress import compress_caches, compressible
     from kvjax.config import load_config
+    from kvjax.plan import init_caches
 
     cfg = load_config("gqa", ["model.n_layers=2", f"model.attention.n_kv_heads={K}"]).model
     L = np.array(lengths)

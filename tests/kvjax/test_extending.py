@@ -1,21 +1,31 @@
-"""docs/extending.md's worked example is code that runs: its block registers a new scoring method,
-which then passes the contract of every registered method and runs from a policy string."""
+"""docs/extending.md's worked examples are code that runs: its first block registers a new scoring
+method, which then passes the contract of every registered method and runs from a policy string; its
+second a new layer kind, which passes the contract of every registered kind."""
 
 import re
 from pathlib import Path
 
 import numpy as np
 
-from kvjax import DecodingConfig, Generator
+from kvjax import DecodingConfig, Generator, memory
+from kvjax.architectures.mixers import MIXERS
 from kvjax.compress import parse_policy
 from kvjax.compress.methods import METHODS
+from kvjax.kinds import KINDS
+from tests.architectures.test_kinds import check_kind
 from tests.kvjax.test_methods import CAPACITY, PROMPTS, check_contract, model  # noqa: F401 (a fixture)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 
 
+def _blocks() -> list[str]:
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    assert len(blocks) == 2, "docs/extending.md: a method example, then a layer kind example"
+    return blocks
+
+
 def test_the_documented_method_is_one_block_that_passes_the_contract(model):  # noqa: F811
-    (block,) = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    block = _blocks()[0]
     try:
         exec(compile(block, str(DOC), "exec"), {})
         assert "ignored" in METHODS
@@ -26,3 +36,14 @@ def test_the_documented_method_is_one_block_that_passes_the_contract(model):  # 
         assert np.isfinite(out.logprobs).all()
     finally:
         METHODS.pop("ignored", None)  # the registry is global: leave it as the other tests expect
+
+
+def test_the_documented_layer_kind_is_one_block_that_passes_the_contract(make_model):
+    try:
+        exec(compile(_blocks()[1], str(DOC), "exec"), {})
+        check_kind(make_model, "shift")
+        cfg, _ = make_model("gqa", "model.n_layers=4", "model.layer_pattern=[shift, attention]")
+        assert cfg.mixers == ("shift", "attention") * 2 and memory.state_bytes_per_sequence(cfg) > 0
+    finally:  # the registries are global: leave them as the other tests expect
+        KINDS.pop("shift", None)
+        MIXERS.pop("shift", None)

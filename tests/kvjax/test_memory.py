@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax import memory
-from kvjax.cache import caches_nbytes, init_caches
+from kvjax.cache import caches_nbytes
 from kvjax.config import AttentionConfig, ModelConfig, load_config
+from kvjax.plan import init_caches
 
 
 @pytest.mark.parametrize("name", ["mha", "gqa", "mqa", "mqa-half", "swa", "cla2", "mlkv-1"])

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvjax.cache import init_caches
 from kvjax.ops import attention
 from kvjax.page_pool import NULL_PAGE, PagePool, PoolExhausted
 from kvjax.paged import PagedKVCache
+from kvjax.plan import init_caches
 from kvjax.quant.packing import pack
 
 PS, PAGES, WIDTH = 4, 24, 8  # page size, pool pages, table columns

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.cache import caches_nbytes, init_caches
+from kvjax.cache import caches_nbytes
 from kvjax.config import ConfigError
 from kvjax.memory import cache_bytes
 from kvjax.memory import kv_bytes_per_token as memory_per_token
+from kvjax.plan import init_caches
 from kvjax.training.convert import convert, parse_conversion, pool_heads
 from tests.architectures.oracles import assert_cached_decode_equals_full_forward, tokens_and_positions
 

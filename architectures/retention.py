@@ -168,38 +168,31 @@ class GatedRetention(nnx.Module):
         return self.o(out.astype(x.dtype)), new_state, None
 
 
-def _gated(cfg, layer, produces_kv, rngs):
-    """YOCO's gated retention (its self-decoder's `gret` layers)."""
-    att, yoco = cfg.attention, cfg.yoco
+def _build(cfg, form: str, chunk: int, rngs, **options):
+    att = cfg.attention
     return GatedRetention(
         cfg.d_model,
         att.n_heads,
         att.head_dim,
         rope_theta=att.rope_theta,
-        form=yoco.gret_form,
-        chunk=yoco.chunk,
+        form=form,
+        chunk=chunk,
         norm_eps=cfg.norm_eps,
         rngs=rngs,
+        **options,
         **common(cfg),
     )
+
+
+def _gated(cfg, layer, produces_kv, rngs):
+    """YOCO's gated retention (its self-decoder's `gret` layers)."""
+    return _build(cfg, cfg.yoco.gret_form, cfg.yoco.chunk, rngs)
 
 
 def _retnet(cfg, layer, produces_kv, rngs):
     """RetNet's multi-scale retention: fixed decays, wider values."""
-    att, ret = cfg.attention, cfg.retnet
-    return GatedRetention(
-        cfg.d_model,
-        att.n_heads,
-        att.head_dim,
-        rope_theta=att.rope_theta,
-        form=ret.form,
-        chunk=ret.chunk,
-        norm_eps=cfg.norm_eps,
-        rngs=rngs,
-        decay="fixed",
-        value_factor=ret.value_factor,
-        **common(cfg),
-    )
+    ret = cfg.retnet
+    return _build(cfg, ret.form, ret.chunk, rngs, decay="fixed", value_factor=ret.value_factor)
 
 
 register_mixer("gret", _gated)

@@ -16,16 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import KVCache, LatentCache, QuestKVCache
-from kvjax.compress import d2o, minicache, reducers, scorers, think
+from kvjax.compress import minicache, reducers, scorers, think
 from kvjax.compress.methods import METHODS
-from kvjax.compress.policy import Policy, Stage, stage_counts
+from kvjax.compress.methods.base import Target
+from kvjax.compress.policy import SELECTORS, Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
-from kvjax.duo import DuoKVCache
 from kvjax.memory import layer_memory
 from kvjax.ops import grouped_mask
 from kvjax.plan import compressible, kv_heads
 from kvjax.quant import QuantKVCache, QuantSpec
-from kvjax.quant.lowrank import LowRankKVCache, group_heads, rank_for
+from kvjax.quant.lowrank import group_heads, rank_for
 from kvjax.quant.packing import packed_width
 
 _INT32 = 4
@@ -205,57 +205,35 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
         stats = list(observed[slot]) if observed[slot] is not None else [None] * len(statics)
         for static, (counts, windows, floors, bases) in zip(statics, arrays):
             stage, keep_caps, capacities, heads, quant, theta, streaming = static
-            if stage.method == "duo":
-                cache = DuoKVCache.from_cache(cache, streaming[j], stage.n_sinks, stage.recent, capacities[j])
-                continue
-            cache, stats = reduce_cache(
-                stage,
-                cache,
-                stats,
-                counts[j],
-                windows[j],
-                floors[j],
-                last_pos,
+            target = Target(
                 keep_caps[j],
                 capacities[j],
-                heads[j],
-                quant,
                 theta,
                 None if bases is None else bases[j],
+                None if streaming is None else streaming[j],
+            )
+            cache, stats = reduce_cache(
+                stage, cache, stats, counts[j], windows[j], floors[j], last_pos, target, heads[j], quant
             )
             stats = stats[1:] or stats  # the next stage's statistic comes first; the last one is kept
         caches[slot], last_stats[slot] = cache, stats[0]
     return tuple(caches), tuple(last_stats)
 
 
-def reduce_cache(
-    stage: Stage,
-    cache,
-    stats,
-    count,
-    window,
-    floor,
-    last_pos,
-    keep_cap: int,
-    capacity: int,
-    heads: int,
-    quant=None,
-    rope_theta: float = 10_000.0,
-    bases=None,
-):
+def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, target: Target, heads: int, quant=None):
     """One stage on one cache. stats[0] is this stage's statistic, the rest belong to later stages; all
-    follow the kept slots. `heads`: the KV heads a pooled (AdaKV) cache spreads its budget over; `quant`,
-    `rope_theta`, `bases`: what the encoders (quantizers, Palu) need.
-    Returns (new cache, the statistics gathered to its slots)."""
-    if stage.method == "quest":
+    follow the kept slots. `target`: the slots kept and allotted, and what the method prepared for this
+    cache; `heads`: the KV heads a pooled (AdaKV) cache spreads its budget over; `quant`: a quantizer's
+    spec. Returns (new cache, the statistics gathered to its slots)."""
+    keep_cap, capacity = target.keep_cap, target.capacity
+    if stage.method in SELECTORS:  # Quest: pages chosen at attention time, nothing evicted here
         return QuestKVCache.from_cache(cache, stage.page_size, keep_cap // stage.page_size), stats
     if stage.quantizes:
         return QuantKVCache.from_cache(cache, quant, capacity), stats
-    if stage.method in ("palu", "lorc"):
-        return LowRankKVCache.from_cache(cache, *bases, capacity, rope_theta), stats
-    if stage.method == "think":
-        compact = cache.resized(keep_cap)  # the kept slots only; decoded tokens go to the tail
-        return think.ThinKCache.from_cache(compact, stats[0], stage.ratio, stage.recent, capacity - keep_cap), stats
+    method = METHODS[stage.method]
+    encoded = method.encode(stage, cache, stats[0], target)
+    if encoded is not None:
+        return encoded, stats
     if stage.pooled and isinstance(cache, KVCache):
         pooled = [reducers.to_pool(cache, s) for s in stats]
         cache, stats = pooled[0][0], [p[1] for p in pooled]
@@ -276,8 +254,9 @@ def reduce_cache(
         floor=floor if pooled else None,
         head=cache.head[:, None] if pooled else None,
     )
-    if stage.method == "d2o":
-        cache = d2o.merge(cache, idx, valid, stage.ema)
+    merged = method.merge(stage, cache, idx, valid, stat)
+    if merged is not None:
+        cache = merged
     elif stage.reducer == "cam":
         cache = reducers.merge_cam(cache, idx, valid, stat)
     elif stage.reducer == "kvmerger":

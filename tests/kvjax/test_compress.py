@@ -14,6 +14,7 @@ from kvjax import DecodingConfig, Generator
 from kvjax.cache import KVCache, KVView, PooledKVCache, QuestKVCache, caches_nbytes
 from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
 from kvjax.compress.apply import observe_fn
+from kvjax.compress.methods.base import Target
 from kvjax.compress.methods.snapkv import pool
 from kvjax.compress.policy import BudgetNote, Stage, pyramid_counts, stage_counts
 from kvjax.compress.reducers import protected, top_slots
@@ -472,7 +473,8 @@ def test_adakv_pools_snapkv_scores_per_head(gqa):
 
     def kept(kernel):
         stage = Stage("snapkv", ratio=0.5, obs_window=4, kernel=kernel, allocator="adakv", floor=0.0)
-        out, _ = reduce_cache(stage, cache, [stat], jnp.array([10]), jnp.array([4]), jnp.array([0]), last, 20, 20, K)
+        target = Target(keep_cap=20, capacity=20, rope_theta=10_000.0)
+        out, _ = reduce_cache(stage, cache, [stat], jnp.array([10]), jnp.array([4]), jnp.array([0]), last, target, K)
         return {(int(h), int(p)) for h, p in zip(np.asarray(out.head[0]), np.asarray(out.pos[0])) if p >= 0}
 
     assert kept(1) != kept(5)

@@ -13,12 +13,24 @@ name.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 METHODS: dict[str, Method] = {}
+
+
+class Target(NamedTuple):
+    """What one compressible cache becomes in a stage: `keep_cap` slots kept (of `capacity` with the
+    headroom for decoding), the layer's RoPE base, and what the method prepared for this cache (its
+    entry of `bases` or `streaming`, None when it prepared nothing)."""
+
+    keep_cap: int
+    capacity: int
+    rope_theta: float
+    bases: tuple | None = None
+    streaming: tuple | None = None
 
 
 def register(cls: type[Method]) -> type[Method]:
@@ -71,6 +83,17 @@ class Method:
         per slot `[B,Kh,S]`, or None for a method that does not read attention. `pooled`: the cache is an
         AdaKV pool (one entry axis); `visible`: which keys each query could see; `queries` `[B,W,N,H]`:
         the observed queries themselves (None for MLA)."""
+        return None
+
+    def encode(self, stage, cache, stat, target: Target):
+        """For a method that re-encodes a cache instead of choosing its slots (a low-rank latent, pruned
+        key channels, streaming heads): the new cache for `target`; None (the default) for a scorer, whose
+        scores choose the kept slots."""
+        return None
+
+    def merge(self, stage, cache, idx: jax.Array, valid: jax.Array, stat):
+        """Fold the evicted slots into the kept ones (`idx`, `valid`: the kept slots) before they are
+        gathered; None (the default): the stage's `reducer=` decides."""
         return None
 
     def layer_density(self, stat: jax.Array, pos: jax.Array) -> jax.Array:

@@ -3,7 +3,7 @@ heads that keep only attention sinks and a recent window; the rest keep every to
 The deployment defaults of the reference evaluation scripts: 64 sinks, a recent window of 256."""
 
 from kvjax.compress.methods.base import Method, register
-from kvjax.duo import duo_heads
+from kvjax.duo import DuoKVCache, duo_heads
 
 
 @register
@@ -18,3 +18,6 @@ class Duo(Method):
 
     def prepare(self, stage, model, calibration=None, shapes_only=False):
         return {"streaming": duo_heads(stage, model.config)}
+
+    def encode(self, stage, cache, stat, target):
+        return DuoKVCache.from_cache(cache, target.streaming, stage.n_sinks, stage.recent, target.capacity)

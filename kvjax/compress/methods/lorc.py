@@ -2,16 +2,16 @@
 Compression Strategy"): Palu's latent cache with bases from the K/V projection weights themselves (a
 truncated SVD) and progressive ranks per layer; no calibration data (`kvjax.quant.lowrank`)."""
 
-from kvjax.compress.methods.base import Method, register
+from kvjax.compress.methods.base import register
+from kvjax.compress.methods.palu import Palu
 from kvjax.plan import compressible
 from kvjax.quant.lowrank import lorc_bases
 
 
 @register
-class LoRC(Method):
+class LoRC(Palu):  # Palu's latent cache; only where the bases come from differs
     name = "lorc"
-    kind = "low_rank"
-    prepares = ("bases",)
+    needs_calibration = False
 
     def prepare(self, stage, model, calibration=None, shapes_only=False):
         # each layer's rank comes from its weights' condition numbers, so the sizes need the bases too

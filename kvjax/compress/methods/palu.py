@@ -5,7 +5,7 @@ bases are the top eigenvectors of the K and V covariances of calibration tokens,
 from kvjax.compress.methods.base import Method, register
 from kvjax.config import ConfigError
 from kvjax.plan import compressible
-from kvjax.quant.lowrank import calibrate
+from kvjax.quant.lowrank import LowRankKVCache, calibrate
 
 
 @register
@@ -21,3 +21,6 @@ class Palu(Method):
         if calibration is None:
             raise ConfigError("policy stage 'palu' needs calibration data: Generator(..., calibration=tokens)")
         return {"bases": calibrate(model, calibration, compressible(model.config), stage.ratio, stage.heads)}
+
+    def encode(self, stage, cache, stat, target):
+        return LowRankKVCache.from_cache(cache, *target.bases, target.capacity, target.rope_theta)

@@ -15,3 +15,7 @@ class ThinK(Method):
 
     def observe(self, stage, probs, obs_pos, pooled, visible=None, queries=None):
         return think.observe(stage, queries, obs_pos)
+
+    def encode(self, stage, cache, stat, target):
+        compact = cache.resized(target.keep_cap)  # the kept slots only; decoded tokens go to the tail
+        return think.ThinKCache.from_cache(compact, stat, stage.ratio, stage.recent, target.capacity - target.keep_cap)

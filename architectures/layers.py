@@ -16,8 +16,8 @@ class Dense(nnx.Module):
     computing in the kernel's dtype.
 
     Leading axes are flattened into one before the matmul: XLA:CPU's weight gradient of a `[B,T,D]`
-    dot (contracting B and T together) ran 3.5x slower than the same matmul on `[B*T, D]`
-    (SwiGLU backward at 16 x 256 x 128: 80 ms vs 22 ms).
+    dot (contracting B and T together) ran 3.5x slower than the same matmul on `[B*T, D]` (SwiGLU's
+    backward at 16 x 256 x 128, timed once both ways; `scripts/bench_train.py` times the training step).
     """
 
     def __init__(self, d_in: int, d_out: int, *, std: float, dtype, rngs: nnx.Rngs, bias: bool = False):

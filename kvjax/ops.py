@@ -324,7 +324,8 @@ def masked_softmax(
     pooled cache, by each entry's KV head; a query that sees no key gets all zeros."""
     # Every [.., T, G, S] tensor is in the order the dot emits; asking for [.., G, T, S] made XLA:CPU
     # transpose the logits inside each mask op (half of a 2k-token prefill's time).
-    # jax.nn.softmax rather than a hand-fused one: its backward rule kept training 1.6-2x faster.
+    # jax.nn.softmax rather than a hand-fused one: its backward rule kept training faster (1.6-2x in
+    # scripts/bench_train.py when a hand-fused softmax was tried).
     return masked_probs(logits, grouped_mask(q_pos, k_pos, window, k_head, logits.shape[1], sinks), axis=-1)
 
 
@@ -339,7 +340,7 @@ def attend(probs: jax.Array, v: jax.Array) -> jax.Array:
     (query heads grouped by K)."""
     B, K, T, G, _ = probs.shape
     # Output in the dot's natural order, then transposed (a T-sized copy): asking the einsum for
-    # BTKGH directly made XLA:CPU pick a 9x slower dot.
+    # BTKGH directly made XLA:CPU pick a much slower dot (9x in scripts/bench_train.py when tried).
     spec = "BKTGS,BKSH->BKTGH" if v.ndim == 4 else "BKTGS,BSH->BKTGH"
     out_BKTGH = jnp.einsum(spec, probs.astype(v.dtype), v)
     return out_BKTGH.transpose(0, 2, 1, 3, 4).reshape(B, T, K * G, v.shape[-1])

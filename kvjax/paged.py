@@ -276,7 +276,8 @@ class PagedKVCache(_Arrays):
             keys, values = self.k, self.v
         keys, values = (x.transpose(1, 0, 2, 3).reshape(K, P * ps, x.shape[-1]) for x in (keys, values))  # head-major
         # Rows and their query heads as one M = B*G axis per KV head: on XLA:CPU the value product in
-        # this layout ran 4x faster than with the rows as a batch axis before the heads.
+        # this layout ran several times faster than with the rows as a batch axis before the heads (a
+        # one-off comparison of scripts/bench_serving.py's step time when the layout was chosen).
         G = N // K
         q_KMH = q.reshape(B, K, G, H).transpose(1, 0, 2, 3).reshape(K, B * G, H)
         logits = jnp.einsum("KMH,KSH->KMS", q_KMH, keys, preferred_element_type=jnp.float32) * scale

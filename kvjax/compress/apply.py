@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import KVCache, LatentCache, QuestKVCache
-from kvjax.compress import minicache, reducers, scorers, think
+from kvjax.compress import minicache, reducers, scorers
 from kvjax.compress.methods import METHODS
 from kvjax.compress.methods.base import Target
 from kvjax.compress.policy import SELECTORS, Policy, Stage, stage_counts
@@ -25,7 +25,6 @@ from kvjax.memory import layer_memory
 from kvjax.ops import grouped_mask
 from kvjax.plan import compressible, kv_heads
 from kvjax.quant import QuantKVCache, QuantSpec
-from kvjax.quant.lowrank import group_heads, rank_for
 from kvjax.quant.packing import packed_width
 
 _INT32 = 4
@@ -289,43 +288,26 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
         if slot not in slots or last.stage.method == "minicache":
             total += mem.bytes(capacity)
             continue
-        cap = last.capacities[slots.index(slot)]
-        K = kv_heads(cfg, slot)
+        j = slots.index(slot)
+        cap, K, item = last.capacities[j], kv_heads(cfg, slot), jnp.dtype(cfg.dtype).itemsize
+        positions = K if per_head and K > 1 else 1
         if last.stage.quantizes:
-            head_dim = mem.kv_bytes_per_slot // (2 * K * jnp.dtype(cfg.dtype).itemsize)
-            total += quant_cache_bytes(
-                last.quant, cap, K, head_dim, cfg.dtype, positions=K if per_head and K > 1 else 1
+            head_dim = mem.kv_bytes_per_slot // (2 * K * item)
+            total += quant_cache_bytes(last.quant, cap, K, head_dim, cfg.dtype, positions=positions)
+            continue
+        method = METHODS.get(last.stage.method)
+        if method is not None:
+            target = Target(
+                last.keep_caps[j],
+                cap,
+                last.rope_theta,
+                None if last.bases is None else last.bases[j],
+                None if last.streaming is None else last.streaming[j],
             )
-            continue
-        if last.stage.method in ("palu", "lorc"):  # a rank-r K and V latent per head group and slot
-            head_dim = mem.kv_bytes_per_slot // (2 * K * jnp.dtype(cfg.dtype).itemsize)
-            g = group_heads(K, last.stage.heads)
-            rank = rank_for(last.stage.ratio, g * head_dim)
-            if last.stage.method == "lorc":  # progressive: each layer's own rank, from its bases
-                rank = last.bases[slots.index(slot)][0].shape[-1]
-            latent = 2 * (K // g) * rank * jnp.dtype(cfg.dtype).itemsize
-            total += cap * (latent + _INT32 * (K if per_head and K > 1 else 1)) + mem.bytes_per_sequence
-            continue
-        if last.stage.method == "duo":  # retrieval heads: every slot; streaming heads: sinks + recent
-            streaming = len(last.streaming[slots.index(slot)])
-            head_bytes = mem.kv_bytes_per_slot // K
-            parts = [(cap, K - streaming), (last.stage.n_sinks, streaming), (last.stage.recent, streaming)]
-            total += sum(n * (heads * head_bytes + _INT32) + _INT32 for n, heads in parts if heads and n)
-            continue
-        if last.stage.method == "think":
-            K, item = kv_heads(cfg, slot), jnp.dtype(cfg.dtype).itemsize
-            H = mem.kv_bytes_per_slot // (2 * K * item)
-            total += think.think_bytes(
-                last.keep_caps[slots.index(slot)],
-                cap - last.keep_caps[slots.index(slot)],
-                K,
-                H,
-                last.stage.ratio,
-                last.stage.recent,
-                item,
-                K if per_head and K > 1 else 1,
-            )
-            continue
+            encoded = method.cache_bytes(last.stage, target, mem, K, item, positions)
+            if encoded is not None:
+                total += encoded
+                continue
         if last.stage.method == "quest":  # every slot kept, plus a key min and max per page and head
             pages = -(-capacity // last.stage.page_size)
             total += mem.bytes(capacity) + pages * mem.kv_bytes_per_slot
@@ -333,9 +315,9 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
         if last.stage.pooled:  # entry: one head's K and V, its position and its head id
             slot_bytes = mem.kv_bytes_per_slot // K + 2 * _INT32
         else:
-            slot_bytes = mem.kv_bytes_per_slot + _INT32 * (K if per_head and K > 1 else 1)
-        tau = 4 if last.stage.method == "d2o" else 0  # D2O's merge threshold, fp32 per sequence
-        total += cap * slot_bytes + mem.bytes_per_sequence + tau
+            slot_bytes = mem.kv_bytes_per_slot + _INT32 * positions
+        extra = method.extra_bytes_per_sequence if method is not None else 0
+        total += cap * slot_bytes + mem.bytes_per_sequence + extra
     return batch * total
 
 

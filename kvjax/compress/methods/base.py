@@ -91,6 +91,15 @@ class Method:
         scores choose the kept slots."""
         return None
 
+    def cache_bytes(self, stage, target: Target, mem, K: int, item: int, positions: int) -> int | None:
+        """Exact bytes of one sequence's cache after this (last) stage, for a method whose `encode` makes
+        its own cache: `mem` the layer's `LayerMemory`, K its KV heads, `item` the dtype's bytes,
+        `positions` the positions stored per slot. None (the default): the kept slots in the cache's own
+        layout, which `compressed_cache_bytes` counts."""
+        return None
+
+    extra_bytes_per_sequence: ClassVar[int] = 0  # state a method adds to each compressed cache (D2O's threshold)
+
     def merge(self, stage, cache, idx: jax.Array, valid: jax.Array, stat):
         """Fold the evicted slots into the kept ones (`idx`, `valid`: the kept slots) before they are
         gathered; None (the default): the stage's `reducer=` decides."""

@@ -13,6 +13,7 @@ class D2O(H2O):
     pageable = False  # it evicts and merges at every decode step
     sinks = 4
     budgets_at_prefill = True
+    extra_bytes_per_sequence = 4  # the merge threshold's moving average, fp32
 
     def layer_density(self, stat, pos):
         return d2o.layer_sigma(stat, pos)

@@ -4,6 +4,7 @@ The deployment defaults of the reference evaluation scripts: 64 sinks, a recent 
 
 from kvjax.compress.methods.base import Method, register
 from kvjax.duo import DuoKVCache, duo_heads
+from kvjax.kinds import INT32
 
 
 @register
@@ -21,3 +22,9 @@ class Duo(Method):
 
     def encode(self, stage, cache, stat, target):
         return DuoKVCache.from_cache(cache, target.streaming, stage.n_sinks, stage.recent, target.capacity)
+
+    def cache_bytes(self, stage, target, mem, K, item, positions):
+        # retrieval heads keep every slot; streaming heads their sinks and a recent ring
+        streaming, head_bytes = len(target.streaming), mem.kv_bytes_per_slot // K
+        parts = [(target.capacity, K - streaming), (stage.n_sinks, streaming), (stage.recent, streaming)]
+        return sum(n * (heads * head_bytes + INT32) + INT32 for n, heads in parts if heads and n)

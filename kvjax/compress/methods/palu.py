@@ -4,8 +4,9 @@ bases are the top eigenvectors of the K and V covariances of calibration tokens,
 
 from kvjax.compress.methods.base import Method, register
 from kvjax.config import ConfigError
+from kvjax.kinds import INT32
 from kvjax.plan import compressible
-from kvjax.quant.lowrank import LowRankKVCache, calibrate
+from kvjax.quant.lowrank import LowRankKVCache, calibrate, group_heads, rank_for
 
 
 @register
@@ -24,3 +25,13 @@ class Palu(Method):
 
     def encode(self, stage, cache, stat, target):
         return LowRankKVCache.from_cache(cache, *target.bases, target.capacity, target.rope_theta)
+
+    def rank(self, stage, target, group_dim: int) -> int:
+        """Latent dims per head group and K or V: what removes `ratio` of the group's bytes."""
+        return rank_for(stage.ratio, group_dim)
+
+    def cache_bytes(self, stage, target, mem, K, item, positions):
+        head_dim = mem.kv_bytes_per_slot // (2 * K * item)
+        g = group_heads(K, stage.heads)
+        latent = 2 * (K // g) * self.rank(stage, target, g * head_dim) * item  # K and V latents per slot
+        return target.capacity * (latent + INT32 * positions) + mem.bytes_per_sequence

@@ -19,3 +19,7 @@ class ThinK(Method):
     def encode(self, stage, cache, stat, target):
         compact = cache.resized(target.keep_cap)  # the kept slots only; decoded tokens go to the tail
         return think.ThinKCache.from_cache(compact, stat, stage.ratio, stage.recent, target.capacity - target.keep_cap)
+
+    def cache_bytes(self, stage, target, mem, K, item, positions):
+        H, tail = mem.kv_bytes_per_slot // (2 * K * item), target.capacity - target.keep_cap
+        return think.think_bytes(target.keep_cap, tail, K, H, stage.ratio, stage.recent, item, positions)

@@ -19,7 +19,7 @@ from kvjax.cache import KVCache, LatentCache, QuestKVCache
 from kvjax.compress import minicache, reducers, scorers
 from kvjax.compress.methods import METHODS
 from kvjax.compress.methods.base import Target
-from kvjax.compress.policy import SELECTORS, Policy, Stage, stage_counts
+from kvjax.compress.policy import LAYER_LEVEL, SELECTORS, Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.memory import layer_memory
 from kvjax.ops import grouped_mask
@@ -41,26 +41,27 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
     mla = "mla" in cfg.mixers
     for i, stage in enumerate(policy.stages):
         where = f"policy stage {stage.method!r}"
+        method = METHODS.get(stage.method)
         if stage.pooled and i != len(policy.stages) - 1:
             raise ConfigError(f"{where}: allocator='adakv' must be the last stage of a chain")
         if stage.quantizes and any(s.pooled for s in policy.stages):
             raise ConfigError(f"{where}: quantizing an AdaKV pool is not supported; use a uniform allocator")
-        if mla and stage.method in ("duo", "minicache", "think"):
+        head_keys = method.head_keys if method is not None else stage.method in SELECTORS + LAYER_LEVEL
+        if mla and head_keys:
             raise ConfigError(
-                f"{where}: {cfg.name!r} has MLA layers, whose one latent serves every head: "
-                "DuoAttention's streaming heads, MiniCache's per-head merging and ThinK's key "
-                "channels do not apply"
+                f"{where}: {cfg.name!r} has MLA layers, whose one latent serves every head: {stage.method} needs "
+                "each KV head's own keys"
             )
-        if stage.method == "minicache" and len({kv_heads(cfg, s) for s in slots}) > 1:
+        if stage.method in LAYER_LEVEL and len({kv_heads(cfg, s) for s in slots}) > 1:
             raise ConfigError(f"{where}: MiniCache merges layers of one K/V shape; {cfg.name!r} mixes KV head counts")
         if mla and stage.encodes:
             raise ConfigError(f"{where}: quantizing or factoring MLA's latent cache is not implemented")
-        if stage.method in ("palu", "lorc", "think") and any(s.pooled for s in policy.stages):
-            raise ConfigError(f"{where}: a low-rank AdaKV pool is not supported; use a uniform allocator")
-        if mla and (stage.method in ("keynorm", "quest") or stage.reducer == "cam" or stage.pooled):
+        if method is not None and not method.poolable and any(s.pooled for s in policy.stages):
+            raise ConfigError(f"{where}: {stage.method} cannot run on an AdaKV pool; use a uniform allocator")
+        if mla and (stage.reducer == "cam" or stage.pooled):
             raise ConfigError(
-                f"{where}: {cfg.name!r} has MLA layers, whose cache is one latent shared by all heads: key "
-                "norm and Quest (no per-head keys), CaM (no separate values) and AdaKV (no heads) do not apply"
+                f"{where}: {cfg.name!r} has MLA layers, whose cache is one latent shared by all heads: CaM (no "
+                "separate values) and AdaKV (no heads) do not apply"
             )
         if stage.method in METHODS:
             METHODS[stage.method].check(stage, cfg)

@@ -646,7 +646,8 @@ def test_models_without_a_token_cache_or_methods_mla_cannot_use_are_refused(make
     with pytest.raises(ConfigError, match="nothing for a token-level policy to compress"):
         Generator(mamba, capacity=16, policy=parse_policy("snapkv:0.5"))
     _, mla = make_model("mla", "model.n_layers=2")
-    for policy in ("keynorm:0.5", "h2o:0.5:allocator=adakv", "h2o:0.5:reducer=cam"):
+    per_head = ("keynorm:0.5", "quest:0.5", "duo:0.5", "snapkv:0.5+think:0.4")  # each needs per-head keys
+    for policy in (*per_head, "h2o:0.5:allocator=adakv", "h2o:0.5:reducer=cam"):
         with pytest.raises(ConfigError, match="MLA layers"):
             Generator(mla, capacity=16, policy=parse_policy(policy))
 

@@ -51,6 +51,8 @@ class Method:
     accumulates: ClassVar[bool] = False  # a decode-time statistic adds up over steps (H2O's attention sums)
     counts_visible: ClassVar[bool] = False  # `observe` needs which keys each query could see
     pageable: ClassVar[bool] = False  # the serving engine holds what it keeps in pages (kvjax.engine)
+    head_keys: ClassVar[bool] = False  # it needs each KV head's own keys (not MLA's one shared latent)
+    poolable: ClassVar[bool] = True  # it runs on an AdaKV pool (one entry axis for every head)
     prepares: ClassVar[tuple[str, ...]] = ()  # what `prepare` gives `plan_stages` (keyword names)
     needs_calibration: ClassVar[bool] = False  # `prepare` needs calibration tokens
     budgets_at_prefill: ClassVar[bool] = False  # its layer budgets come from the prefill (`layer_budgets`)

@@ -10,6 +10,7 @@ from kvjax.kinds import INT32
 @register
 class Duo(Method):
     name = "duo"
+    head_keys = True
     kind = "head_level"
     sinks = 64
     prepares = ("streaming",)

@@ -10,6 +10,7 @@ from kvjax.compress.methods.base import Method, register
 @register
 class KeyNorm(Method):
     name = "keynorm"
+    head_keys = True
     pageable = True
     per_head = True
 

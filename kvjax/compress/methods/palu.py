@@ -12,6 +12,7 @@ from kvjax.quant.lowrank import LowRankKVCache, calibrate, group_heads, rank_for
 @register
 class Palu(Method):
     name = "palu"
+    poolable = False
     kind = "low_rank"
     prepares = ("bases",)
     needs_calibration = True

@@ -8,6 +8,8 @@ from kvjax.compress.methods.base import Method, register
 @register
 class ThinK(Method):
     name = "think"
+    head_keys = True
+    poolable = False
     kind = "channels"
 
     def observed_queries(self, stage, length):

@@ -302,7 +302,7 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
                 last.keep_caps[j],
                 cap,
                 last.rope_theta,
-                None if last.bases is None else last.bases[j],
+                last.bases[j] if last.bases else None,  # () when only the sizes were prepared (Palu)
                 None if last.streaming is None else last.streaming[j],
             )
             encoded = method.cache_bytes(last.stage, target, mem, K, item, positions)

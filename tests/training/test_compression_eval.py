@@ -149,6 +149,7 @@ def test_eval_cli_continuation_and_passkey(run, capsys):
         "scissorhands:0.5:obs_window=8",
         "gear:2:group=8,residual=16,rank=1,outliers=0",
         "lorc:0.5",
+        "palu:0.5",  # calibrated on the corpus; its bytes are planned from the ratio alone
     ]
     assert main([*args, *(x for m in new_methods for x in ("--policy", m))]) == 0
     rows = {

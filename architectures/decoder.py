@@ -34,8 +34,7 @@ class Block(nnx.Module):
         mixer = MIXERS[kind]
         self.mixer = mixer.build(cfg, layer, produces_kv, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype)
-        self.stateful_mlp = mixer.mlp is not None  # the kind's own MLP reads and updates the layer state
-        if self.stateful_mlp:
+        if mixer.mlp is not None:  # the kind's own MLP, which reads and updates the layer state
             self.mlp = mixer.mlp(cfg, layer, rngs)
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, std=cfg.init_std, dtype=dtype, rngs=rngs)
@@ -49,7 +48,7 @@ class Block(nnx.Module):
             sharing = {} if self.kv_norm is None else {"kv_x": self.kv_norm(x)}
         y, cache, view = self.mixer(self.mixer_norm(x), positions, cache, **sharing)
         x = x + y
-        if self.stateful_mlp:
+        if not isinstance(self.mlp, SwiGLU):  # a kind's own MLP carries the layer state
             y, cache = self.mlp(self.mlp_norm(x), positions, cache)
             return x + y, cache, view
         return x + self.mlp(self.mlp_norm(x)), cache, view

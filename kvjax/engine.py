@@ -341,17 +341,18 @@ class Engine:
             out.append(Work(tuple(r.prompt), d.max_new_tokens, d.eos_id, d.temperature == 0, kept))
         return out
 
-    def check(self, requests: list[Request]) -> None:
+    def check(self, requests: list[Request]) -> list[Work]:
         """Refuse, before any compute, a request this engine can never serve (an empty prompt, an
-        impossible policy budget, more pages than a sequence may hold)."""
-        self._prefill_capacity(max((len(r.prompt) for r in requests), default=0))
-        self.scheduler.check(self._work(requests), self.width)
-
-    def run(self, requests: list[Request]) -> list[Completion]:
-        """Serve `requests` (in arrival order) to completion; returns one Completion per request."""
+        impossible policy budget, more pages than a sequence may hold); returns what the scheduler
+        needs of each."""
         self._prefill_capacity(max((len(r.prompt) for r in requests), default=0))
         work = self._work(requests)
         self.scheduler.check(work, self.width)
+        return work
+
+    def run(self, requests: list[Request]) -> list[Completion]:
+        """Serve `requests` (in arrival order) to completion; returns one Completion per request."""
+        work = self.check(requests)
         self.requests = list(requests)
         done = self.scheduler.start(work)
         while (plan := self.scheduler.next()) is not None:

@@ -21,13 +21,12 @@ from kvjax.compress.methods import METHODS
 from kvjax.compress.methods.base import Target
 from kvjax.compress.policy import LAYER_LEVEL, SELECTORS, Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
+from kvjax.kinds import INT32
 from kvjax.memory import layer_memory
 from kvjax.ops import grouped_mask
 from kvjax.plan import compressible, kv_heads
 from kvjax.quant import QuantKVCache, QuantSpec
 from kvjax.quant.packing import packed_width
-
-_INT32 = 4
 
 
 def check_policy(policy: Policy, cfg: ModelConfig) -> None:
@@ -205,13 +204,7 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
         stats = list(observed[slot]) if observed[slot] is not None else [None] * len(statics)
         for static, (counts, windows, floors, bases) in zip(statics, arrays):
             stage, keep_caps, capacities, heads, quant, theta, streaming = static
-            target = Target(
-                keep_caps[j],
-                capacities[j],
-                theta,
-                None if bases is None else bases[j],
-                None if streaming is None else streaming[j],
-            )
+            target = Target.of(j, keep_caps, capacities, theta, bases, streaming)
             cache, stats = reduce_cache(
                 stage, cache, stats, counts[j], windows[j], floors[j], last_pos, target, heads[j], quant
             )
@@ -298,13 +291,7 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             continue
         method = METHODS.get(last.stage.method)
         if method is not None:
-            target = Target(
-                last.keep_caps[j],
-                cap,
-                last.rope_theta,
-                last.bases[j] if last.bases else None,  # () when only the sizes were prepared (Palu)
-                None if last.streaming is None else last.streaming[j],
-            )
+            target = Target.of(j, last.keep_caps, last.capacities, last.rope_theta, last.bases, last.streaming)
             encoded = method.cache_bytes(last.stage, target, mem, K, item, positions)
             if encoded is not None:
                 total += encoded
@@ -314,9 +301,9 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             total += mem.bytes(capacity) + pages * mem.kv_bytes_per_slot
             continue
         if last.stage.pooled:  # entry: one head's K and V, its position and its head id
-            slot_bytes = mem.kv_bytes_per_slot // K + 2 * _INT32
+            slot_bytes = mem.kv_bytes_per_slot // K + 2 * INT32
         else:
-            slot_bytes = mem.kv_bytes_per_slot + _INT32 * positions
+            slot_bytes = mem.kv_bytes_per_slot + INT32 * positions
         extra = method.extra_bytes_per_sequence if method is not None else 0
         total += cap * slot_bytes + mem.bytes_per_sequence + extra
     return batch * total
@@ -339,4 +326,4 @@ def quant_cache_bytes(spec, capacity: int, K: int, H: int, dtype, positions: int
         fixed += 2 * K * spec.sinks * H * item
     if spec.rank:  # low-rank error: Q per token and P per block of `residual` tokens, for K and V
         total += capacity * 2 * K * spec.rank * item + -(-capacity // spec.residual) * 2 * K * H * spec.rank * item
-    return total + fixed + capacity * _INT32 * positions + 2 * _INT32
+    return total + fixed + capacity * INT32 * positions + 2 * INT32

@@ -32,6 +32,13 @@ class Target(NamedTuple):
     bases: tuple | None = None
     streaming: tuple | None = None
 
+    @classmethod
+    def of(cls, j: int, keep_caps, capacities, rope_theta, bases, streaming) -> Target:
+        """Cache j's target from a stage plan's per-cache tuples (`bases` may be empty: sizes only)."""
+        return cls(
+            keep_caps[j], capacities[j], rope_theta, bases[j] if bases else None, streaming[j] if streaming else None
+        )
+
 
 def register(cls: type[Method]) -> type[Method]:
     """Class decorator: make the method available to policies as `cls.name`."""
@@ -56,6 +63,7 @@ class Method:
     prepares: ClassVar[tuple[str, ...]] = ()  # what `prepare` gives `plan_stages` (keyword names)
     needs_calibration: ClassVar[bool] = False  # `prepare` needs calibration tokens
     budgets_at_prefill: ClassVar[bool] = False  # its layer budgets come from the prefill (`layer_budgets`)
+    extra_bytes_per_sequence: ClassVar[int] = 0  # state a method adds to each compressed cache (D2O's threshold)
 
     def check(self, stage, cfg) -> None:
         """Errors for a model config this stage cannot run on, raised before any compute."""
@@ -99,8 +107,6 @@ class Method:
         `positions` the positions stored per slot. None (the default): the kept slots in the cache's own
         layout, which `compressed_cache_bytes` counts."""
         return None
-
-    extra_bytes_per_sequence: ClassVar[int] = 0  # state a method adds to each compressed cache (D2O's threshold)
 
     def merge(self, stage, cache, idx: jax.Array, valid: jax.Array, stat):
         """Fold the evicted slots into the kept ones (`idx`, `valid`: the kept slots) before they are

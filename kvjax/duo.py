@@ -233,12 +233,12 @@ def load_pattern(path: str | Path, heads: tuple[int, ...]) -> tuple[list[np.ndar
 
 def duo_heads(stage, cfg) -> tuple[tuple[int, ...], ...]:
     """The streaming heads of each compressible cache of `cfg` for a `duo:RATIO` stage, from its pattern."""
-    if not stage.pattern:
+    if not stage.options.pattern:
         raise ConfigError(
             "policy stage 'duo' needs the model's learned pattern: pass pattern=PATH (the kvjax command finds "
             f"{PATTERN_FILE} of a run, or configs/duo/NAME.json of an imported model)"
         )
-    gates, _ = load_pattern(stage.pattern, tuple(kv_heads(cfg, slot) for slot in compressible(cfg)))
+    gates, _ = load_pattern(stage.options.pattern, tuple(kv_heads(cfg, slot) for slot in compressible(cfg)))
     return streaming_heads(gates, stage.ratio)
 
 

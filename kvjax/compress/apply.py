@@ -15,11 +15,11 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, LatentCache, QuestKVCache
-from kvjax.compress import minicache, reducers, scorers
+from kvjax.cache import KVCache, LatentCache
+from kvjax.compress import reducers, scorers
 from kvjax.compress.methods import METHODS
 from kvjax.compress.methods.base import Target
-from kvjax.compress.policy import LAYER_LEVEL, SELECTORS, Policy, Stage, stage_counts
+from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
 from kvjax.kinds import INT32
 from kvjax.memory import layer_memory
@@ -40,19 +40,16 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
     mla = "mla" in cfg.mixers
     for i, stage in enumerate(policy.stages):
         where = f"policy stage {stage.method!r}"
-        method = METHODS.get(stage.method)
+        method = METHODS.get(stage.method)  # None for a quantizer
         if stage.pooled and i != len(policy.stages) - 1:
             raise ConfigError(f"{where}: allocator='adakv' must be the last stage of a chain")
         if stage.quantizes and any(s.pooled for s in policy.stages):
             raise ConfigError(f"{where}: quantizing an AdaKV pool is not supported; use a uniform allocator")
-        head_keys = method.head_keys if method is not None else stage.method in SELECTORS + LAYER_LEVEL
-        if mla and head_keys:
+        if mla and method is not None and method.head_keys:
             raise ConfigError(
                 f"{where}: {cfg.name!r} has MLA layers, whose one latent serves every head: {stage.method} needs "
                 "each KV head's own keys"
             )
-        if stage.method in LAYER_LEVEL and len({kv_heads(cfg, s) for s in slots}) > 1:
-            raise ConfigError(f"{where}: MiniCache merges layers of one K/V shape; {cfg.name!r} mixes KV head counts")
         if mla and stage.encodes:
             raise ConfigError(f"{where}: quantizing or factoring MLA's latent cache is not implemented")
         if method is not None and not method.poolable and any(s.pooled for s in policy.stages):
@@ -62,8 +59,8 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
                 f"{where}: {cfg.name!r} has MLA layers, whose cache is one latent shared by all heads: CaM (no "
                 "separate values) and AdaKV (no heads) do not apply"
             )
-        if stage.method in METHODS:
-            METHODS[stage.method].check(stage, cfg)
+        if method is not None:
+            method.check(stage, cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +138,8 @@ def plan_stages(
         floors = np.floor(stage.floor * counts + 1e-9).astype(np.int64)
         heads = [kv_heads(cfg, s) if stage.pooled else 1 for s in slots]
         keep_caps = tuple(int(counts[j].max()) * heads[j] for j in range(len(slots)))
-        if stage.method == "quest":  # whole pages are read
-            keep_caps = tuple(-(-cap // stage.page_size) * stage.page_size for cap in keep_caps)
+        if stage.method in METHODS:
+            keep_caps = tuple(METHODS[stage.method].keep_cap(stage, cap) for cap in keep_caps)
         capacities = tuple(keep_caps[j] + (headroom * heads[j] if last else 0) for j in range(len(slots)))
         quant = None
         if stage.quantizes:  # key groups tile the quantized cache
@@ -196,9 +193,13 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
     Returns (caches, per cache the last stage's statistic, following the kept slots)."""
     caches, last_stats = list(caches), [None] * len(caches)
     stage, keep_caps, capacities = statics[0][:3]
-    if stage.method == "minicache":  # pairs of layers, not one cache at a time
-        caches = minicache.merge_caches(caches, slots, stage.ratio, keep_caps, capacities, stage.t, stage.retain)
-        return tuple(caches), tuple(last_stats)
+    merged = (
+        METHODS[stage.method].merge_layers(stage, caches, slots, keep_caps, capacities)
+        if stage.method in METHODS
+        else None
+    )
+    if merged is not None:  # layers compressed together (MiniCache's pairs), not one cache at a time
+        return tuple(merged), tuple(last_stats)
     for j, slot in enumerate(slots):
         cache = caches[slot]
         stats = list(observed[slot]) if observed[slot] is not None else [None] * len(statics)
@@ -219,8 +220,6 @@ def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, tar
     cache; `heads`: the KV heads a pooled (AdaKV) cache spreads its budget over; `quant`: a quantizer's
     spec. Returns (new cache, the statistics gathered to its slots)."""
     keep_cap, capacity = target.keep_cap, target.capacity
-    if stage.method in SELECTORS:  # Quest: pages chosen at attention time, nothing evicted here
-        return QuestKVCache.from_cache(cache, stage.page_size, keep_cap // stage.page_size), stats
     if stage.quantizes:
         return QuantKVCache.from_cache(cache, quant, capacity), stats
     method = METHODS[stage.method]
@@ -266,21 +265,11 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
     last = plans[-1]
     total = 0
     slots = compressible(cfg)
-    merged = {}
-    if last.stage.method == "minicache":
-        for a, b in minicache.merged_pairs(len(slots), last.stage.ratio):
-            K, item = kv_heads(cfg, slots[a]), jnp.dtype(cfg.dtype).itemsize
-            H = layer_memory(cfg)[slots[a]].kv_bytes_per_slot // (2 * K * item)
-            tail = last.capacities[a] - last.keep_caps[a]
-            merged[slots[a]], merged[slots[b]] = minicache.merged_bytes(
-                last.keep_caps[a], tail, K, H, item, last.stage.retain
-            )
+    method = METHODS.get(last.stage.method)  # None for a quantizer
+    merged = method.layers_bytes(last.stage, cfg, last.keep_caps, last.capacities) if method is not None else None
     for slot, mem in enumerate(layer_memory(cfg)):
-        if slot in merged:
-            total += merged[slot]
-            continue
-        if slot not in slots or last.stage.method == "minicache":
-            total += mem.bytes(capacity)
+        if merged is not None or slot not in slots:  # layers merged together, or not compressed
+            total += merged[slot] if merged and slot in merged else mem.bytes(capacity)
             continue
         j = slots.index(slot)
         cap, K, item = last.capacities[j], kv_heads(cfg, slot), jnp.dtype(cfg.dtype).itemsize
@@ -289,17 +278,12 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             head_dim = mem.kv_bytes_per_slot // (2 * K * item)
             total += quant_cache_bytes(last.quant, cap, K, head_dim, cfg.dtype, positions=positions)
             continue
-        method = METHODS.get(last.stage.method)
         if method is not None:
             target = Target.of(j, last.keep_caps, last.capacities, last.rope_theta, last.bases, last.streaming)
-            encoded = method.cache_bytes(last.stage, target, mem, K, item, positions)
+            encoded = method.cache_bytes(last.stage, target, mem, K, item, positions, capacity)
             if encoded is not None:
                 total += encoded
                 continue
-        if last.stage.method == "quest":  # every slot kept, plus a key min and max per page and head
-            pages = -(-capacity // last.stage.page_size)
-            total += mem.bytes(capacity) + pages * mem.kv_bytes_per_slot
-            continue
         if last.stage.pooled:  # entry: one head's K and V, its position and its head id
             slot_bytes = mem.kv_bytes_per_slot // K + 2 * INT32
         else:

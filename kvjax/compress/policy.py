@@ -15,6 +15,11 @@ tokens removed (kvpress's `compression_ratio`; a row of L tokens keeps int(L * (
 integer >= 1 is a **size**, the tokens kept per sequence. A chain applies its stages in order, each
 to what the previous one kept, so keep fractions multiply (0.5 then 0.5 keeps a quarter).
 
+Options: `sinks`, `window`, `allocator`, `reducer`, `every` and the allocators' and reducers' options
+(`beta`, `floor`, `sigma`) are any stage's; every other option belongs to its method (its `Options`
+dataclass, `kvjax.compress.methods`) or quantizer (from its parts, `kvjax.quant.schemes`), and another
+method's option is an error that lists the method's own.
+
 When it runs: every stage compresses once after the prefill; `every=n` on the last stage also holds its
 budget during decoding, evicting back to it every n steps (the cache holds budget + n slots).
 """
@@ -31,80 +36,70 @@ from kvjax.config import ConfigError, Note
 from kvjax.quant import QuantSpec
 from kvjax.quant.schemes import SCHEMES
 
-SELECTORS = ("quest",)  # selects pages at attention time instead of scoring slots
-# Scoring methods, ThinK's channel scoring, the low-rank caches (`palu:ratio`, `lorc:ratio`: every token
-# kept as a rank-r latent) and DuoAttention (`duo:ratio`: that fraction of KV heads keeps only sinks and
-# a recent window) are registered by name in kvjax.compress.methods, one module each: `registered(kind)`
-# lists them, including any a user registers.
-LAYER_LEVEL = ("minicache",)  # `minicache:ratio`: that fraction of layers merged in pairs (compress.minicache)
 ALLOCATORS = ("uniform", "pyramid", "adakv")
 REDUCERS = ("select", "cam", "kvmerger")
-POOLINGS = ("avg", "max")
-# Tokens always kept, per method: StreamingLLM's attention sinks and recent window (Xiao et al. 2024);
-# H2O's recent half of the budget (Zhang et al. 2023, equal heavy and recent budgets); SnapKV's
-# observation window (Li et al. 2024, w = 32). `window=None` means the method's own rule.
-# DuoAttention's deployment recent window (reference eval scripts); ThinK's unpruned recent prompt tokens
-_DEFAULT_RECENT = {"duo": 256, "think": 32}
+COMMON = ("sinks", "window", "allocator", "reducer", "every", "beta", "floor", "sigma")  # options of any stage
 
 
 def registered(kind: str) -> tuple[str, ...]:
     """The registered methods of a kind: "scorer" (token scores), "channels" (ThinK), "low_rank" (Palu,
-    LoRC) or "head_level" (DuoAttention)."""
+    LoRC), "head_level" (DuoAttention), "selector" (Quest) or "layer_level" (MiniCache)."""
     return tuple(name for name, method in METHODS.items() if method.kind == kind)
 
 
 def all_methods() -> tuple[str, ...]:
-    """Every method a policy stage may name."""
-    low_rank, head_level = registered("low_rank"), registered("head_level")
-    return (
-        registered("scorer") + SELECTORS + tuple(SCHEMES) + low_rank + registered("channels") + head_level + LAYER_LEVEL
-    )
+    """Every method a policy stage may name: the registered methods, then the quantizers."""
+    return tuple(METHODS) + tuple(SCHEMES)
+
+
+def options_class(method: str) -> type:
+    """The dataclass of a method's or quantizer's own options."""
+    return SCHEMES[method].Options if method in SCHEMES else METHODS[method].Options
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One compression step. `window` None: the method's rule (StreamingLLM: the rest of the budget,
-    H2O: half of it, SnapKV: `obs_window`, others: 0)."""
+    """One compression step: the method, its budget (a `ratio` or a `size`; a quantizer's `bits`), what
+    every method shares, and `options`, the method's own options (its `Options` dataclass; None: its
+    defaults). `window` None: the method's rule (StreamingLLM: the rest of the budget, H2O: half of it,
+    SnapKV: `obs_window`, others: 0). `Stage.of("snapkv", ratio=0.5, kernel=7)` sorts keywords into the
+    two."""
 
     method: str
     ratio: float | None = None
     size: int | None = None
-    sinks: int | None = None
-    window: int | None = None
-    allocator: str = "uniform"
-    reducer: str = "select"
-    every: int = 0
-    obs_window: int = (
-        32  # SnapKV: the last prompt queries that vote; ThinK: queries scoring channels; Scissorhands: history
-    )
-    kernel: int = 5  # SnapKV: 1-D pooling kernel over neighbouring slots
-    pooling: str = "avg"
-    normalize: bool = False  # H2O: divide by the number of queries that saw each key (kvpress)
+    bits: int = 0  # a quantizer's code width
+    sinks: int | None = None  # first positions always kept (None: the method's own)
+    window: int | None = None  # recent positions always kept (None: the method's rule)
+    allocator: str = "uniform"  # how the budget is spread over layers and heads
+    reducer: str = "select"  # what happens to the evicted tokens
+    every: int = 0  # the last stage holds its budget while decoding, evicting every n steps
     beta: float = 20.0  # PyramidKV: the top layer keeps budget / beta
     floor: float = 0.2  # AdaKV: each head keeps at least floor x its uniform share
     sigma: float = 1.0  # KVMerger: Gaussian kernel width over unit-key distances
-    page_size: int = 16  # Quest: tokens per page
-    bits: int = 0  # int / kivi / kvquant: code width
-    asym: bool = False  # int: per-token min-max codes with a zero point (else symmetric)
-    group: int | None = None  # KIVI / GEAR: tokens per key group, channels per value group (32; GEAR 64)
-    residual: int | None = None  # KIVI / KVQuant / GEAR: full-precision recent tokens (128; GEAR 64)
-    outliers: float | None = None  # KVQuant: fraction of each vector kept exactly (0.01; GEAR 0.02)
-    rank: int = 4  # GEAR: rank of the quantization error's approximation per block and head
-    heads: int = 4  # Palu: KV heads per low-rank group
-    pattern: str = ""  # DuoAttention: the learned gates (JSON); "" = the model's own (see kvjax.duo)
-    t: float = 0.6  # MiniCache: SLERP interpolation between the lower (0) and upper (1) layer
-    retain: float = 0.05  # MiniCache: fraction of tokens per head whose originals are kept unmerged
-    ema: float = 0.5  # D2O: weight of the old merge threshold in its moving average
+    options: object = None
+
+    @classmethod
+    def of(cls, method: str, **fields) -> Stage:
+        """A stage from keywords: the stage's own fields, and the method's options by their names."""
+        own = {f.name for f in dataclasses.fields(cls)}
+        options = {name: fields.pop(name) for name in list(fields) if name not in own}
+        if options and method in all_methods():
+            _check_names(method, options, f"policy stage {method!r}")
+            fields["options"] = options_class(method)(**options)
+        return cls(method, **fields)
 
     def __post_init__(self):
         where = f"policy stage {self.method!r}"
         methods = all_methods()
         if self.method not in methods:
             raise ConfigError(f"{where}: method={self.method!r} must be one of {methods}")
-        low_rank_error = self.quantizes and SCHEMES[self.method].low_rank
-        if self.rank != 4 and not low_rank_error or self.rank < 0:
-            with_rank = ", ".join(name for name, s in SCHEMES.items() if s.low_rank)
-            raise ConfigError(f"{where}: rank={self.rank} must be >= 0, and applies to {with_rank} only")
+        kind = options_class(self.method)
+        if self.options is None:
+            object.__setattr__(self, "options", kind())
+        elif type(self.options) is not kind:
+            raise ConfigError(f"{where}: options={self.options!r} must be {self.method}'s own ({kind.__name__})")
+        self.options.check(where)
         if self.quantizes:
             try:
                 self.quant_spec
@@ -115,71 +110,29 @@ class Stage:
                     f"{where}: a quantizer keeps every token; every=, allocator= and reducer= do not apply"
                 )
             return
-        if self.asym:
-            raise ConfigError(f"{where}: asym applies to int quantization only")
         if (self.ratio is None) == (self.size is None):
             raise ConfigError(f"{where}: give exactly one budget, a ratio in [0, 1) or a size >= 1")
         if self.ratio is not None and not 0 <= self.ratio < 1:
             raise ConfigError(f"{where}: ratio={self.ratio} must be in [0, 1) (the fraction of tokens removed)")
         if self.size is not None and self.size < 1:
             raise ConfigError(f"{where}: size={self.size} must be >= 1 (tokens kept)")
-        for name, allowed in (("allocator", ALLOCATORS), ("reducer", REDUCERS), ("pooling", POOLINGS)):
+        for name, allowed in (("allocator", ALLOCATORS), ("reducer", REDUCERS)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{where}: {name}={getattr(self, name)!r} must be one of {allowed}")
         for name in ("sinks", "window", "every"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{where}: {name}={value} must be >= 0")
-        for name in ("obs_window", "kernel", "page_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{where}: {name}={getattr(self, name)} must be >= 1")
-        if self.kernel % 2 == 0:
-            raise ConfigError(f"{where}: kernel={self.kernel} must be odd (centred pooling)")
         if self.beta < 1 or not 0 <= self.floor <= 1 or self.sigma <= 0:
             raise ConfigError(f"{where}: beta={self.beta} must be >= 1, floor={self.floor} in [0, 1], sigma > 0")
-        if self.reducer == "cam" and self.method in ("streaming", "keynorm", "quest"):
+        method = METHODS[self.method]
+        if self.reducer == "cam" and not method.observed_queries(self, 1):
             raise ConfigError(f"{where}: reducer='cam' weighs merges by attention; use h2o, snapkv or tova")
-        if self.method in registered("low_rank") + registered("channels") and self.ratio is None:
-            raise ConfigError(f"{where}: give the fraction of K/V dimensions removed, a ratio in [0, 1)")
-        if self.heads < 1:
-            raise ConfigError(f"{where}: heads={self.heads} must be >= 1")
-        if self.pattern and self.method != "duo":
-            raise ConfigError(f"{where}: pattern= applies to duo only")
-        if self.method == "duo":
-            if self.ratio is None:
-                raise ConfigError(f"{where}: give the fraction of KV heads that stream, a ratio in [0, 1)")
-            if self.recent < 1 or self.n_sinks < 0:
-                raise ConfigError(f"{where}: window={self.window} (recent tokens) must be >= 1")
-            if any(c in self.pattern for c in ":,+"):
-                raise ConfigError(f"{where}: pattern={self.pattern!r} may not contain ':', ',' or '+'")
-        if self.method == "minicache":
-            if self.ratio is None:
-                raise ConfigError(f"{where}: give the fraction of layers merged, a ratio in [0, 1)")
-            if not 0 <= self.t <= 1 or not 0 <= self.retain <= 1:
-                raise ConfigError(f"{where}: t={self.t} and retain={self.retain} must be in [0, 1]")
-        elif self.t != 0.6 or self.retain != 0.05:
-            raise ConfigError(f"{where}: t= and retain= apply to minicache only")
-        if self.method == "d2o":
-            if self.allocator != "uniform" or self.reducer != "select" or self.normalize:
-                raise ConfigError(
-                    f"{where}: D2O brings its own layer budgets and merge; allocator=, reducer= and "
-                    "normalize= do not apply"
-                )
-            if not 0 <= self.ema <= 1 or self.ratio is None:
-                raise ConfigError(
-                    f"{where}: give the fraction of tokens removed on average, a ratio in [0, 1); "
-                    f"ema={self.ema} must be in [0, 1]"
-                )
-            if not self.every:  # D2O evicts (and merges) at every decode step
-                object.__setattr__(self, "every", 1)
-        elif self.ema != 0.5:
-            raise ConfigError(f"{where}: ema= applies to d2o only")
-        if self.method in ("quest", "think", "duo", "minicache", *registered("low_rank")) and (
-            self.every or self.allocator != "uniform" or self.reducer != "select"
-        ):
+        if method.kind != "scorer" and (self.every or self.allocator != "uniform" or self.reducer != "select"):
             raise ConfigError(
                 f"{where}: every=, allocator= and reducer= do not apply to {self.method} (it evicts no token by score)"
             )
+        method.validate(self, where)
 
     @property
     def n_sinks(self) -> int:
@@ -195,8 +148,9 @@ class Stage:
 
     @property
     def recent(self) -> int:
-        """DuoAttention: the recent window a streaming head keeps."""
-        return _DEFAULT_RECENT.get(self.method, 0) if self.window is None else self.window
+        """The recent tokens a method that keeps a fixed recent window keeps (DuoAttention's streaming
+        heads, ThinK's unpruned tail): `window=`, else the method's `recent`."""
+        return METHODS[self.method].recent if self.window is None else self.window
 
     @property
     def quantizes(self) -> bool:
@@ -205,25 +159,13 @@ class Stage:
     @property
     def encodes(self) -> bool:
         """Keeps every token in another form (quantized codes, a low-rank latent, pruned key channels)."""
-        return self.quantizes or self.method in registered("low_rank") + registered("channels")
+        return self.quantizes or METHODS[self.method].kind in ("low_rank", "channels")
 
     @property
-    def quant_spec(self):
+    def quant_spec(self) -> QuantSpec:
+        """A quantizer's spec: its code width, its options, and the exact sinks (1 unless `sinks=`)."""
         sinks = 1 if self.sinks is None else self.sinks
-        scheme = SCHEMES[self.method]
-        group = scheme.group if self.group is None else self.group
-        residual = scheme.residual if self.residual is None else self.residual
-        outliers = scheme.outlier_fraction if self.outliers is None else self.outliers
-        return QuantSpec(
-            self.method,
-            self.bits,
-            self.asym,
-            group,
-            residual,
-            outliers=outliers,
-            sinks=sinks,
-            rank=self.rank if scheme.low_rank else 0,
-        )
+        return QuantSpec(self.method, self.bits, sinks=sinks, **dataclasses.asdict(self.options))
 
     @property
     def fixed_protected(self) -> int:
@@ -234,7 +176,7 @@ class Stage:
 
     def keep(self, length: int) -> int:
         """Tokens this stage keeps of `length`."""
-        if self.encodes or self.method in registered("head_level") + LAYER_LEVEL:
+        if self.encodes or METHODS[self.method].kind in ("head_level", "layer_level"):
             return length
         return int(length * (1 - self.ratio) + 1e-9) if self.ratio is not None else self.size
 
@@ -255,14 +197,10 @@ class Policy:
     def __post_init__(self):
         if not self.stages:
             raise ConfigError("a policy needs at least one stage")
-        if len(self.stages) > 1 and any(s.method == "quest" for s in self.stages):
-            raise ConfigError("policy stage 'quest' cannot be chained: it selects pages at attention time")
         for stage in self.stages:
-            if len(self.stages) > 1 and stage.method in registered("head_level") + LAYER_LEVEL + ("d2o",):
-                raise ConfigError(
-                    f"policy stage {stage.method!r} cannot be chained: it sets what each head or "
-                    "layer stores from the whole prompt"
-                )
+            alone = METHODS[stage.method].alone if stage.method in METHODS else ""
+            if len(self.stages) > 1 and alone:
+                raise ConfigError(f"policy stage {stage.method!r} cannot be chained: {alone}")
         for stage in self.stages[:-1]:
             if stage.encodes:
                 raise ConfigError(f"policy stage {stage.method!r}: encode last (evict first, then encode what is kept)")
@@ -281,22 +219,30 @@ class Policy:
 
 def _stage_text(stage: Stage) -> str:
     budget = stage.bits if stage.quantizes else stage.ratio if stage.ratio is not None else stage.size
-    opts = [
-        f"{f.name}={str(getattr(stage, f.name)).lower()}"
-        for f in dataclasses.fields(Stage)
-        if f.name not in ("method", "ratio", "size", "bits") and getattr(stage, f.name) != f.default
-    ]
+    changed = [(stage, f) for f in dataclasses.fields(Stage) if f.name in COMMON]
+    changed += [(stage.options, f) for f in dataclasses.fields(stage.options)]
+    opts = [f"{f.name}={str(getattr(obj, f.name)).lower()}" for obj, f in changed if getattr(obj, f.name) != f.default]
     return f"{stage.method}:{budget}" + (":" + ",".join(opts) if opts else "")
 
 
-_OPTION_TYPES = {f.name: f.type for f in dataclasses.fields(Stage)}
+def _option_types(method: str) -> dict[str, str]:
+    """The options a stage of `method` takes, with their types as text: the common ones, then its own."""
+    common = {f.name: f.type for f in dataclasses.fields(Stage) if f.name in COMMON}
+    own = {f.name: f.type for f in dataclasses.fields(options_class(method))}
+    return {name: kind if isinstance(kind, str) else kind.__name__ for name, kind in {**common, **own}.items()}
 
 
-def _option(name: str, text: str, where: str):
-    kind = _OPTION_TYPES.get(name)
-    if kind is None or name in ("method", "ratio", "size", "bits"):
-        allowed = sorted(set(_OPTION_TYPES) - {"method", "ratio", "size", "bits"})
-        raise ConfigError(f"{where}: unknown option {name!r}; allowed: {allowed}")
+def _check_names(method: str, options, where: str) -> None:
+    unknown = [name for name in options if name not in _option_types(method)]
+    if unknown:
+        own = [f.name for f in dataclasses.fields(options_class(method))]
+        raise ConfigError(
+            f"{where}: unknown option {unknown[0]!r}; {method}'s own options: {own or 'none'}, and any "
+            f"stage's: {list(COMMON)}"
+        )
+
+
+def _option(kind: str, name: str, text: str, where: str):
     try:
         if "bool" in kind:
             if text.lower() not in ("true", "false"):
@@ -317,24 +263,27 @@ def parse_stage(text: str) -> Stage:
     if len(parts) not in (2, 3) or not parts[1]:
         raise ConfigError(f"{where}: write method:budget[:key=value,...], e.g. snapkv:0.5 or streaming:512")
     method, budget = parts[0], parts[1]
+    if method not in all_methods():
+        raise ConfigError(f"{where}: method={method!r} must be one of {all_methods()}")
     try:
         value = float(budget)
     except ValueError:
         raise ConfigError(f"{where}: budget {budget!r} must be a ratio in [0, 1) or a size >= 1") from None
     if value >= 1 and value != int(value):
         raise ConfigError(f"{where}: size {budget!r} must be a whole number of tokens")
-    options = {}
+    types, options = _option_types(method), {}
     for item in parts[2].split(",") if len(parts) == 3 else ():
-        name, eq, raw = item.partition("=")
-        if not eq and "bool" in _OPTION_TYPES.get(name.strip(), ""):  # a bare flag: int:4:asym
+        name, eq, raw = (part.strip() for part in item.partition("="))
+        _check_names(method, [name], where)
+        if not eq and "bool" in types[name]:  # a bare flag: int:4:asym
             eq, raw = "=", "true"
         if not eq:
             raise ConfigError(f"{where}: option {item!r} must be key=value")
-        options[name.strip()] = _option(name.strip(), raw.strip(), where)
+        options[name] = _option(types[name], name, raw, where)
     if method in SCHEMES:
-        return Stage(method, bits=int(value), **options)
+        return Stage.of(method, bits=int(value), **options)
     budget_field = {"ratio": value} if value < 1 else {"size": int(value)}
-    return Stage(method, **budget_field, **options)
+    return Stage.of(method, **budget_field, **options)
 
 
 def parse_policy(text: str) -> Policy:

@@ -34,7 +34,7 @@ def observe(stage, queries: jax.Array | None, obs_pos: jax.Array) -> ChannelStat
     if queries is None:
         raise ValueError("ThinK scores channels of per-head queries; an MLA layer has none")
     last = jnp.max(obs_pos, axis=1)[:, None]
-    voter = (obs_pos >= 0) & (obs_pos > last - stage.obs_window)  # [B,W]
+    voter = (obs_pos >= 0) & (obs_pos > last - stage.options.obs_window)  # [B,W]
     q2 = jnp.where(voter[:, :, None, None], queries.astype(jnp.float32) ** 2, 0.0)
     return ChannelStat(q2.sum(axis=1) / jnp.maximum(voter.sum(axis=1), 1)[:, None, None])  # [B,N,H]
 

@@ -307,7 +307,7 @@ def test_h2o_snapkv_tova_statistics_follow_their_definitions():
     lengths = np.array([9, 6])
     h2o = np.asarray(observe(Stage("h2o", ratio=0.5), probs, pos, pooled=False))
     np.testing.assert_allclose(h2o, p.sum(axis=2).mean(axis=2), rtol=1e-6)  # every query's attention, summed
-    snap = np.asarray(observe(Stage("snapkv", ratio=0.5, obs_window=4), probs, pos, pooled=False))
+    snap = np.asarray(observe(Stage.of("snapkv", ratio=0.5, obs_window=4), probs, pos, pooled=False))
     for b, n in enumerate(lengths):
         want = p[b, :, n - 4 : n].sum(axis=1).mean(axis=1)  # the last 4 real queries only
         np.testing.assert_allclose(snap[b], want, rtol=1e-6)
@@ -322,7 +322,7 @@ def test_scissorhands_counts_below_average_attention_over_its_history_window():
     probs, pos = _probs()
     p = np.asarray(probs)  # [B,K,T,G,S]
     visible = grouped_mask(pos, pos, None, None, 2)
-    counts = np.asarray(observe(Stage("scissorhands", ratio=0.5, obs_window=4), probs, pos, False, visible))
+    counts = np.asarray(observe(Stage.of("scissorhands", ratio=0.5, obs_window=4), probs, pos, False, visible))
     for b, n in enumerate([9, 6]):
         want = np.zeros((2, 9))
         for q in range(n - 4, n):  # the last 4 real queries; query q sees q + 1 keys
@@ -344,7 +344,7 @@ def test_snapkv_pools_the_keys_before_the_window_only():
     stat[:, :, 12:] += 100.0  # heavy attention on late keys: inside row 1's window, and row 0's too
     pos = np.where(np.arange(S)[None] < lengths[:, None], np.arange(S)[None], -1).astype(np.int32)
     stat[pos[:, None].repeat(K, 1) < 0] = 0.0
-    stage = Stage("snapkv", ratio=0.5, obs_window=w, kernel=kernel)
+    stage = Stage.of("snapkv", ratio=0.5, obs_window=w, kernel=kernel)
     got = np.asarray(
         score(
             stage,
@@ -431,14 +431,14 @@ def test_allocators_budgets(lengths, ratio, layers):
 
 def test_pyramid_budgets_follow_the_reference_schedule():
     """Hand-computed from PyramidKV's rule as kvpress computes it (w = the 8-token observation window)."""
-    stage = Stage("snapkv", ratio=0.5, obs_window=8, allocator="pyramid")
+    stage = Stage.of("snapkv", ratio=0.5, obs_window=8, allocator="pyramid")
     # k = 50: max 2k - k/20 = 97.5 is above 100 - 8, so max = 92 and min = 100 - 92 = 8; step 28.
     np.testing.assert_array_equal(pyramid_counts(stage, 100, 4), [92, 64, 36, 8])
     # k = 1000 of 2000: min 50, max 1950 (below 2000 - 8): step 633.3, rounded; sums to 4 x 1000.
     np.testing.assert_array_equal(pyramid_counts(stage, 2000, 4), [1950, 1317, 683, 50])
     # k = 200 of 1000 (ratio 0.8): min 10 is below the window, so every layer keeps k (kvpress's fallback).
     np.testing.assert_array_equal(
-        pyramid_counts(Stage("snapkv", ratio=0.8, obs_window=32, allocator="pyramid"), 1000, 4), [200] * 4
+        pyramid_counts(Stage.of("snapkv", ratio=0.8, obs_window=32, allocator="pyramid"), 1000, 4), [200] * 4
     )
     # The issue's case: 30 layers, 300 tokens, 20% removed: the layers spend exactly 30 x 240.
     short = pyramid_counts(Stage("snapkv", ratio=0.2, allocator="pyramid"), 300, 30)
@@ -466,13 +466,13 @@ def test_adakv_pools_snapkv_scores_per_head(gqa):
     stat = jnp.asarray(stat)
     last = jnp.array([S - 1])
     for kernel in (3, 5):
-        stage = Stage("snapkv", ratio=0.5, obs_window=1, kernel=kernel, allocator="adakv")
+        stage = Stage.of("snapkv", ratio=0.5, obs_window=1, kernel=kernel, allocator="adakv")
         dense = score(stage, cache, stat, last)  # [B,K,S], pooled per head
         pool, pooled_stat = to_pool(cache, stat)
         np.testing.assert_allclose(score(stage, pool, pooled_stat, last), dense.reshape(B, 1, K * S), atol=1e-6)
 
     def kept(kernel):
-        stage = Stage("snapkv", ratio=0.5, obs_window=4, kernel=kernel, allocator="adakv", floor=0.0)
+        stage = Stage.of("snapkv", ratio=0.5, obs_window=4, kernel=kernel, allocator="adakv", floor=0.0)
         target = Target(keep_cap=20, capacity=20, rope_theta=10_000.0)
         out, _ = reduce_cache(stage, cache, [stat], jnp.array([10]), jnp.array([4]), jnp.array([0]), last, target, K)
         return {(int(h), int(p)) for h, p in zip(np.asarray(out.head[0]), np.asarray(out.pos[0])) if p >= 0}
@@ -744,7 +744,7 @@ def test_h2o_normalize_divides_by_the_queries_that_saw_each_key():
     cache = KVCache(k=jnp.zeros((1, 1, 5, 2)), v=jnp.zeros((1, 1, 5, 2)), pos=pos, length=jnp.array([4]))
     last = jnp.array([3])
     np.testing.assert_allclose(score(Stage("h2o", ratio=0.5), cache, stat, last), stat)
-    got = score(Stage("h2o", ratio=0.5, normalize=True), cache, stat, last)
+    got = score(Stage.of("h2o", ratio=0.5, normalize=True), cache, stat, last)
     np.testing.assert_allclose(got[0, 0, :4], [4 / 4, 3 / 3, 2 / 2, 1 / 1])
 
 

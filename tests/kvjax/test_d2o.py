@@ -114,7 +114,7 @@ def test_bad_d2o_policies_are_clear_errors(gqa5):
         parse_policy("d2o:0.5:reducer=kvmerger")
     with pytest.raises(ConfigError, match="a ratio in"):
         parse_policy("d2o:64")
-    with pytest.raises(ConfigError, match="ema= applies to d2o only"):
+    with pytest.raises(ConfigError, match="unknown option 'ema'; h2o's own options"):
         parse_policy("h2o:0.5:ema=0.3")
     assert parse_policy("d2o:0.5").stages[0].every == 1  # evicts at every decode step
     gen = Generator(model, capacity=CAPACITY, policy=parse_policy("d2o:0.5"))

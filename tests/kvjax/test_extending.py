@@ -6,11 +6,13 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvjax import DecodingConfig, Generator, memory
 from kvjax.architectures.mixers import MIXERS
 from kvjax.compress import parse_policy
 from kvjax.compress.methods import METHODS
+from kvjax.config import ConfigError
 from kvjax.kinds import KINDS
 from tests.architectures.test_kinds import check_kind
 from tests.kvjax.test_methods import CAPACITY, PROMPTS, check_contract, model  # noqa: F401 (a fixture)
@@ -30,10 +32,12 @@ def test_the_documented_method_is_one_block_that_passes_the_contract(model):  # 
         exec(compile(block, str(DOC), "exec"), {})
         assert "ignored" in METHODS
         check_contract(model, "ignored")
-        out = Generator(model, capacity=CAPACITY, policy=parse_policy("ignored:0.5"))(
+        out = Generator(model, capacity=CAPACITY, policy=parse_policy("ignored:0.5:queries=4"))(
             PROMPTS, DecodingConfig(max_new_tokens=2)
         )
         assert np.isfinite(out.logprobs).all()
+        with pytest.raises(ConfigError, match="queries=0 must be >= 1"):
+            parse_policy("ignored:0.5:queries=0")
     finally:
         METHODS.pop("ignored", None)  # the registry is global: leave it as the other tests expect
 

@@ -3,6 +3,7 @@ hand-kept list: a method added to kvjax/compress/methods/ is held to it at once)
 the prompt changes nothing, measured bytes equal analytic bytes, generation equals teacher-forced
 scoring through the same compressed cache, and a bad option is a one-line error before compute."""
 
+import dataclasses
 import inspect
 
 import jax
@@ -13,7 +14,9 @@ from kvjax import DecodingConfig, Generator
 from kvjax.cache import caches_nbytes
 from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
 from kvjax.compress.methods import METHODS
+from kvjax.compress.policy import Policy, all_methods, options_class
 from kvjax.config import ConfigError, load_config
+from kvjax.quant.schemes import SCHEMES
 
 PROMPTS = [list(range(3, 99)), [7, 1, 9, 4] * 17 + [2, 5]]  # 96 and 70 tokens: a half still covers a 32-token window
 NEW = 5
@@ -55,13 +58,27 @@ def test_every_registered_scoring_method_keeps_the_contract(model, name):
     check_contract(model, name)
 
 
+@pytest.mark.parametrize("name", all_methods())
+def test_every_method_and_quantizer_takes_its_own_options_only(name):
+    """Every registered method and quantizer: a stage carries its own options dataclass at its defaults
+    and prints back to itself; another method's option, or an unknown one, is a one-line error naming the
+    stage and listing the method's own options."""
+    budget = SCHEMES[name].bits[0] if name in SCHEMES else 0.5
+    stage = parse_policy(f"{name}:{budget}").stages[0]
+    own = options_class(name)
+    assert type(stage.options) is own and stage.options == own()
+    assert parse_policy(str(Policy((stage,)))) == Policy((stage,))
+    names = [f.name for f in dataclasses.fields(own)]
+    others = sorted({f.name for m in all_methods() for f in dataclasses.fields(options_class(m))} - set(names))
+    for foreign in (others[0], "colour"):
+        with pytest.raises(ConfigError, match=rf"'{name}:{budget}:{foreign}=1': unknown option '{foreign}'; {name}'s"):
+            parse_policy(f"{name}:{budget}:{foreign}=1")
+
+
 @pytest.mark.parametrize("name", sorted(METHODS))
-def test_every_registered_method_refuses_bad_options_and_declares_what_it_prepares(name):
-    """Every kind (scorers, channel pruning, low-rank caches, head-level): an unknown option is a one-line
-    error naming the stage; what `prepare` gives is a keyword `plan_stages` takes, and planning without
-    it is an error naming what is missing (never a silent full cache)."""
-    with pytest.raises(ConfigError, match=f"policy stage '{name}:0.5:colour=red': unknown option 'colour'"):
-        parse_policy(f"{name}:0.5:colour=red")
+def test_every_registered_method_declares_what_it_prepares(name):
+    """What `prepare` gives is a keyword `plan_stages` takes, and planning without it is an error naming
+    what is missing (never a silent full cache)."""
     method = METHODS[name]
     assert set(method.prepares) <= set(inspect.signature(plan_stages).parameters), method.prepares
     if method.prepares:

@@ -103,7 +103,7 @@ def test_bad_minicache_policies_are_clear_errors(make_model):
         parse_policy("minicache:12")
     with pytest.raises(ConfigError, match="t=1.5 and retain"):
         parse_policy("minicache:0.5:t=1.5")
-    with pytest.raises(ConfigError, match="apply to minicache only"):
+    with pytest.raises(ConfigError, match="unknown option 'retain'"):
         parse_policy("snapkv:0.5:retain=0.2")
     with pytest.raises(ConfigError, match="cannot be chained"):
         parse_policy("minicache:0.5+int:8")

@@ -28,7 +28,7 @@ def test_channel_scores_are_mean_squared_window_queries_times_mean_squared_keys(
     k = rng.normal(size=(B, K, S, H)).astype(np.float32)
     obs_pos = np.array([[-1, 10, 11, 12, 13]])
     pos = np.array([[0, 1, 2, 3, -1, -1]])
-    stat = observe(Stage("think", ratio=0.5, obs_window=3), jnp.asarray(q), jnp.asarray(obs_pos))
+    stat = observe(Stage.of("think", ratio=0.5, obs_window=3), jnp.asarray(q), jnp.asarray(obs_pos))
     scores = np.asarray(channel_scores(stat.q2, jnp.asarray(k), jnp.asarray(pos)))
     voters = q[0, 2:]  # positions 11..13, the last 3
     for h in range(K):

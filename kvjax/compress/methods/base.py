@@ -6,17 +6,21 @@ model computes them while it runs, `Decoder.observe`) to a per-slot statistic, a
 statistic (or the cache alone) into a score per slot `[B,Kh,S]` (higher is kept; Kh = K when heads score
 on their own, 1 when one score serves every head). A method that needs something from the model before
 any prompt (Palu's calibrated bases, LoRC's weight bases, DuoAttention's streaming heads) computes it in
-`prepare`, once per `Generator`. The options themselves travel in the policy stage (`Stage`), whose
-grammar and errors the user sees; `Generator`, the engine and the evaluations ask the method, not its
-name.
+`prepare`, once per `Generator`. A method's own options are a small frozen dataclass (`Options`) that a
+policy stage carries as `stage.options`; the budget and what every method shares (sinks, window,
+allocator, reducer, every=) are the stage's own fields. `Generator`, the engine and the evaluations ask
+the method, not its name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from kvjax.options import Options
 
 METHODS: dict[str, Method] = {}
 
@@ -38,6 +42,16 @@ class Target(NamedTuple):
         return cls(
             keep_caps[j], capacities[j], rope_theta, bases[j] if bases else None, streaming[j] if streaming else None
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed(Options):
+    """The options of a method that scores by the attention of the last prompt queries."""
+
+    obs_window: int = 32  # the last prompt queries that vote (Scissorhands: its history window)
+
+    def check(self, where):
+        self.at_least_one(where, "obs_window")
 
 
 def register(cls: type[Method]) -> type[Method]:
@@ -64,6 +78,14 @@ class Method:
     needs_calibration: ClassVar[bool] = False  # `prepare` needs calibration tokens
     budgets_at_prefill: ClassVar[bool] = False  # its layer budgets come from the prefill (`layer_budgets`)
     extra_bytes_per_sequence: ClassVar[int] = 0  # state a method adds to each compressed cache (D2O's threshold)
+    recent: ClassVar[int] = 0  # a fixed recent window the method keeps unless `window=` (DuoAttention, ThinK)
+    alone: ClassVar[str] = ""  # why it cannot be chained with other stages ("" when it can)
+    Options: ClassVar[type[Options]] = Options  # its own options (`stage.options` holds an instance)
+
+    def validate(self, stage, where: str) -> None:
+        """Errors for a stage this method cannot run whatever the model (a budget of the wrong kind, a
+        shared option that does not apply), raised when the policy is parsed; its options' own values
+        are checked by `stage.options.check`."""
 
     def check(self, stage, cfg) -> None:
         """Errors for a model config this stage cannot run on, raised before any compute."""
@@ -101,11 +123,25 @@ class Method:
         scores choose the kept slots."""
         return None
 
-    def cache_bytes(self, stage, target: Target, mem, K: int, item: int, positions: int) -> int | None:
+    def cache_bytes(self, stage, target: Target, mem, K: int, item: int, positions: int, source: int) -> int | None:
         """Exact bytes of one sequence's cache after this (last) stage, for a method whose `encode` makes
         its own cache: `mem` the layer's `LayerMemory`, K its KV heads, `item` the dtype's bytes,
-        `positions` the positions stored per slot. None (the default): the kept slots in the cache's own
-        layout, which `compressed_cache_bytes` counts."""
+        `positions` the positions stored per slot, `source` the slots of the cache it was given. None
+        (the default): the kept slots in the cache's own layout, which `compressed_cache_bytes` counts."""
+        return None
+
+    def keep_cap(self, stage, cap: int) -> int:
+        """The slots a cache allots for `cap` kept tokens (Quest reads whole pages)."""
+        return cap
+
+    def merge_layers(self, stage, caches: list, slots: tuple[int, ...], keep_caps, capacities):
+        """For a method that compresses layers together (MiniCache's pairs): every cache after it, as a
+        list; None (the default): each compressible cache is compressed on its own."""
+        return None
+
+    def layers_bytes(self, stage, cfg, keep_caps, capacities) -> dict[int, int] | None:
+        """For `merge_layers`: exact bytes per sequence of each layer it changed, by layer index (the
+        others keep every token); None when the method compresses each cache on its own."""
         return None
 
     def merge(self, stage, cache, idx: jax.Array, valid: jax.Array, stat):

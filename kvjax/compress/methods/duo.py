@@ -2,7 +2,10 @@
 heads that keep only attention sinks and a recent window; the rest keep every token (`kvjax.duo`).
 The deployment defaults of the reference evaluation scripts: 64 sinks, a recent window of 256."""
 
-from kvjax.compress.methods.base import Method, register
+import dataclasses
+
+from kvjax.compress.methods.base import Method, Options, register
+from kvjax.config import ConfigError
 from kvjax.duo import DuoKVCache, duo_heads
 from kvjax.kinds import INT32
 
@@ -14,6 +17,22 @@ class Duo(Method):
     kind = "head_level"
     sinks = 64
     prepares = ("streaming",)
+    recent = 256
+    alone = "it sets what each KV head stores from the whole prompt"
+
+    @dataclasses.dataclass(frozen=True)
+    class Options(Options):
+        pattern: str = ""  # the learned gates (a JSON file); "": the model's own (see kvjax.duo)
+
+        def check(self, where):
+            if any(c in self.pattern for c in ":,+"):
+                raise ConfigError(f"{where}: pattern={self.pattern!r} may not contain ':', ',' or '+'")
+
+    def validate(self, stage, where):
+        if stage.ratio is None:
+            raise ConfigError(f"{where}: give the fraction of KV heads that stream, a ratio in [0, 1)")
+        if stage.recent < 1:
+            raise ConfigError(f"{where}: window={stage.window} (recent tokens) must be >= 1")
 
     def check(self, stage, cfg):
         duo_heads(stage, cfg)  # the pattern exists and has a gate for every KV head of the model
@@ -24,7 +43,7 @@ class Duo(Method):
     def encode(self, stage, cache, stat, target):
         return DuoKVCache.from_cache(cache, target.streaming, stage.n_sinks, stage.recent, target.capacity)
 
-    def cache_bytes(self, stage, target, mem, K, item, positions):
+    def cache_bytes(self, stage, target, mem, K, item, positions, source):
         # retrieval heads keep every slot; streaming heads their sinks and a recent ring
         streaming, head_bytes = len(target.streaming), mem.kv_bytes_per_slot // K
         parts = [(target.capacity, K - streaming), (stage.n_sinks, streaming), (stage.recent, streaming)]

@@ -3,9 +3,11 @@ attention summed over every query so far (prefill and decode), with recent token
 the budget each). `normalize` divides by the number of queries that could see each key, as kvpress's
 observed-attention press does."""
 
+import dataclasses
+
 import jax.numpy as jnp
 
-from kvjax.compress.methods.base import Method, attention_received, register, slot_positions, voters
+from kvjax.compress.methods.base import Method, Options, attention_received, register, slot_positions, voters
 
 
 @register
@@ -14,6 +16,10 @@ class H2O(Method):
     pageable = True
     per_head = True
     accumulates = True
+
+    @dataclasses.dataclass(frozen=True)
+    class Options(Options):
+        normalize: bool = False  # divide by the number of queries that saw each key (kvpress)
 
     def window(self, stage, keep):
         return keep // 2
@@ -26,7 +32,7 @@ class H2O(Method):
         return per_query.sum(axis=1, keepdims=True) if pooled else per_query  # a pool: only own head's are non-zero
 
     def score(self, stage, cache, stat, last_pos):
-        if not stage.normalize:
+        if not stage.options.normalize:
             return stat
         seen = jnp.maximum(last_pos[:, None, None] - slot_positions(cache) + 1, 1)
         return stat / seen

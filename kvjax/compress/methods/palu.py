@@ -2,7 +2,9 @@
 a rank-r latent of its pre-RoPE key and its value per group of heads (`kvjax.quant.lowrank`). Its
 bases are the top eigenvectors of the K and V covariances of calibration tokens, computed once."""
 
-from kvjax.compress.methods.base import Method, register
+import dataclasses
+
+from kvjax.compress.methods.base import Method, Options, register
 from kvjax.config import ConfigError
 from kvjax.kinds import INT32
 from kvjax.plan import compressible
@@ -17,12 +19,23 @@ class Palu(Method):
     prepares = ("bases",)
     needs_calibration = True
 
+    @dataclasses.dataclass(frozen=True)
+    class Options(Options):
+        heads: int = 4  # KV heads per low-rank group
+
+        def check(self, where):
+            self.at_least_one(where, "heads")
+
+    def validate(self, stage, where):
+        if stage.ratio is None:
+            raise ConfigError(f"{where}: give the fraction of K/V dimensions removed, a ratio in [0, 1)")
+
     def prepare(self, stage, model, calibration=None, shapes_only=False):
         if shapes_only:  # the latents' sizes follow from the ratio alone
             return {"bases": ()}
         if calibration is None:
             raise ConfigError("policy stage 'palu' needs calibration data: Generator(..., calibration=tokens)")
-        return {"bases": calibrate(model, calibration, compressible(model.config), stage.ratio, stage.heads)}
+        return {"bases": calibrate(model, calibration, compressible(model.config), stage.ratio, stage.options.heads)}
 
     def encode(self, stage, cache, stat, target):
         return LowRankKVCache.from_cache(cache, *target.bases, target.capacity, target.rope_theta)
@@ -31,8 +44,8 @@ class Palu(Method):
         """Latent dims per head group and K or V: what removes `ratio` of the group's bytes."""
         return rank_for(stage.ratio, group_dim)
 
-    def cache_bytes(self, stage, target, mem, K, item, positions):
+    def cache_bytes(self, stage, target, mem, K, item, positions, source):
         head_dim = mem.kv_bytes_per_slot // (2 * K * item)
-        g = group_heads(K, stage.heads)
+        g = group_heads(K, stage.options.heads)
         latent = 2 * (K // g) * self.rank(stage, target, g * head_dim) * item  # K and V latents per slot
         return target.capacity * (latent + INT32 * positions) + mem.bytes_per_sequence

@@ -6,7 +6,7 @@ the counts keep accumulating over every decode query (the paper slides the windo
 
 import jax.numpy as jnp
 
-from kvjax.compress.methods.base import Method, register, slot_positions, voters
+from kvjax.compress.methods.base import Method, Observed, register, slot_positions, voters
 
 
 @register
@@ -15,20 +15,21 @@ class Scissorhands(Method):
     per_head = True
     accumulates = True
     counts_visible = True  # each query's average 1/n is over the keys it could see
+    Options = Observed  # obs_window: the history window
 
     def window(self, stage, keep):
-        return stage.obs_window  # the history window
+        return stage.options.obs_window  # the history window
 
     def fixed_window(self, stage):
-        return stage.obs_window
+        return stage.options.obs_window
 
     def observed_queries(self, stage, length):
-        return min(stage.obs_window, length)
+        return min(stage.options.obs_window, length)
 
     def observe(self, stage, probs, obs_pos, pooled, visible=None, queries=None):
         n = jnp.maximum(jnp.sum(visible, axis=-1, keepdims=True), 1)
         below = (visible & (probs < 1.0 / n)).astype(jnp.float32)  # below this query's average
-        voter = voters(obs_pos, stage.obs_window)
+        voter = voters(obs_pos, stage.options.obs_window)
         per_query = jnp.where(voter[:, None, :, None, None], below, 0.0).sum(axis=(2, 3))
         return per_query.sum(axis=1, keepdims=True) if pooled else per_query
 

@@ -7,13 +7,17 @@ attention paid to window keys never leaks into the slots next to them. An AdaKV 
 prefill is the per-head pooling of the dense layout (what AdaKV's and kvpress's code pool before
 flattening the heads)."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.cache import PooledKVCache
-from kvjax.compress.methods.base import Method, attention_received, register, slot_positions, voters
+from kvjax.compress.methods.base import Method, Observed, attention_received, register, slot_positions, voters
+from kvjax.config import ConfigError
+
+POOLINGS = ("avg", "max")
 
 
 @register
@@ -22,26 +26,39 @@ class SnapKV(Method):
     pageable = True
     per_head = True
 
+    @dataclasses.dataclass(frozen=True)
+    class Options(Observed):
+        kernel: int = 5  # the 1-D pooling kernel over neighbouring slots (odd: centred)
+        pooling: str = "avg"
+
+        def check(self, where):
+            super().check(where)
+            self.at_least_one(where, "kernel")
+            if self.kernel % 2 == 0:
+                raise ConfigError(f"{where}: kernel={self.kernel} must be odd (centred pooling)")
+            if self.pooling not in POOLINGS:
+                raise ConfigError(f"{where}: pooling={self.pooling!r} must be one of {POOLINGS}")
+
     def window(self, stage, keep):
-        return stage.obs_window  # the voting window is kept
+        return stage.options.obs_window  # the voting window is kept
 
     def fixed_window(self, stage):
-        return stage.obs_window
+        return stage.options.obs_window
 
     def observed_queries(self, stage, length):
-        return min(stage.obs_window, length)
+        return min(stage.options.obs_window, length)
 
     def observe(self, stage, probs, obs_pos, pooled, visible=None, queries=None):
-        per_query = attention_received(probs, voters(obs_pos, stage.obs_window))
+        per_query = attention_received(probs, voters(obs_pos, stage.options.obs_window))
         return per_query.sum(axis=1, keepdims=True) if pooled else per_query
 
     def score(self, stage, cache, stat, last_pos):
         pos = slot_positions(cache)
-        in_window = pos > (last_pos[:, None, None] - stage.obs_window)  # kept anyway; pooled as padding
+        in_window = pos > (last_pos[:, None, None] - stage.options.obs_window)  # kept anyway; pooled as padding
         stat = jnp.where(in_window, 0.0, stat)
         if isinstance(cache, PooledKVCache):
-            return pool_by_head(stat, cache.head[:, None], pos, stage.kernel, stage.pooling)
-        return pool(stat, stage.kernel, stage.pooling)
+            return pool_by_head(stat, cache.head[:, None], pos, stage.options.kernel, stage.options.pooling)
+        return pool(stat, stage.options.kernel, stage.options.pooling)
 
 
 def pool(x: jax.Array, kernel: int, how: str) -> jax.Array:

@@ -2,7 +2,8 @@
 (`kvjax.compress.think` prunes them); registered so that the prefill observes those queries."""
 
 from kvjax.compress import think
-from kvjax.compress.methods.base import Method, register
+from kvjax.compress.methods.base import Method, Observed, register
+from kvjax.config import ConfigError
 
 
 @register
@@ -11,9 +12,15 @@ class ThinK(Method):
     head_keys = True
     poolable = False
     kind = "channels"
+    recent = 32  # the reference's unpruned recent prompt tokens
+    Options = Observed  # obs_window: the last prompt queries that score the channels
+
+    def validate(self, stage, where):
+        if stage.ratio is None:
+            raise ConfigError(f"{where}: give the fraction of key channels removed, a ratio in [0, 1)")
 
     def observed_queries(self, stage, length):
-        return min(stage.obs_window, length)
+        return min(stage.options.obs_window, length)
 
     def observe(self, stage, probs, obs_pos, pooled, visible=None, queries=None):
         return think.observe(stage, queries, obs_pos)
@@ -22,6 +29,6 @@ class ThinK(Method):
         compact = cache.resized(target.keep_cap)  # the kept slots only; decoded tokens go to the tail
         return think.ThinKCache.from_cache(compact, stat, stage.ratio, stage.recent, target.capacity - target.keep_cap)
 
-    def cache_bytes(self, stage, target, mem, K, item, positions):
+    def cache_bytes(self, stage, target, mem, K, item, positions, source):
         H, tail = mem.kv_bytes_per_slot // (2 * K * item), target.capacity - target.keep_cap
         return think.think_bytes(target.keep_cap, tail, K, H, stage.ratio, stage.recent, item, positions)

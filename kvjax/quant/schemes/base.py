@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+from kvjax.options import Options as _Options
 
 SCHEMES: dict[str, Scheme] = {}
 
@@ -33,6 +36,22 @@ class Scheme:
     group: int = 32  # defaults of the stage options
     residual: int = 128
     outlier_fraction: float = 0.01
+    rank: int = 4
+
+    @functools.cached_property
+    def Options(self) -> type:  # noqa: N802 (a class, as a method's `Options`)
+        """The dataclass of this quantizer's own policy options, from its parts: `asym` where it has a
+        symmetric/asymmetric choice, `group` and `residual` when blocked, `outliers` with exact outliers,
+        `rank` with a low-rank error; each defaulting to the scheme's value."""
+        fields = [("asym", bool, False)] if self.asym_bits else []
+        if self.blocked:
+            fields += [("group", int, self.group), ("residual", int, self.residual)]
+        if self.outliers:
+            fields.append(("outliers", float, self.outlier_fraction))
+        if self.low_rank:
+            fields.append(("rank", int, self.rank))
+        fields = [(name, kind, dataclasses.field(default=default)) for name, kind, default in fields]
+        return dataclasses.make_dataclass(f"{self.name.title()}Options", fields, bases=(_Options,), frozen=True)
 
     @property
     def plain(self) -> bool:

@@ -153,7 +153,8 @@ class QuestKVCache(KVCache):
     """A dense cache that also keeps, per page of `page_size` slots and per KV head, the channel-wise
     min and max of the keys `[B,K,P,H]` (Quest, Tang et al. 2024, arXiv 2406.10774, sec. 3). Nothing
     is evicted: a decode query reads only the `read_pages` pages whose upper bound on q.k is highest
-    (`select`), plus the page holding the newest token."""
+    (`select`), the page holding the newest token always among them (as in the reference code, where
+    the budget counts every page read); a budget of at least the cache's pages reads them all."""
 
     page_min: jax.Array
     page_max: jax.Array

@@ -311,7 +311,8 @@ def stage_counts(stage: Stage, lengths: np.ndarray, n_layers: int) -> np.ndarray
     raised = np.zeros(len(keep), bool)
     for row, (n, k) in enumerate(zip(lengths, keep)):
         protected = min(int(n), stage.n_sinks + stage.n_window(int(k)))
-        if k > n and not stage.every:  # a decode-time budget is a cap: rows below it keep every token
+        reads = METHODS[stage.method].kind == "selector" if stage.method in METHODS else False
+        if k > n and not stage.every and not reads:  # a decode-time budget (or Quest's reads) is a cap
             raise ConfigError(
                 f"policy stage {stage.method!r}: size={k} is above row {row}'s sequence of {n} tokens"
                 " (a size budget applies to prompts longer than it; every=n makes it a cap)"

@@ -5,6 +5,7 @@ scoring through the same compressed cache, and a bad option is a one-line error 
 
 import dataclasses
 import inspect
+import json
 
 import jax
 import numpy as np
@@ -16,6 +17,7 @@ from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
 from kvjax.compress.methods import METHODS
 from kvjax.compress.policy import Policy, all_methods, options_class
 from kvjax.config import ConfigError, load_config
+from kvjax.plan import compressible, kv_heads
 from kvjax.quant.schemes import SCHEMES
 
 PROMPTS = [list(range(3, 99)), [7, 1, 9, 4] * 17 + [2, 5]]  # 96 and 70 tokens: a half still covers a 32-token window
@@ -28,19 +30,22 @@ def model(make_model):
     return make_model("gqa", "model.n_layers=2", "model.init_std=0.2")[1]
 
 
-def scoring_methods() -> list[str]:
-    return sorted(name for name, method in METHODS.items() if method.kind == "scorer")
-
-
-def check_contract(model, name: str) -> None:
+def check_contract(
+    model, name: str, options: str = "", calibration=None, covering: str = "0.0", budget: str = "0.5"
+) -> None:
+    """`name` (with `options`, e.g. ":pattern=PATH") on the module's model: a `covering` budget changes
+    nothing; at `budget`, measured bytes equal the analytic bytes and decode equals teacher forcing
+    through the compressed cache."""
     full = Generator(model, capacity=CAPACITY)
-    covering = Generator(model, capacity=CAPACITY, policy=parse_policy(f"{name}:0.0"))
+    policy = parse_policy(f"{name}:{covering}{options}")
+    covering = Generator(model, capacity=CAPACITY, policy=policy, calibration=calibration)
     continuation = np.asarray(full(PROMPTS, DecodingConfig(max_new_tokens=NEW)).tokens)
     want, _ = full.score(PROMPTS, continuation.tolist())
     got, _ = covering.score(PROMPTS, continuation.tolist())
     np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{name}:0.0 changed the scores")
 
-    half = Generator(model, capacity=CAPACITY, policy=parse_policy(f"{name}:0.5"))
+    policy = parse_policy(f"{name}:{budget}{options}")
+    half = Generator(model, capacity=CAPACITY, policy=policy, calibration=calibration)
     tokens, lengths = half.pad(PROMPTS, NEW)
     logits, caches, stats = half.prefill_compressed(tokens, lengths, NEW)
     plans = half.compression_plan(lengths, NEW)
@@ -49,13 +54,25 @@ def check_contract(model, name: str) -> None:
     scored, _ = half.score(PROMPTS, np.asarray(out.tokens).tolist())
     np.testing.assert_allclose(scored, out.logprobs, atol=1e-5, err_msg=f"{name}: decode != teacher forcing")
 
-    with pytest.raises(ConfigError, match=f"policy stage '{name}:0.5:colour=red': unknown option 'colour'"):
-        parse_policy(f"{name}:0.5:colour=red")
 
-
-@pytest.mark.parametrize("name", scoring_methods())
-def test_every_registered_scoring_method_keeps_the_contract(model, name):
-    check_contract(model, name)
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_registered_method_keeps_the_contract(model, name, tmp_path):
+    """Every registered method, whatever its kind (scorers, Quest, ThinK, Palu and LoRC, DuoAttention,
+    MiniCache): what it prepares from the model is given (calibration tokens, a pattern of random gates).
+    Quest's budget is the tokens a decode step reads, fixed at the prefill: it covers the sequence when
+    it covers the decoded tokens too. MiniCache merges the top fraction of the layers in pairs: 0.9 of
+    the two layers is one pair."""
+    method, options, calibration = METHODS[name], "", None
+    covering = str(CAPACITY) if method.kind == "selector" else "0.0"
+    budget = "0.9" if method.kind == "layer_level" else "0.5"
+    if method.needs_calibration:
+        calibration = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 64))
+    if "streaming" in method.prepares:
+        heads = [kv_heads(model.config, s) for s in compressible(model.config)]
+        gates = [np.random.default_rng(i).random(k).tolist() for i, k in enumerate(heads)]
+        (tmp_path / "gates.json").write_text(json.dumps({"gates": gates}))
+        options = f":pattern={tmp_path / 'gates.json'}"
+    check_contract(model, name, options, calibration, covering, budget)
 
 
 @pytest.mark.parametrize("name", all_methods())

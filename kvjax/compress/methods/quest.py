@@ -1,6 +1,9 @@
 """Quest (Tang et al. 2024, arXiv 2406.10774, sec. 3): nothing is evicted; the cache also keeps each
 page's channel-wise key min and max, and a decode query reads only the pages whose upper bound on q.k
-is highest (`kvjax.cache.QuestKVCache`). The budget is the tokens read per step, in whole pages."""
+is highest (`kvjax.cache.QuestKVCache`). The budget is the tokens read per decode step, in whole pages,
+fixed at the prefill as the paper's token budget: a ratio is of the prompt (so `quest:0.0` reads the
+prompt's pages, not the pages decoding adds), and a size may exceed the prompt (`quest:4096` on a
+1,000-token prompt reads every page until the sequence passes 4,096 tokens)."""
 
 from __future__ import annotations
 

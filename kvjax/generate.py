@@ -8,8 +8,10 @@ once and its pure function is run through plain `jax.jit`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from functools import partial
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +231,37 @@ def _score(graphdef, params, caches, logits, lengths, stats, evict_arrays, force
     return logprobs, jnp.concatenate([full.transpose(1, 0, 2), last_full[:, None]], axis=1)
 
 
+@functools.lru_cache(maxsize=16)
+def _programs(graphdef) -> SimpleNamespace:
+    """The jitted programs of one model structure, shared by every Generator of it: jax caches what it
+    compiles per jitted function, so a second Generator of the same model (another policy, another
+    capacity) traces and compiles only the programs whose static arguments or shapes differ."""
+    return SimpleNamespace(
+        prefill=jax.jit(partial(_prefill, graphdef), static_argnames=("capacity",)),
+        prefill_chunk=jax.jit(partial(_prefill_chunk, graphdef), donate_argnums=(1, 2)),
+        logits=jax.jit(partial(_logits, graphdef)),
+        prefill_compressed=jax.jit(
+            partial(_prefill_compressed, graphdef), static_argnames=("capacity", "statics", "slots")
+        ),
+        prefill_densities=jax.jit(
+            partial(_prefill_densities, graphdef), static_argnames=("capacity", "stages", "slots")
+        ),
+        decode=jax.jit(
+            partial(_decode, graphdef),
+            static_argnames=("n_new", "sampling", "eos_id", "pad_id", "evict"),
+            donate_argnames=("caches",),
+        ),
+        score=jax.jit(partial(_score, graphdef), static_argnames=("evict", "keep_logits")),
+    )
+
+
+def _logits(graphdef, params, hidden):
+    return nnx.merge(graphdef, params).logits(hidden)
+
+
+_COMPRESS = jax.jit(compress_caches, static_argnames=("statics", "slots"))
+
+
 class Generator:
     """Compiled generation for one model, cache capacity and (optional) compression policy; reuse it to
     compile once per shape.
@@ -251,23 +284,11 @@ class Generator:
             check_policy(policy, self.config)
             self._prepared = prepare_policy(policy, model, calibration)
         graphdef, self.params = nnx.split(model)
-        self._prefill = jax.jit(partial(_prefill, graphdef), static_argnames=("capacity",))
-        self._prefill_chunk = jax.jit(partial(_prefill_chunk, graphdef), donate_argnums=(1, 2))
-        self._logits = jax.jit(lambda params, hidden: nnx.merge(graphdef, params).logits(hidden))
-        self._prefill_compressed = jax.jit(
-            partial(_prefill_compressed, graphdef), static_argnames=("capacity", "statics", "slots")
-        )
-        self._prefill_densities = jax.jit(
-            partial(_prefill_densities, graphdef), static_argnames=("capacity", "stages", "slots")
-        )
-        self._compress = jax.jit(compress_caches, static_argnames=("statics", "slots"))
+        programs = _programs(graphdef)
+        self._prefill, self._prefill_chunk, self._logits = programs.prefill, programs.prefill_chunk, programs.logits
+        self._prefill_compressed, self._prefill_densities = programs.prefill_compressed, programs.prefill_densities
+        self._compress, self._decode, self._score = _COMPRESS, programs.decode, programs.score
         self._layer_counts = None  # (lengths, tokens kept per cache and row) of the last prefill (D2O)
-        self._decode = jax.jit(
-            partial(_decode, graphdef),
-            static_argnames=("n_new", "sampling", "eos_id", "pad_id", "evict"),
-            donate_argnames=("caches",),
-        )
-        self._score = jax.jit(partial(_score, graphdef), static_argnames=("evict", "keep_logits"))
 
     @property
     def layer_counts(self) -> np.ndarray | None:

@@ -76,10 +76,13 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs=2, default=[1024, 8192])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--variants", nargs="+", choices=VARIANTS[1:], default=VARIANTS[1:], help="measured against gqa (always run)"
+    )
     args = parser.parse_args()
 
     rows, base = [], {}
-    for name in VARIANTS:
+    for name in ("gqa", *args.variants):
         model = Decoder(load_config(name).model, rngs=nnx.Rngs(0))
         train = train_tokens_per_s(model, args.batch, args.seq_len, args.repeats)
         short, long = (decode_time(model, args.decode_batch, c, args.steps, args.repeats) for c in args.contexts)

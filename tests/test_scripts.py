@@ -33,6 +33,8 @@ SMALLEST = {
         "2",
         "--repeats",
         "1",
+        "--variants",
+        "mamba",
     ],
     "bench_kernels.py": [
         "--contexts",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from kvjax.architectures.layers import apply_rope, dense
+from kvjax.architectures.layers import RMSNorm, apply_rope, dense
 from kvjax.architectures.mixers import common, register_mixer
 from kvjax.cache import AttentionCache, KVView, QuestKVCache, heads_first
 from kvjax.config import AttentionConfig
@@ -18,7 +18,17 @@ from kvjax.ops import attention, attention_probs
 
 
 class Attention(nnx.Module):
-    def __init__(self, d_model: int, cfg: AttentionConfig, *, produces_kv: bool, std: float, dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        cfg: AttentionConfig,
+        *,
+        produces_kv: bool,
+        std: float,
+        dtype,
+        rngs: nnx.Rngs,
+        norm_eps: float,
+    ):
         self.cfg = cfg
         N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         bias = cfg.qkv_bias
@@ -26,6 +36,9 @@ class Attention(nnx.Module):
         self.k = dense(d_model, K * H, std=std, dtype=dtype, rngs=rngs, bias=bias) if produces_kv else None
         self.v = dense(d_model, K * H, std=std, dtype=dtype, rngs=rngs, bias=bias) if produces_kv else None
         self.o = dense(N * H, d_model, std=std, dtype=dtype, rngs=rngs)
+        # QK-norm (Qwen3, Gemma 3): one RMSNorm over head_dim shared by the heads, before RoPE
+        self.q_norm = RMSNorm(H, eps=norm_eps, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(H, eps=norm_eps, dtype=dtype) if cfg.qk_norm and produces_kv else None
 
     @property
     def produces_kv(self) -> bool:
@@ -36,7 +49,8 @@ class Attention(nnx.Module):
         view a chunk of queries at these positions attends to)."""
         cfg = self.cfg
         B, T, _ = kv_x.shape
-        k = apply_rope(self.k(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+        k = self.k(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        k = apply_rope(k if self.k_norm is None else self.k_norm(k), positions, cfg.rope_theta)
         v = self.v(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         if cache is None:
             return None, KVView(heads_first(k), heads_first(v), positions, fresh=T)
@@ -86,7 +100,8 @@ class Attention(nnx.Module):
         """Post-RoPE queries `[B,T,N,H]` of x `[B,T,D]`."""
         cfg = self.cfg
         B, T, _ = x.shape
-        return apply_rope(self.q(x).reshape(B, T, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
+        q = self.q(x).reshape(B, T, cfg.n_heads, cfg.head_dim)
+        return apply_rope(q if self.q_norm is None else self.q_norm(q), positions, cfg.rope_theta)
 
     def probs(self, x: jax.Array, positions: jax.Array, view: KVView) -> jax.Array:
         """Attention probabilities `[B,K,T,G,S]` of the queries of x `[B,T,D]` over `view`: what
@@ -101,7 +116,7 @@ class Attention(nnx.Module):
 def _build(kind: str):
     def build(cfg, layer, produces_kv, rngs):
         att = cfg.attention_for(kind)  # YOCO's `swa` layers take its window
-        return Attention(cfg.d_model, att, produces_kv=produces_kv, rngs=rngs, **common(cfg))
+        return Attention(cfg.d_model, att, produces_kv=produces_kv, rngs=rngs, norm_eps=cfg.norm_eps, **common(cfg))
 
     return build
 

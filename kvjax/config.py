@@ -60,6 +60,7 @@ class AttentionConfig:
     window: int | None = None
     impl: str = "xla"
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2's attention)
+    qk_norm: bool = False  # RMSNorm over head_dim of every query and key head, before RoPE (Qwen3, Gemma 3)
 
     def __post_init__(self):
         p = "model.attention"

@@ -116,8 +116,8 @@ class Conversion:
         att, D = source.attention, self.mla_rope_dims
         if self.kv_heads or self.sharing or self.window or self.yoco_window:
             raise ConfigError(f"{where}: mla converts the source's own K/V heads; drop the other stages")
-        if source.kv_sharing.kind != "none" or att.window is not None or att.qkv_bias:
-            raise ConfigError(f"{where}: mla needs a source without K/V sharing, windows or q/k/v biases")
+        if source.kv_sharing.kind != "none" or att.window is not None or att.qkv_bias or att.qk_norm:
+            raise ConfigError(f"{where}: mla needs a source without K/V sharing, windows, q/k/v biases or q/k norms")
         if D % 2 or not 2 <= D <= att.head_dim:
             raise ConfigError(f"{where}: rope_dims={D} must be even and in [2, head_dim={att.head_dim}]")
         columns = att.n_kv_heads * (2 * att.head_dim - D)  # [W_k,nope, W_v]: what the latent factorizes
@@ -265,12 +265,16 @@ def convert(model: Decoder, conversion: Conversion, calibration: np.ndarray | No
     att = target_cfg.attention
     kv_source = target_cfg.kv_source
 
-    def kv_param(name: str, part: str, producer: int):
-        """The producer's K or V kernel (or bias): its group's projections merged, then heads pooled."""
+    def merged(name: str, part: str, producer: int):
+        """A parameter of the producer's attention, averaged over its group's layers (`merge=mean`)."""
         group = [i for i, src in enumerate(kv_source) if src == producer]
         layers = group if conversion.merge == "mean" else [producer]
-        merged = jnp.mean(jnp.stack([getattr(getattr(model.blocks[i].mixer, name), part)[...] for i in layers]), 0)
-        return pool_heads(merged.reshape(-1, merged.shape[-1]), att.n_kv_heads, att.head_dim, conversion.pool)
+        return jnp.mean(jnp.stack([getattr(getattr(model.blocks[i].mixer, name), part)[...] for i in layers]), 0)
+
+    def kv_param(name: str, part: str, producer: int):
+        """The producer's K or V kernel (or bias): its group's projections merged, then heads pooled."""
+        value = merged(name, part, producer)
+        return pool_heads(value.reshape(-1, value.shape[-1]), att.n_kv_heads, att.head_dim, conversion.pool)
 
     _copy_shared(model, target)
     for i, (new, old) in enumerate(zip(target.blocks, model.blocks)):
@@ -281,6 +285,10 @@ def convert(model: Decoder, conversion: Conversion, calibration: np.ndarray | No
         parts = ("kernel", "bias") if att.qkv_bias else ("kernel",)
         if att.qkv_bias:
             put(new.mixer.q.bias, old.mixer.q.bias[...])
+        if att.qk_norm:  # one norm over head_dim, shared by the heads: pooling leaves it as it is
+            put(new.mixer.q_norm.scale, old.mixer.q_norm.scale[...])
+            if new.mixer.produces_kv:
+                put(new.mixer.k_norm.scale, merged("k_norm", "scale", i))
         for name in ("k", "v") if new.mixer.produces_kv else ():
             for part in parts:
                 param = getattr(getattr(new.mixer, name), part)

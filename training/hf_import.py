@@ -1,10 +1,12 @@
 """Load a local Hugging Face checkpoint directory (config.json + safetensors) of the decoder families
-kvjax expresses, Llama, Mistral and Qwen2, as a kvjax model, with its tokenizer (tokenizer.json).
+kvjax expresses (`training/families/`: Llama, Mistral, Qwen2, Qwen3), as a kvjax model, with its
+tokenizer (tokenizer.json).
 
 They share kvjax's layout: pre-norm RMSNorm blocks, SwiGLU MLPs, RoPE pairing channel i with
 i + head_dim/2, GQA. Mistral's `sliding_window` becomes `attention.window` (both see keys with
 q - k < window); Qwen2's query/key/value biases (and Llama's `attention_bias`, when its output
-projection's bias is zero, as kvjax's export writes it) become `attention.qkv_bias`. Anything else a
+projection's bias is zero, as kvjax's export writes it) become `attention.qkv_bias`; Qwen3's q/k norms
+`attention.qk_norm`. Anything else a
 config asks for (RoPE scaling, other activations, a non-zero output bias, per-layer windows) is refused
 by name rather than loaded approximately.
 """

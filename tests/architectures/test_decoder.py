@@ -19,8 +19,15 @@ from tests.architectures.oracles import (
 )
 
 TWO_LAYERS = "model.n_layers=2"
-# The shipped SWA window (64) exceeds these tiny sequences; 8 makes the ring wrap during the test.
-VARIANTS = {"mha": [], "gqa": [], "mqa": [], "mqa-half": [], "swa": ["model.attention.window=8"]}
+# The shipped SWA window (64) exceeds these tiny sequences; 8 makes the ring wrap during the test. MQA
+# carries Qwen3's q/k norms (they normalize the keys before they are cached).
+VARIANTS = {
+    "mha": [],
+    "gqa": [],
+    "mqa": ["model.attention.qk_norm=true"],
+    "mqa-half": [],
+    "swa": ["model.attention.window=8"],
+}
 
 
 # Eager (op by op) once for full attention and once for the ring: the head counts of the other variants

@@ -1,6 +1,7 @@
 """docs/extending.md's worked examples are code that runs: its first block registers a new scoring
 method, which then passes the contract of every registered method and runs from a policy string; its
-second a new layer kind, which passes the contract of every registered kind."""
+second a new layer kind, which passes the contract of every registered kind; its third is the Qwen3
+family file itself."""
 
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ from kvjax.compress import parse_policy
 from kvjax.compress.methods import METHODS
 from kvjax.config import ConfigError
 from kvjax.kinds import KINDS
+from kvjax.training.families import BY_HF_ARCHITECTURE
 from tests.architectures.test_kinds import check_kind
 from tests.kvjax.test_methods import CAPACITY, PROMPTS, check_contract, model  # noqa: F401 (a fixture)
 
@@ -22,8 +24,14 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 
 def _blocks() -> list[str]:
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    assert len(blocks) == 2, "docs/extending.md: a method example, then a layer kind example"
+    assert len(blocks) == 3, "docs/extending.md: a method example, a layer kind example, then a model family"
     return blocks
+
+
+def test_the_documented_model_family_is_the_shipped_file():
+    """The family example is training/families/qwen3.py itself, which the import tests run (see the doc)."""
+    assert _blocks()[2] == (DOC.parents[1] / "training" / "families" / "qwen3.py").read_text()
+    assert BY_HF_ARCHITECTURE["Qwen3ForCausalLM"].__name__ == "kvjax.training.families.qwen3"
 
 
 def test_the_documented_method_is_one_block_that_passes_the_contract(model):  # noqa: F811

@@ -464,3 +464,11 @@ def test_lorc_bases_are_the_weights_top_singular_vectors_and_full_rank_is_lossle
     _, small, _ = half.prefill_compressed(tokens, lengths, NEW)
     assert caches_nbytes(small) == compressed_cache_bytes(cfg, half.compression_plan(lengths, NEW), 2, CAPACITY)
     assert caches_nbytes(small) < caches_nbytes(caches)
+
+
+def test_lorc_refuses_normalized_keys_and_palu_takes_them(make_model):
+    """With q/k norms (Qwen3) a key is not in the span of W_k's rows: LoRC's weight bases would not hold
+    it, so it refuses by name; Palu's bases come from the keys themselves."""
+    _, model = make_model("gqa", "model.n_layers=2", "model.attention.qk_norm=true")
+    with pytest.raises(ConfigError, match="normalizes its keys .model.attention.qk_norm.*use palu"):
+        Generator(model, capacity=CAPACITY, policy=parse_policy("lorc:0.5"))

@@ -120,18 +120,24 @@ def test_a_source_that_already_shares_kv_is_refused(make_model):
         convert(cla, parse_conversion("mlkv:layers=1"))
 
 
-def test_qkv_biases_are_kept_and_pooled_like_the_kernels(make_model):
-    """Qwen2-style biases: kept exactly at no reduction; the K/V biases mean-pooled with their heads."""
-    model = nnx.clone(make_model("mha", "model.attention.qkv_bias=true")[1])
+def test_qkv_biases_and_qk_norms_are_kept_and_pooled_like_the_kernels(make_model):
+    """Qwen2-style biases and Qwen3-style q/k norms: kept exactly at no reduction; the K/V biases
+    mean-pooled with their heads, the one key norm (shared by the heads) kept; MLA refuses the norms."""
+    model = nnx.clone(make_model("mha", "model.attention.qkv_bias=true", "model.attention.qk_norm=true")[1])
     rng = np.random.default_rng(2)
     for block in model.blocks:
         for proj in (block.mixer.q, block.mixer.k, block.mixer.v):
             proj.bias.set_value(jnp.asarray(rng.normal(size=proj.bias.shape), jnp.float32))
+        for norm in (block.mixer.q_norm, block.mixer.k_norm):
+            norm.scale.set_value(jnp.asarray(1 + rng.normal(size=norm.scale.shape), jnp.float32))
     np.testing.assert_allclose(_logits(convert(model, parse_conversion("gqa:kv_heads=8"))), _logits(model), atol=1e-5)
     mqa = convert(model, parse_conversion("mqa"))
     want = np.asarray(model.blocks[1].mixer.v.bias[...]).reshape(8, 16).mean(axis=0)
     np.testing.assert_allclose(mqa.blocks[1].mixer.v.bias[...], want, atol=1e-6)
     np.testing.assert_array_equal(mqa.blocks[1].mixer.q.bias[...], model.blocks[1].mixer.q.bias[...])
+    np.testing.assert_array_equal(mqa.blocks[1].mixer.k_norm.scale[...], model.blocks[1].mixer.k_norm.scale[...])
+    with pytest.raises(ConfigError, match="q/k norms"):
+        convert(model, parse_conversion("mla:d_c=8,rope_dims=4,select=high"))
 
 
 MLA_SOURCE = ("gqa", "model.init_std=0.2")  # 8 query heads over 2 KV heads of 16 dims

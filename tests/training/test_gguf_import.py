@@ -20,7 +20,10 @@ def llama_cpp_permute(w, n_heads):
 
 
 def write_gguf(path, model, arch="llama"):
+    """A GGUF file of `model` as llama.cpp's converter writes `arch` (Qwen3: Q/K rows not permuted, and
+    each layer's q/k norms)."""
     cfg, att = model.config, model.config.attention
+    rope = llama_cpp_permute if arch == "llama" else lambda w, heads: w
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.n_layers)
     w.add_context_length(256)
@@ -37,8 +40,11 @@ def write_gguf(path, model, arch="llama"):
     for i, b in enumerate(model.blocks):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", f32(b.mixer_norm.scale))
-        w.add_tensor(p + "attn_q.weight", llama_cpp_permute(f32(b.mixer.q.kernel).T.copy(), att.n_heads))
-        w.add_tensor(p + "attn_k.weight", llama_cpp_permute(f32(b.mixer.k.kernel).T.copy(), att.n_kv_heads))
+        w.add_tensor(p + "attn_q.weight", rope(f32(b.mixer.q.kernel).T.copy(), att.n_heads))
+        w.add_tensor(p + "attn_k.weight", rope(f32(b.mixer.k.kernel).T.copy(), att.n_kv_heads))
+        if att.qk_norm:
+            w.add_tensor(p + "attn_q_norm.weight", f32(b.mixer.q_norm.scale))
+            w.add_tensor(p + "attn_k_norm.weight", f32(b.mixer.k_norm.scale))
         w.add_tensor(p + "attn_v.weight", f32(b.mixer.v.kernel).T.copy())
         w.add_tensor(p + "attn_output.weight", f32(b.mixer.o.kernel).T.copy())
         w.add_tensor(p + "ffn_norm.weight", f32(b.mlp_norm.scale))
@@ -57,10 +63,16 @@ def test_unpermute_inverts_llama_cpp():
     assert not np.array_equal(llama_cpp_permute(w, 3), w)
 
 
-def test_a_gguf_written_from_a_kvjax_model_loads_back_exactly(tmp_path):
-    cfg = load_config("gqa", ["model.n_layers=2", "model.attention.rope_theta=500.0"]).model
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_gguf_written_from_a_kvjax_model_loads_back_exactly(tmp_path, arch):
+    qk_norm = f"model.attention.qk_norm={arch == 'qwen3'}"
+    cfg = load_config("gqa", ["model.n_layers=2", "model.attention.rope_theta=500.0", qk_norm]).model
     model = Decoder(cfg, rngs=nnx.Rngs(3))
-    write_gguf(tmp_path / "tiny.gguf", model)
+    if cfg.attention.qk_norm:  # norms start at one: make them matter
+        for b in model.blocks:
+            for norm in (b.mixer.q_norm, b.mixer.k_norm):
+                norm.scale.set_value(norm.scale[...] + np.random.default_rng(0).normal(size=norm.scale.shape))
+    write_gguf(tmp_path / "tiny.gguf", model, arch)
     config, loaded = load_gguf_model(tmp_path / "tiny.gguf")
     assert config.model.attention == cfg.attention and config.model.tie_embeddings
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(loaded))):

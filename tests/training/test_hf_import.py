@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint directories (Llama, Mistral, Qwen2) load as kvjax models that compute what
+"""Hugging Face checkpoint directories (Llama, Mistral, Qwen2, Qwen3) load as kvjax models that compute what
 transformers computes, kvjax's own export reads back exactly, and what kvjax cannot express is refused."""
 
 import json
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.training.hf_export import export_llama
+from kvjax.training.hf_export import export_hf
 from kvjax.training.hf_import import HFImportError, load_hf_model
 
 torch = pytest.importorskip("torch")
@@ -50,6 +50,7 @@ def _ids(length=12):
         ("Llama", {"tie_word_embeddings": True}),
         ("Mistral", {"sliding_window": 5}),  # 12 tokens: the window matters
         ("Qwen2", {}),  # query/key/value biases
+        ("Qwen3", {"head_dim": 8}),  # q/k norms
     ],
 )
 def test_logits_match_transformers(tmp_path, family, extra):
@@ -62,6 +63,28 @@ def test_logits_match_transformers(tmp_path, family, extra):
     np.testing.assert_allclose(ours, want, atol=1e-4)
     assert config.model.attention.window == extra.get("sliding_window")
     assert config.model.attention.qkv_bias == (family == "Qwen2")
+    assert config.model.attention.qk_norm == (family == "Qwen3")
+
+
+def test_a_model_with_qk_norms_exports_as_qwen3_that_transformers_runs(make_model, tmp_path):
+    """Export picks the family that expresses the model: q/k norms make it a Qwen3 directory, which
+    transformers runs to kvjax's logits and kvjax reads back exactly."""
+    from flax import nnx
+
+    cfg, model = make_model("gqa", "model.n_layers=2", "model.attention.qk_norm=true")
+    model, rng = nnx.clone(model), np.random.default_rng(2)
+    for block in model.blocks:  # norms start at one: make them matter
+        for norm in (block.mixer.q_norm, block.mixer.k_norm):
+            norm.scale.set_value(jnp.asarray(1 + rng.normal(size=norm.scale.shape), jnp.float32))
+    export_hf(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    ids, pos = _ids() % cfg.vocab_size, jnp.broadcast_to(jnp.arange(12), (2, 12))
+    ours = model(jnp.asarray(ids), pos)[0]
+    _, back = load_hf_model(tmp_path)
+    np.testing.assert_allclose(back(jnp.asarray(ids), pos)[0], ours, atol=1e-6)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(reference(torch.tensor(ids)).logits.numpy(), ours, atol=1e-4)
 
 
 def test_kvjax_export_reads_back_exactly(make_model, tmp_path):
@@ -72,7 +95,7 @@ def test_kvjax_export_reads_back_exactly(make_model, tmp_path):
     for block in model.blocks:  # biases start at zero: make them matter
         for proj in (block.mixer.q, block.mixer.k, block.mixer.v):
             proj.bias.set_value(jnp.asarray(rng.normal(size=proj.bias.shape), jnp.float32))
-    export_llama(model, tmp_path)
+    export_hf(model, tmp_path)
     _, back = load_hf_model(tmp_path)
     ids = jnp.asarray(_ids())
     pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
@@ -118,7 +141,7 @@ def test_a_checkpoint_directory_is_a_model_for_eval_generate_and_uptrain(make_mo
         vocab_size=262, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(["def f(x):\n    return {'a': [1, 2]}\n"] * 20, trainer)
-    export_llama(model, tmp_path / "hf", bos_id=0, eos_id=1)
+    export_hf(model, tmp_path / "hf", bos_id=0, eos_id=1)
     tok.save(str(tmp_path / "hf" / "tokenizer.json"))
     loaded = load_model(str(tmp_path / "hf"))
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("return [1]")) == "return [1]"

@@ -15,7 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 from kvjax import DecodingConfig, generate  # noqa: E402
 from kvjax.training.data import load_corpus  # noqa: E402
 from kvjax.training.gguf_import import GGUFError, load_gguf_model, load_gguf_tokenizer, resolve_gguf  # noqa: E402
-from kvjax.training.hf_export import export_llama  # noqa: E402
+from kvjax.training.hf_export import export_hf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +107,7 @@ def test_an_mqa_smollm2_exports_to_a_llama_that_transformers_runs(ours, text_ids
     from kvjax.training.hf_import import load_hf_model
 
     mqa = convert(ours[1], parse_conversion("mqa"))
-    export_llama(mqa, tmp_path)
+    export_hf(mqa, tmp_path)
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     assert hf.config.num_key_value_heads == 1
     ids = text_ids[:64]
@@ -123,7 +123,7 @@ def test_an_mqa_smollm2_exports_to_a_llama_that_transformers_runs(ours, text_ids
 
 def test_export_round_trip(ours, text_ids, full, tmp_path):
     _, model, tokenizer = ours
-    export_llama(model, tmp_path, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    export_hf(model, tmp_path, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf(torch.tensor([text_ids[:128]])).logits[0].numpy()

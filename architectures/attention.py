@@ -8,6 +8,7 @@ MLKV: only query and output projections; it attends to the producer's post-RoPE 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.architectures.layers import RMSNorm, apply_rope, dense
@@ -28,6 +29,7 @@ class Attention(nnx.Module):
         dtype,
         rngs: nnx.Rngs,
         norm_eps: float,
+        norm_offset: float = 0.0,
     ):
         self.cfg = cfg
         N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -37,8 +39,9 @@ class Attention(nnx.Module):
         self.v = dense(d_model, K * H, std=std, dtype=dtype, rngs=rngs, bias=bias) if produces_kv else None
         self.o = dense(N * H, d_model, std=std, dtype=dtype, rngs=rngs)
         # QK-norm (Qwen3, Gemma 3): one RMSNorm over head_dim shared by the heads, before RoPE
-        self.q_norm = RMSNorm(H, eps=norm_eps, dtype=dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(H, eps=norm_eps, dtype=dtype) if cfg.qk_norm and produces_kv else None
+        norm = lambda: RMSNorm(H, eps=norm_eps, dtype=dtype, offset=norm_offset)  # noqa: E731
+        self.q_norm = norm() if cfg.qk_norm else None
+        self.k_norm = norm() if cfg.qk_norm and produces_kv else None
 
     @property
     def produces_kv(self) -> bool:
@@ -101,7 +104,10 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         q = self.q(x).reshape(B, T, cfg.n_heads, cfg.head_dim)
-        return apply_rope(q if self.q_norm is None else self.q_norm(q), positions, cfg.rope_theta)
+        q = apply_rope(q if self.q_norm is None else self.q_norm(q), positions, cfg.rope_theta)
+        if cfg.query_scale is not None:  # attention scales by head_dim^-0.5; Gemma by query_scale^-0.5
+            q = q * jnp.asarray((cfg.head_dim / cfg.query_scale) ** 0.5, q.dtype)
+        return q
 
     def probs(self, x: jax.Array, positions: jax.Array, view: KVView) -> jax.Array:
         """Attention probabilities `[B,K,T,G,S]` of the queries of x `[B,T,D]` over `view`: what
@@ -116,10 +122,12 @@ class Attention(nnx.Module):
 def _build(kind: str):
     def build(cfg, layer, produces_kv, rngs):
         att = cfg.attention_for(kind)  # YOCO's `swa` layers take its window
-        return Attention(cfg.d_model, att, produces_kv=produces_kv, rngs=rngs, norm_eps=cfg.norm_eps, **common(cfg))
+        norms = dict(norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset)
+        return Attention(cfg.d_model, att, produces_kv=produces_kv, rngs=rngs, **norms, **common(cfg))
 
     return build
 
 
 register_mixer("attention", _build("attention"))
 register_mixer("swa", _build("swa"))
+register_mixer("local", _build("local"))

@@ -9,7 +9,7 @@ from flax import nnx
 # The mixer modules register their kinds' builders when imported: one import per module.
 from kvjax.architectures import mamba, mla, retention, rwkv  # noqa: F401
 from kvjax.architectures.attention import Attention
-from kvjax.architectures.layers import RMSNorm, SwiGLU, dense
+from kvjax.architectures.layers import GatedMLP, RMSNorm, dense
 from kvjax.architectures.mixers import MIXERS
 from kvjax.cache import KVCache, LatentCache, LayerCache, PooledKVCache
 from kvjax.config import ModelConfig
@@ -19,7 +19,8 @@ Caches = tuple[LayerCache, ...]
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x)).
+    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x)); with `sandwich_norms` (Gemma
+    2 and 3) the mixer's and the MLP's outputs are normed too before they are added.
 
     Layer `layer` of the plan builds the mixer its kind registered (`kvjax.architectures.mixers`). A K/V
     producer for which `cfg.uses_kv_norm(layer)` holds (CLA producers, YOCO's first cross layer) feeds its
@@ -28,16 +29,19 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, layer: int, rngs: nnx.Rngs):
         kind, produces_kv = cfg.mixers[layer], cfg.kv_source[layer] == layer
-        dtype, eps = jnp.dtype(cfg.dtype), cfg.norm_eps
-        self.mixer_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype)
-        self.kv_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype) if cfg.uses_kv_norm(layer) else None
+        dtype = jnp.dtype(cfg.dtype)
+        norm = lambda: RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype, offset=cfg.norm_offset)  # noqa: E731
+        self.mixer_norm = norm()
+        self.kv_norm = norm() if cfg.uses_kv_norm(layer) else None
         mixer = MIXERS[kind]
         self.mixer = mixer.build(cfg, layer, produces_kv, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, eps=eps, dtype=dtype)
+        self.post_mixer_norm = norm() if cfg.sandwich_norms else None
+        self.mlp_norm = norm()
         if mixer.mlp is not None:  # the kind's own MLP, which reads and updates the layer state
             self.mlp = mixer.mlp(cfg, layer, rngs)
         else:
-            self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim, std=cfg.init_std, dtype=dtype, rngs=rngs)
+            self.mlp = GatedMLP(cfg.d_model, cfg.ffn_dim, std=cfg.init_std, dtype=dtype, rngs=rngs, act=cfg.mlp_act)
+        self.post_mlp_norm = norm() if cfg.sandwich_norms else None
 
     def __call__(self, x, positions, cache=None, *, shared=None):
         """Returns (x, cache, view): the mixer's updated cache and the K/V view it attended to (None for
@@ -47,11 +51,12 @@ class Block(nnx.Module):
         else:
             sharing = {} if self.kv_norm is None else {"kv_x": self.kv_norm(x)}
         y, cache, view = self.mixer(self.mixer_norm(x), positions, cache, **sharing)
-        x = x + y
-        if not isinstance(self.mlp, SwiGLU):  # a kind's own MLP carries the layer state
+        x = x + (y if self.post_mixer_norm is None else self.post_mixer_norm(y))
+        if not isinstance(self.mlp, GatedMLP):  # a kind's own MLP carries the layer state
             y, cache = self.mlp(self.mlp_norm(x), positions, cache)
-            return x + y, cache, view
-        return x + self.mlp(self.mlp_norm(x)), cache, view
+        else:
+            y = self.mlp(self.mlp_norm(x))
+        return x + (y if self.post_mlp_norm is None else self.post_mlp_norm(y)), cache, view
 
     def observe(self, x, positions, view):
         """Attention probabilities of this block's queries for inputs x `[B,W,D]` over `view` (see
@@ -83,7 +88,7 @@ class Decoder(nnx.Module):
             rngs=rngs,
         )
         self.blocks = nnx.List([Block(cfg, layer=i, rngs=rngs) for i in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype)
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dtype, offset=cfg.norm_offset)
         self.lm_head = (
             None if cfg.tie_embeddings else dense(cfg.d_model, cfg.vocab_size, std=cfg.init_std, dtype=dtype, rngs=rngs)
         )
@@ -97,7 +102,15 @@ class Decoder(nnx.Module):
 
     def hidden(self, tokens, positions, caches=None):
         """Final-normed hidden states `[B,T,D]` (before the vocabulary projection) and the caches."""
-        return self.run_blocks(self.embed(tokens), positions, caches)
+        return self.run_blocks(self.embed_tokens(tokens), positions, caches)
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """The embeddings `[B,T,D]` of tokens, times sqrt(d_model) in the model's dtype with `embed_scale`
+        (Gemma; the tied output projection reads the unscaled table)."""
+        x = self.embed(tokens)
+        if self.config.embed_scale:
+            x = x * jnp.asarray(self.config.d_model**0.5, x.dtype)
+        return x
 
     def run_blocks(self, x, positions, caches=None):
         """The blocks and the final norm over embeddings x `[B,T,D]`; returns (hidden, caches)."""
@@ -112,7 +125,9 @@ class Decoder(nnx.Module):
         of the probabilities `[B,K,W,G,S]` of the queries at token indices obs_index `[B,W]` (-1: none)
         over its updated cache, and of those queries q `[B,W,N,H]` (None for MLA). Returns (hidden, caches,
         one reduction per producer or None)."""
-        x, caches, observed = self._run(self.embed(tokens), positions, caches, self.plan.n_layers, (obs_index, reduce))
+        x, caches, observed = self._run(
+            self.embed_tokens(tokens), positions, caches, self.plan.n_layers, (obs_index, reduce)
+        )
         return self.final_norm(x), caches, observed
 
     def _run(self, x, positions, caches, stop: int, observe=None):
@@ -168,7 +183,7 @@ class Decoder(nnx.Module):
         if e == self.plan.n_layers:
             hidden, caches = self.hidden(tokens, positions, caches)
             return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], caches
-        x, caches, _ = self._run(self.embed(tokens), positions, caches, e)
+        x, caches, _ = self._run(self.embed_tokens(tokens), positions, caches, e)
         caches = list(caches)
         slot = self.plan.cache_index(e)
         caches[slot], view = self.blocks[e].write_kv(x, positions, caches[slot])
@@ -179,8 +194,12 @@ class Decoder(nnx.Module):
         return self.final_norm(x)[:, 0], tuple(caches)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Project hidden states to fp32 vocabulary logits (through the tied embedding if configured)."""
+        """Project hidden states to fp32 vocabulary logits (through the tied embedding if configured),
+        soft-capped to c * tanh(logits / c) with `final_softcap` c (Gemma 2)."""
         if self.lm_head is None:
             table = self.embed.embedding[...]
-            return jnp.einsum("...D,VD->...V", hidden, table, preferred_element_type=jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            logits = jnp.einsum("...D,VD->...V", hidden, table, preferred_element_type=jnp.float32)
+        else:
+            logits = self.lm_head(hidden).astype(jnp.float32)
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)

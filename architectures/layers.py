@@ -1,4 +1,4 @@
-"""Building blocks shared by every decoder: RMSNorm, rotary embeddings (`kvjax.rope`) and the SwiGLU MLP."""
+"""Building blocks shared by every decoder: RMSNorm, rotary embeddings (`kvjax.rope`) and the gated MLP."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from flax import nnx
 
 from kvjax.rope import apply_rope
 
-__all__ = ["Dense", "RMSNorm", "SwiGLU", "apply_rope", "dense", "last_valid"]
+__all__ = ["Dense", "GatedMLP", "RMSNorm", "apply_rope", "dense", "last_valid"]
 
 
 class Dense(nnx.Module):
@@ -38,29 +38,35 @@ def dense(d_in: int, d_out: int, *, std: float, dtype, rngs: nnx.Rngs, bias: boo
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale (Zhang and Sennrich 2019), computed in fp32 and cast back."""
+    """x / rms(x) * (offset + scale) (Zhang and Sennrich 2019), computed in fp32 and cast back. Gemma
+    stores the scale less one (`offset` 1); the parameter starts where offset + scale is 1."""
 
-    def __init__(self, dim: int, *, eps: float, dtype):
-        self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, *, eps: float, dtype, offset: float = 0.0):
+        self.eps, self.offset = eps, offset
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
-        return (normed * scale).astype(x.dtype)
+        return (normed * (self.offset + scale)).astype(x.dtype)
 
 
-class SwiGLU(nnx.Module):
-    """down(silu(gate(x)) * up(x)) (Shazeer 2020, eq. 6)."""
+_ACTS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
-    def __init__(self, d_model: int, ffn_dim: int, *, std: float, dtype, rngs: nnx.Rngs):
+
+class GatedMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu (Shazeer 2020, eq. 6), GeGLU with the tanh
+    approximation of GELU as Gemma uses it (`model.mlp_act`)."""
+
+    def __init__(self, d_model: int, ffn_dim: int, *, std: float, dtype, rngs: nnx.Rngs, act: str = "silu"):
+        self.act = act
         self.gate = dense(d_model, ffn_dim, std=std, dtype=dtype, rngs=rngs)
         self.up = dense(d_model, ffn_dim, std=std, dtype=dtype, rngs=rngs)
         self.down = dense(ffn_dim, d_model, std=std, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(_ACTS[self.act](self.gate(x)) * self.up(x))
 
 
 def last_valid(x: jax.Array, valid: jax.Array, prev: jax.Array) -> jax.Array:

@@ -19,6 +19,7 @@ from kvjax.kinds import KINDS
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "pallas", "auto")  # kvjax.ops.attention's backends
+MLP_ACTS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU (Llama), GeGLU with tanh GELU (Gemma)
 TRAINABLE = ("all", "kv")  # train.trainable: every parameter, or only the K/V projections and norms
 RWKV_FORMS = ("scan", "associative")
 MAMBA_SCANS = ("associative", "sequential")
@@ -42,11 +43,12 @@ def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{field}={value!r} {allowed}")
 
 
-def _positive(section: str, config: Any, *names: str) -> None:
-    """Each named field of `config` must be > 0."""
+def _positive(section: str, config: Any, *names: str, optional: bool = False) -> None:
+    """Each named field of `config` must be > 0 (or, `optional`, null)."""
     for name in names:
         value = getattr(config, name)
-        _require(value > 0, f"{section}.{name}", value, "must be > 0")
+        if not (optional and value is None):
+            _require(value > 0, f"{section}.{name}", value, "must be > 0" + (", or null" if optional else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,8 @@ class AttentionConfig:
     impl: str = "xla"
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2's attention)
     qk_norm: bool = False  # RMSNorm over head_dim of every query and key head, before RoPE (Qwen3, Gemma 3)
+    query_scale: float | None = None  # logits scaled by query_scale^-0.5, not head_dim^-0.5 (Gemma's
+    # query_pre_attn_scalar)
 
     def __post_init__(self):
         p = "model.attention"
@@ -85,6 +89,22 @@ class AttentionConfig:
             "must be > 0, or null for full causal attention",
         )
         _require(self.impl in ATTENTION_IMPLS, f"{p}.impl", self.impl, f"must be one of {ATTENTION_IMPLS}")
+        _positive(p, self, "query_scale", optional=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalAttentionConfig:
+    """The `local` layers of `model.layer_pattern`: sliding-window attention over the last `window`
+    positions (a ring of `window` slots) with their own RoPE base (None: model.attention.rope_theta), as
+    Gemma 2 and 3 interleave local and global layers (Gemma 3: five local layers of 512 tokens, RoPE base
+    10,000, per global layer of base 1,000,000). Heads and everything else are model.attention's."""
+
+    window: int = 512
+    rope_theta: float | None = None
+
+    def __post_init__(self):
+        _positive("model.local", self, "window")
+        _positive("model.local", self, "rope_theta", optional=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +313,12 @@ class KVSharingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only LM: embeddings, `n_layers` pre-norm blocks (mixer + SwiGLU MLP), final norm, head."""
+    """A decoder-only LM: embeddings, `n_layers` pre-norm blocks (mixer + gated MLP), final norm, head.
+
+    Gemma's choices are options: `norm_offset` (every RMSNorm scales by offset + weight; Gemma stores
+    weight = scale - 1), `sandwich_norms` (a norm on the mixer's and on the MLP's output too, before the
+    residual add), `mlp_act` (GELU-tanh), `embed_scale` (embeddings times sqrt(d_model)) and
+    `final_softcap` (logits c * tanh(logits / c), Gemma 2)."""
 
     name: str = "model"
     vocab_size: int = 264
@@ -312,9 +337,17 @@ class ModelConfig:
     rwkv: RWKVConfig = RWKVConfig()
     retnet: RetNetConfig = RetNetConfig()
     yoco: YOCOConfig | None = None
+    local: LocalAttentionConfig = LocalAttentionConfig()
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    mlp_act: str = "silu"
+    embed_scale: bool = False
+    final_softcap: float | None = None
 
     def __post_init__(self):
         _positive("model", self, "vocab_size", "d_model", "n_layers", "ffn_dim", "norm_eps", "init_std")
+        _require(self.mlp_act in MLP_ACTS, "model.mlp_act", self.mlp_act, f"must be one of {MLP_ACTS}")
+        _positive("model", self, "final_softcap", optional=True)
         _require(self.dtype in DTYPES, "model.dtype", self.dtype, f"must be one of {DTYPES}")
         pattern_kinds = tuple(name for name, kind in KINDS.items() if kind.in_pattern)  # YOCO places the rest
         _require(
@@ -427,9 +460,13 @@ class ModelConfig:
         return self.kv_source[layer] == layer and self.kv_sharing.uses_kv_norm
 
     def attention_for(self, kind: str) -> AttentionConfig:
-        """The attention settings of an attention-type layer: YOCO's `swa` layers get its window."""
+        """The attention settings of an attention-type layer: YOCO's `swa` layers get its window, `local`
+        layers `model.local`'s window and RoPE base."""
         if kind == "swa":
             return dataclasses.replace(self.attention, window=self.yoco.window)
+        if kind == "local":
+            theta = self.local.rope_theta or self.attention.rope_theta
+            return dataclasses.replace(self.attention, window=self.local.window, rope_theta=theta)
         return self.attention
 
     @property

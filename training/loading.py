@@ -1,5 +1,5 @@
 """Models named on the command line: a run directory trained here, a Hugging Face checkpoint directory, a
-.gguf file, or a shipped GGUF name (`smollm2`), loaded with what the commands need to know about them
+.gguf file, or a shipped GGUF name (`smollm2`, `gemma3`), loaded with what the commands need to know about them
 (tokenizer, trained context, BOS)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from kvjax.architectures import Decoder
 from kvjax.config import Config, ConfigError
 from kvjax.training.gguf_import import (
     SHIPPED,
+    gguf_adds_bos,
     gguf_context_length,
     load_gguf_model,
     load_gguf_tokenizer,
@@ -32,7 +33,7 @@ class LoadedModel:
     model: Decoder
     tokenizer: Tokenizer
     context: int | None  # tokens the model was trained on (None: unknown); positions past it are extrapolation
-    bos: bool  # text starts with BOS: runs trained here saw it at every document start, imported models not
+    bos: bool  # text starts with BOS: runs trained here saw it at every document start; a GGUF file says
     corpus: str  # default corpus for evaluation and calibration: the run's own, kjv for GGUF models
 
 
@@ -51,7 +52,8 @@ def load_model(ref: str) -> LoadedModel:
     """Load `ref` without writing anything; a reference that names nothing is a ModelRefError."""
     if is_gguf(ref):
         config, model = load_gguf_model(ref)
-        return LoadedModel(config, model, load_gguf_tokenizer(ref), gguf_context_length(ref), False, "kjv")
+        tokenizer, context = load_gguf_tokenizer(ref), gguf_context_length(ref)
+        return LoadedModel(config, model, tokenizer, context, gguf_adds_bos(ref), "kjv")
     if is_hf_dir(ref):
         config, model = load_hf_model(ref)
         context = json.loads((Path(ref) / "config.json").read_text()).get("max_position_embeddings")

@@ -39,7 +39,7 @@ UNIT = _number(float, "must be in [0, 1]", lambda v: 0 <= v <= 1)
 
 OPEN_UNIT = _number(float, "must be in (0, 1]", lambda v: 0 < v <= 1)
 
-MODEL_HELP = "a run directory, a Hugging Face checkpoint directory, a .gguf file, or a shipped model (smollm2)"
+MODEL_HELP = "a run directory, a Hugging Face checkpoint directory, a .gguf file, or a shipped model (smollm2, gemma3)"
 LONG_HELP = "go past the model's trained context (data.seq_len of a run; the GGUF file's context_length)"
 
 

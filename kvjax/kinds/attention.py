@@ -43,3 +43,11 @@ class SlidingWindow(_Attention):
 
     name = "swa"
     in_pattern = False
+
+
+@register
+class Local(_Attention):
+    """Sliding-window attention placed by `model.layer_pattern` (Gemma's local layers): `model.local`'s
+    window and RoPE base."""
+
+    name = "local"

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.architectures.layers import RMSNorm, SwiGLU, apply_rope
+from kvjax.architectures.layers import GatedMLP, RMSNorm, apply_rope
 
 
 def test_rope_is_a_complex_rotation_of_channel_pairs():
@@ -60,7 +60,7 @@ def test_rmsnorm_and_swiglu_match_their_formulas():
     expected = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6) * np.arange(1.0, 9.0)
     np.testing.assert_allclose(norm(jnp.asarray(x)), expected, rtol=1e-5, atol=1e-6)
 
-    mlp = SwiGLU(8, 12, std=0.5, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    mlp = GatedMLP(8, 12, std=0.5, dtype=jnp.float32, rngs=nnx.Rngs(0))
     g, u, d = (np.asarray(m.kernel[...]) for m in (mlp.gate, mlp.up, mlp.down))
     silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
     np.testing.assert_allclose(mlp(jnp.asarray(x)), (silu(x @ g) * (x @ u)) @ d, rtol=1e-4, atol=1e-5)

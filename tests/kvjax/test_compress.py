@@ -815,3 +815,37 @@ def test_compressed_bytes_and_protected_tokens_over_random_shapes(K, lengths, ke
             window = last.n_window(int(count))
             must = set(range(min(last.n_sinks, L[b]))) | set(range(L[b] - window, L[b]))
             assert must <= set(kept_pos)
+
+
+GEMMA_LIKE = (  # Gemma 3's block at toy size: local rings beside global layers, q/k norms, sandwich norms
+    "model.n_layers=4",
+    "model.layer_pattern=[local, attention]",
+    "model.local.window=8",
+    "model.local.rope_theta=100",
+    "model.attention.qk_norm=true",
+    "model.attention.query_scale=24",
+    "model.norm_offset=1.0",
+    "model.sandwich_norms=true",
+    "model.mlp_act=gelu_tanh",
+    "model.embed_scale=true",
+)
+
+
+@pytest.mark.parametrize(
+    "policy", ["snapkv:0.5", "h2o:0.5:allocator=pyramid", "tova:0.5:allocator=adakv", "kivi:2:group=8,residual=8"]
+)
+def test_on_local_and_global_layers_policies_compress_the_global_ones_with_exact_bytes(make_model, policy):
+    """On a model whose local layers keep rings, a policy compresses the global layers only (the rings'
+    memory is capped already): the rings come out as the full prefill left them, and the caches' bytes
+    equal the analytic bytes."""
+    cfg, model = make_model("gqa", *GEMMA_LIKE)
+    gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy))
+    tokens, lengths = gen.pad(PROMPTS, NEW)
+    _, caches, _ = gen.prefill_compressed(tokens, lengths, NEW)
+    _, full = Generator(model, capacity=CAPACITY).prefill(tokens, lengths)
+    assert caches_nbytes(caches) == compressed_cache_bytes(cfg, gen.compression_plan(lengths, NEW), 2, CAPACITY)
+    for kind, got, want in zip(cfg.mixers, caches, full):
+        if kind == "local":
+            jax.tree.map(np.testing.assert_array_equal, got, want)
+        else:
+            assert caches_nbytes([got]) < caches_nbytes([want])

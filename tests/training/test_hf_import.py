@@ -29,7 +29,7 @@ TINY = dict(
 def _save(family: str, directory, **extra):
     """A randomly initialised tiny model written by transformers' save_pretrained (biases made non-zero)."""
     torch.manual_seed(0)
-    config = getattr(transformers, f"{family}Config")(**TINY, **extra)
+    config = getattr(transformers, f"{family}TextConfig" if family == "Gemma3" else f"{family}Config")(**TINY, **extra)
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -51,6 +51,19 @@ def _ids(length=12):
         ("Mistral", {"sliding_window": 5}),  # 12 tokens: the window matters
         ("Qwen2", {}),  # query/key/value biases
         ("Qwen3", {"head_dim": 8}),  # q/k norms
+        (  # local/global layers with their RoPE bases, offset sandwich norms, GeGLU, scaled embeddings
+            "Gemma3",
+            {
+                "head_dim": 8,
+                "sliding_window": 5,
+                "query_pre_attn_scalar": 12,
+                "layer_types": ["sliding_attention", "full_attention"],
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                    "full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                },
+            },
+        ),
     ],
 )
 def test_logits_match_transformers(tmp_path, family, extra):
@@ -61,9 +74,28 @@ def test_logits_match_transformers(tmp_path, family, extra):
     with torch.no_grad():
         want = reference(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(ours, want, atol=1e-4)
-    assert config.model.attention.window == extra.get("sliding_window")
-    assert config.model.attention.qkv_bias == (family == "Qwen2")
-    assert config.model.attention.qk_norm == (family == "Qwen3")
+    att = config.model.attention
+    if family == "Gemma3":
+        assert config.model.mixers == ("local", "attention") and config.model.local.window == 5
+    else:
+        assert att.window == extra.get("sliding_window")
+    assert att.qkv_bias == (family == "Qwen2") and att.qk_norm == (family in ("Qwen3", "Gemma3"))
+
+
+def test_a_gemma3_checkpoint_exports_back_to_what_transformers_reads(tmp_path):
+    """Gemma 3's layer types, RoPE bases, offset norms and query scale survive kvjax's export."""
+    extra = {"head_dim": 8, "sliding_window": 5, "query_pre_attn_scalar": 12, "sliding_window_pattern": 2}
+    reference = _save("Gemma3", tmp_path / "in", **extra)
+    _, model = load_hf_model(tmp_path / "in")
+    export_hf(model, tmp_path / "out")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.tensor(_ids())
+    with torch.no_grad():
+        np.testing.assert_allclose(again(ids).logits.numpy(), reference(ids).logits.numpy(), atol=1e-5)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["layer_types"][:2] == [
+        "sliding_attention",
+        "full_attention",
+    ]
 
 
 def test_a_model_with_qk_norms_exports_as_qwen3_that_transformers_runs(make_model, tmp_path):

@@ -23,7 +23,16 @@ BY_GGUF_ARCHITECTURE = {name: family for family in FAMILIES for name in family.G
 
 
 def exporting(cfg):
-    """The family whose Hugging Face architecture writes a model of `cfg` (Qwen3 with q/k norms, else
-    Llama); its `check_exportable` then refuses, naming the field, what that architecture lacks."""
-    (family,) = [family for family in FAMILIES if family.exports(cfg)]
+    """The family whose Hugging Face architecture writes a model of `cfg` (its block's layout: Llama,
+    Qwen3 with q/k norms, Gemma 3 with offset sandwich norms); its `check_exportable` then refuses,
+    naming the field, what that architecture lacks."""
+    families = [family for family in FAMILIES if family.exports(cfg)]
+    if not families:
+        raise ConfigError(
+            f"model {cfg.name!r}: no Hugging Face architecture kvjax writes has this block (norm_offset="
+            f"{cfg.norm_offset}, sandwich_norms={cfg.sandwich_norms}, mlp_act={cfg.mlp_act!r}, embed_scale="
+            f"{cfg.embed_scale}, attention.qk_norm={cfg.attention.qk_norm}); the families: "
+            f"{', '.join(name for family in FAMILIES for name in family.HF_ARCHITECTURES)}"
+        )
+    (family,) = families
     return family

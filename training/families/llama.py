@@ -25,13 +25,14 @@ GGUF_ARCHITECTURES = ("llama",)
 class Weight:
     """One stored tensor: its kvjax parameter path (`blocks.3.mixer.q.kernel`), its Hugging Face and GGUF
     names (None: not stored there), whether it is stored transposed, and (GGUF) the heads whose RoPE
-    rows llama.cpp permuted."""
+    rows llama.cpp permuted and what llama.cpp added to the values (Gemma's norms: 1)."""
 
     ours: str
     hf: str | None
     gguf: str | None
     transpose: bool = False
     rope_heads: int | None = None
+    gguf_shift: float = 0.0
 
 
 def weights(cfg: ModelConfig) -> list[Weight]:
@@ -159,9 +160,22 @@ def from_gguf(field, tensors: set[str], n_tokens: int | None, path: Path) -> Mod
     )
 
 
+def plain_block(cfg: ModelConfig) -> bool:
+    """Llama's block: RMSNorm (no offset) before the mixer and the MLP only, SwiGLU, unscaled embeddings
+    and logits, head_dim^-0.5 attention (whatever its q/k norms)."""
+    return (
+        cfg.norm_offset == 0
+        and not cfg.sandwich_norms
+        and cfg.mlp_act == "silu"
+        and not cfg.embed_scale
+        and cfg.final_softcap is None
+        and cfg.attention.query_scale is None
+    )
+
+
 def exports(cfg: ModelConfig) -> bool:
     """Whether this family writes models of `cfg` (a Hugging Face export picks the family that does)."""
-    return not cfg.attention.qk_norm
+    return plain_block(cfg) and not cfg.attention.qk_norm
 
 
 def check_exportable(cfg: ModelConfig, arch: str = "LlamaForCausalLM") -> None:

@@ -47,7 +47,7 @@ def from_gguf(field, tensors: set[str], n_tokens: int | None, path) -> ModelConf
 
 
 def exports(cfg: ModelConfig) -> bool:
-    return cfg.attention.qk_norm
+    return llama.plain_block(cfg) and cfg.attention.qk_norm
 
 
 def check_exportable(cfg: ModelConfig) -> None:

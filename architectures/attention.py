@@ -53,7 +53,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = kv_x.shape
         k = self.k(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-        k = apply_rope(k if self.k_norm is None else self.k_norm(k), positions, cfg.rope_theta)
+        k = apply_rope(k if self.k_norm is None else self.k_norm(k), positions, cfg.rope_theta, cfg.rope_scaling)
         v = self.v(kv_x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         if cache is None:
             return None, KVView(heads_first(k), heads_first(v), positions, fresh=T)
@@ -104,7 +104,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         q = self.q(x).reshape(B, T, cfg.n_heads, cfg.head_dim)
-        q = apply_rope(q if self.q_norm is None else self.q_norm(q), positions, cfg.rope_theta)
+        q = apply_rope(q if self.q_norm is None else self.q_norm(q), positions, cfg.rope_theta, cfg.rope_scaling)
         if cfg.query_scale is not None:  # attention scales by head_dim^-0.5; Gemma by query_scale^-0.5
             q = q * jnp.asarray((cfg.head_dim / cfg.query_scale) ** 0.5, q.dtype)
         return q

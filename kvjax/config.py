@@ -52,6 +52,29 @@ def _positive(section: str, config: Any, *names: str, optional: bool = False) ->
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (`rope_type: llama3`; Meta's `apply_scaling`, transformers'
+    `_compute_llama3_parameters`): wavelengths longer than original_max_positions / low_freq_factor are
+    divided by `factor`, shorter than original_max_positions / high_freq_factor kept, and those between
+    interpolated smoothly. Attention itself is not rescaled."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def __post_init__(self):
+        p = "model.attention.rope_scaling"
+        _positive(p, self, "factor", "low_freq_factor", "original_max_positions")
+        _require(
+            self.high_freq_factor > self.low_freq_factor,
+            f"{p}.high_freq_factor",
+            self.high_freq_factor,
+            f"must be > low_freq_factor={self.low_freq_factor}",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Self-attention shape: MHA, GQA and MQA differ only in n_kv_heads; `window` turns on SWA."""
 
@@ -65,6 +88,7 @@ class AttentionConfig:
     qk_norm: bool = False  # RMSNorm over head_dim of every query and key head, before RoPE (Qwen3, Gemma 3)
     query_scale: float | None = None  # logits scaled by query_scale^-0.5, not head_dim^-0.5 (Gemma's
     # query_pre_attn_scalar)
+    rope_scaling: RopeScaling | None = None  # Llama 3.1's frequency scaling (None: plain RoPE)
 
     def __post_init__(self):
         p = "model.attention"
@@ -419,6 +443,13 @@ class ModelConfig:
                 "model.kv_sharing.kind",
                 self.kv_sharing.kind,
                 "must be 'none' for a model with MLA layers (MLA shares K/V through its latent instead)",
+            )
+        if self.attention.rope_scaling is not None:
+            _require(
+                set(self.mixers) <= {"attention", "local", "swa"},
+                "model.attention.rope_scaling",
+                self.attention.rope_scaling,
+                f"applies to softmax attention layers only (this model's mixers: {sorted(set(self.mixers))})",
             )
         if self.kv_sharing.kind != "none":
             _require(

@@ -74,6 +74,19 @@ def rotate_slots(k: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
     return rotate_exact(k, pos[:, None] if pos.ndim == 2 else pos, theta)
 
 
-def apply_rope(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
-    """RoPE for x `[B,T,N,H]` at positions `[B,T]` (every head alike)."""
-    return rotate(x, pos[:, :, None], theta)
+def llama3_frequencies(head_dim: int, theta: float, scaling) -> np.ndarray:
+    """Llama 3.1's inverse frequencies `[H/2]` (`RopeScaling`): long wavelengths divided by the factor,
+    short ones kept, the band between them interpolated by how many wavelengths fit the original context."""
+    inv = 1.0 / theta ** (np.arange(head_dim // 2) * 2.0 / head_dim)
+    wavelength = 2 * np.pi / inv
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = np.clip((scaling.original_max_positions / wavelength - low) / (high - low), 0.0, 1.0)
+    return ((1 - smooth) * inv / scaling.factor + smooth * inv).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, pos: jax.Array, theta: float, scaling=None) -> jax.Array:
+    """RoPE for x `[B,T,N,H]` at positions `[B,T]` (every head alike); `scaling` a `RopeScaling`."""
+    if scaling is None:
+        return rotate(x, pos[:, :, None], theta)
+    inv = jnp.asarray(llama3_frequencies(x.shape[-1], theta, scaling)).reshape(1, 1, 1, -1)
+    return rotate(x, pos[:, :, None], theta, inv)

@@ -116,8 +116,16 @@ class Conversion:
         att, D = source.attention, self.mla_rope_dims
         if self.kv_heads or self.sharing or self.window or self.yoco_window:
             raise ConfigError(f"{where}: mla converts the source's own K/V heads; drop the other stages")
-        if source.kv_sharing.kind != "none" or att.window is not None or att.qkv_bias or att.qk_norm:
-            raise ConfigError(f"{where}: mla needs a source without K/V sharing, windows, q/k/v biases or q/k norms")
+        if (
+            source.kv_sharing.kind != "none"
+            or att.window is not None
+            or att.qkv_bias
+            or att.qk_norm
+            or att.rope_scaling
+        ):
+            raise ConfigError(
+                f"{where}: mla needs a source without K/V sharing, windows, q/k/v biases, q/k norms or RoPE scaling"
+            )
         if D % 2 or not 2 <= D <= att.head_dim:
             raise ConfigError(f"{where}: rope_dims={D} must be even and in [2, head_dim={att.head_dim}]")
         columns = att.n_kv_heads * (2 * att.head_dim - D)  # [W_k,nope, W_v]: what the latent factorizes

@@ -6,9 +6,9 @@ They share kvjax's layout: pre-norm RMSNorm blocks, SwiGLU MLPs, RoPE pairing ch
 i + head_dim/2, GQA. Mistral's `sliding_window` becomes `attention.window` (both see keys with
 q - k < window); Qwen2's query/key/value biases (and Llama's `attention_bias`, when its output
 projection's bias is zero, as kvjax's export writes it) become `attention.qkv_bias`; Qwen3's q/k norms
-`attention.qk_norm`. Anything else a
-config asks for (RoPE scaling, other activations, a non-zero output bias, per-layer windows) is refused
-by name rather than loaded approximately.
+`attention.qk_norm`; Llama 3.1's `rope_type: llama3` becomes `attention.rope_scaling`. Anything else a
+config asks for (other RoPE scalings, other activations, a non-zero output bias, Qwen's per-layer windows)
+is refused by name rather than loaded approximately.
 """
 
 from __future__ import annotations

@@ -59,6 +59,11 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
                 f"{where}: {cfg.name!r} has MLA layers, whose cache is one latent shared by all heads: CaM (no "
                 "separate values) and AdaKV (no heads) do not apply"
             )
+        if stage.quantizes and stage.quant_spec.scheme.pre_rope_keys and cfg.attention.rope_scaling is not None:
+            raise ConfigError(
+                f"{where}: {stage.method} keeps keys before RoPE and re-rotates them with plain RoPE; "
+                f"{cfg.name!r} scales its RoPE frequencies (model.attention.rope_scaling)"
+            )
         if method is not None:
             method.check(stage, cfg)
 

@@ -20,12 +20,13 @@ from tests.architectures.oracles import (
 
 TWO_LAYERS = "model.n_layers=2"
 # The shipped SWA window (64) exceeds these tiny sequences; 8 makes the ring wrap during the test. MQA
-# carries Qwen3's q/k norms (they normalize the keys before they are cached).
+# carries Qwen3's q/k norms (they normalize the keys before they are cached), mqa-half Llama 3's scaled
+# RoPE frequencies.
 VARIANTS = {
     "mha": [],
     "gqa": [],
     "mqa": ["model.attention.qk_norm=true"],
-    "mqa-half": [],
+    "mqa-half": ["model.attention.rope_scaling={factor: 8.0, original_max_positions: 16}"],
     "swa": ["model.attention.window=8"],
 }
 

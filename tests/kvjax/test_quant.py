@@ -466,6 +466,15 @@ def test_lorc_bases_are_the_weights_top_singular_vectors_and_full_rank_is_lossle
     assert caches_nbytes(small) < caches_nbytes(caches)
 
 
+@pytest.mark.parametrize("policy", ["palu:0.5", "lorc:0.5", "kvquant:4"])
+def test_what_re_rotates_pre_rope_keys_refuses_scaled_rope(make_model, policy):
+    """Palu's and LoRC's latents and KVQuant's keys are stored before RoPE and rotated again with plain
+    RoPE: on a model with Llama 3's scaled frequencies they refuse by name instead of drifting."""
+    _, model = make_model("gqa", "model.n_layers=2", "model.attention.rope_scaling={factor: 8.0}")
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        Generator(model, capacity=CAPACITY, policy=parse_policy(policy), calibration=np.zeros((1, 8), np.int32))
+
+
 def test_lorc_refuses_normalized_keys_and_palu_takes_them(make_model):
     """With q/k norms (Qwen3) a key is not in the span of W_k's rows: LoRC's weight bases would not hold
     it, so it refuses by name; Palu's bases come from the keys themselves."""

@@ -50,6 +50,18 @@ def _ids(length=12):
         ("Llama", {"tie_word_embeddings": True}),
         ("Mistral", {"sliding_window": 5}),  # 12 tokens: the window matters
         ("Qwen2", {}),  # query/key/value biases
+        (  # Llama 3.1's RoPE frequency scaling; a 16-token original context puts a pair in each band
+            "Llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            },
+        ),
         ("Qwen3", {"head_dim": 8}),  # q/k norms
         (  # local/global layers with their RoPE bases, offset sandwich norms, GeGLU, scaled embeddings
             "Gemma3",
@@ -80,6 +92,7 @@ def test_logits_match_transformers(tmp_path, family, extra):
     else:
         assert att.window == extra.get("sliding_window")
     assert att.qkv_bias == (family == "Qwen2") and att.qk_norm == (family in ("Qwen3", "Gemma3"))
+    assert (att.rope_scaling is not None) == ("rope_scaling" in extra)
 
 
 def test_a_gemma3_checkpoint_exports_back_to_what_transformers_reads(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvjax.config import AttentionConfig, ConfigError, ModelConfig
+from kvjax.config import AttentionConfig, ConfigError, ModelConfig, RopeScaling
 from kvjax.training.families import HFImportError
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -103,13 +103,31 @@ def _window(hf: dict) -> int | None:
     return None
 
 
+def rope_scaling(hf: dict, where: str) -> RopeScaling | None:
+    """Llama 3.1's `rope_type: llama3` scaling from `rope_scaling` (transformers 4) or `rope_parameters`
+    (transformers 5); any other RoPE type is refused by name."""
+    rope = hf.get("rope_parameters") or {}
+    key, scaling = ("rope_scaling", hf["rope_scaling"]) if hf.get("rope_scaling") else ("rope_parameters", rope)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        name = "rope_scaling" if key == "rope_scaling" else "rope_parameters.rope_type"
+        value = scaling if key == "rope_scaling" else kind
+        raise HFImportError(f"{where}: {name}={value!r} is not expressible in kvjax (supported: llama3)")
+    return RopeScaling(
+        float(scaling["factor"]),
+        float(scaling["low_freq_factor"]),
+        float(scaling["high_freq_factor"]),
+        int(scaling["original_max_position_embeddings"]),
+    )
+
+
 def from_hf(hf: dict, where: str) -> ModelConfig:
     """The kvjax ModelConfig of a Hugging Face config.json; refuses what kvjax cannot express."""
     rope = hf.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and the RoPE type here
     for key, value, ok in (
         ("hidden_act", hf.get("hidden_act"), lambda v: v in (None, "silu")),
-        ("rope_scaling", hf.get("rope_scaling"), lambda v: v is None),
-        ("rope_parameters.rope_type", rope.get("rope_type"), lambda v: v in (None, "default")),
         ("mlp_bias", hf.get("mlp_bias"), lambda v: not v),
     ):
         if not ok(value):
@@ -131,6 +149,7 @@ def from_hf(hf: dict, where: str) -> ModelConfig:
             rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10_000.0),
             window=_window(hf),
             qkv_bias=hf["model_type"] == "qwen2" or bool(hf.get("attention_bias")),
+            rope_scaling=rope_scaling(hf, where),
         ),
     )
 
@@ -139,6 +158,11 @@ def from_gguf(field, tensors: set[str], n_tokens: int | None, path: Path) -> Mod
     """The kvjax ModelConfig of a GGUF file's metadata (`field(key, default)` reads it), the names of the
     tensors it stores and the size of its tokenizer's vocabulary."""
     arch = field("general.architecture")
+    if "rope_freqs.weight" in tensors:  # llama.cpp writes Llama 3.1's scaled frequencies as a tensor
+        raise ConfigError(
+            f"{path}: tensor rope_freqs.weight (Llama 3 RoPE scaling) is not read from GGUF files yet; "
+            "load the Hugging Face checkpoint directory, whose rope_scaling kvjax reads"
+        )
     n_heads = int(field(f"{arch}.attention.head_count"))
     d_model = int(field(f"{arch}.embedding_length"))
     vocab = field(f"{arch}.vocab_size", n_tokens)
@@ -218,7 +242,18 @@ def to_hf(cfg: ModelConfig, *, bos_id: int | None = None, eos_id: int | None = N
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": att.qkv_bias,
         "mlp_bias": False,
+        **({} if att.rope_scaling is None else {"rope_scaling": _llama3(att.rope_scaling)}),
         "torch_dtype": "float32",
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
+    }
+
+
+def _llama3(scaling: RopeScaling) -> dict:
+    return {
+        "rope_type": "llama3",
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_positions,
     }

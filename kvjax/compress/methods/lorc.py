@@ -15,6 +15,7 @@ class LoRC(Palu):  # Palu's latent cache; only where the bases come from differs
     needs_calibration = False
 
     def check(self, stage, cfg):
+        super().check(stage, cfg)
         if cfg.attention.qk_norm:  # a normed key is not in the span of W_k's rows
             raise ConfigError(
                 f"policy stage 'lorc': {cfg.name!r} normalizes its keys (model.attention.qk_norm), so the "

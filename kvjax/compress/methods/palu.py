@@ -26,6 +26,13 @@ class Palu(Method):
         def check(self, where):
             self.at_least_one(where, "heads")
 
+    def check(self, stage, cfg):
+        if cfg.attention.rope_scaling is not None:  # its latents are re-rotated with plain RoPE
+            raise ConfigError(
+                f"policy stage {stage.method!r}: {cfg.name!r} scales its RoPE frequencies (model.attention."
+                "rope_scaling); re-rotating pre-RoPE latents with scaled RoPE is not implemented"
+            )
+
     def validate(self, stage, where):
         if stage.ratio is None:
             raise ConfigError(f"{where}: give the fraction of K/V dimensions removed, a ratio in [0, 1)")

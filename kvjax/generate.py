@@ -27,7 +27,6 @@ from kvjax.compress import (
     prepare_policy,
 )
 from kvjax.compress.apply import observe_fn
-from kvjax.compress.methods import METHODS
 from kvjax.compress.scorers import accumulates, observed_queries
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.plan import init_caches
@@ -127,7 +126,7 @@ def _prefill_densities(graphdef, params, tokens, lengths, obs_index, *, capacity
     layer budgets before compressing."""
     model = nnx.merge(graphdef, params)
     hidden, caches, observed = _observe_prompt(model, tokens, lengths, obs_index, stages, capacity)
-    method = METHODS[stages[-1].method]
+    method = stages[-1].hooks
     sigma = jnp.stack([method.layer_density(observed[s][-1], caches[s].pos) for s in slots])
     return _last_logits(model, hidden, lengths), caches, observed, sigma
 
@@ -298,8 +297,8 @@ class Generator:
 
     @property
     def _budgets_at_prefill(self) -> bool:
-        last = self.policy.stages[-1].method
-        return last in METHODS and METHODS[last].budgets_at_prefill
+        last = self.policy.stages[-1].hooks
+        return bool(last and last.budgets_at_prefill)
 
     @property
     def _holds_budget(self) -> bool:
@@ -386,7 +385,7 @@ class Generator:
             )
             last = self.policy.stages[-1]
             never = int(lengths.max()) + max_new_tokens
-            counts = METHODS[last.method].layer_budgets(last, np.asarray(sigma), lengths, never)
+            counts = last.hooks.layer_budgets(last, np.asarray(sigma), lengths, never)
             self._layer_counts = (np.array(lengths), counts)
             plans = self.compression_plan(lengths, max_new_tokens)
             caches, stats = self._compress(

@@ -17,7 +17,6 @@ import numpy as np
 
 from kvjax.cache import KVCache, LatentCache
 from kvjax.compress import reducers, scorers
-from kvjax.compress.methods import METHODS
 from kvjax.compress.methods.base import Target
 from kvjax.compress.policy import Policy, Stage, stage_counts
 from kvjax.config import ConfigError, ModelConfig
@@ -40,7 +39,7 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
     mla = "mla" in cfg.mixers
     for i, stage in enumerate(policy.stages):
         where = f"policy stage {stage.method!r}"
-        method = METHODS.get(stage.method)  # None for a quantizer
+        method = stage.hooks
         if stage.pooled and i != len(policy.stages) - 1:
             raise ConfigError(f"{where}: allocator='adakv' must be the last stage of a chain")
         if stage.quantizes and any(s.pooled for s in policy.stages):
@@ -105,14 +104,14 @@ def prepare_policy(policy: Policy, model, calibration=None, shapes_only: bool = 
     `plan_stages`. `shapes_only`: for memory accounting, only what sizes the caches."""
     prepared = {}
     for stage in policy.stages:
-        if stage.method in METHODS:
-            prepared.update(METHODS[stage.method].prepare(stage, model, calibration, shapes_only))
+        if stage.hooks:
+            prepared.update(stage.hooks.prepare(stage, model, calibration, shapes_only))
     return prepared
 
 
 def needs_calibration(policies) -> bool:
     """Whether any stage of `policies` needs calibration tokens to prepare (Palu)."""
-    return any(METHODS[s.method].needs_calibration for p in policies for s in p.stages if s.method in METHODS)
+    return any(s.hooks and s.hooks.needs_calibration for p in policies for s in p.stages)
 
 
 def plan_stages(
@@ -135,7 +134,7 @@ def plan_stages(
     for i, stage in enumerate(stages):
         last = i == len(stages) - 1
         counts = np.stack([stage_counts(stage, current[j], len(slots))[j] for j in range(len(slots))])
-        if stage.method in METHODS and METHODS[stage.method].budgets_at_prefill:
+        if stage.hooks and stage.hooks.budgets_at_prefill:
             if layer_counts is None:
                 raise ConfigError(f"policy stage {stage.method!r} needs its layer budgets from the prefill's attention")
             counts = np.asarray(layer_counts, np.int64)
@@ -143,15 +142,15 @@ def plan_stages(
         floors = np.floor(stage.floor * counts + 1e-9).astype(np.int64)
         heads = [kv_heads(cfg, s) if stage.pooled else 1 for s in slots]
         keep_caps = tuple(int(counts[j].max()) * heads[j] for j in range(len(slots)))
-        if stage.method in METHODS:
-            keep_caps = tuple(METHODS[stage.method].keep_cap(stage, cap) for cap in keep_caps)
+        if stage.hooks:
+            keep_caps = tuple(stage.hooks.keep_cap(stage, cap) for cap in keep_caps)
         capacities = tuple(keep_caps[j] + (headroom * heads[j] if last else 0) for j in range(len(slots)))
         quant = None
         if stage.quantizes:  # key groups tile the quantized cache
             quant = dataclasses.replace(stage.quant_spec, rope_theta=cfg.attention.rope_theta)
             capacities = tuple(quant.slots(c) for c in capacities)
         prepared = {"bases": bases, "streaming": streaming}
-        needs = METHODS[stage.method].prepares if stage.method in METHODS else ()
+        needs = stage.hooks.prepares if stage.hooks else ()
         missing = [name for name in needs if prepared[name] is None]
         if missing:
             raise ConfigError(
@@ -198,11 +197,7 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
     Returns (caches, per cache the last stage's statistic, following the kept slots)."""
     caches, last_stats = list(caches), [None] * len(caches)
     stage, keep_caps, capacities = statics[0][:3]
-    merged = (
-        METHODS[stage.method].merge_layers(stage, caches, slots, keep_caps, capacities)
-        if stage.method in METHODS
-        else None
-    )
+    merged = stage.hooks.merge_layers(stage, caches, slots, keep_caps, capacities) if stage.hooks else None
     if merged is not None:  # layers compressed together (MiniCache's pairs), not one cache at a time
         return tuple(merged), tuple(last_stats)
     for j, slot in enumerate(slots):
@@ -227,7 +222,7 @@ def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, tar
     keep_cap, capacity = target.keep_cap, target.capacity
     if stage.quantizes:
         return QuantKVCache.from_cache(cache, quant, capacity), stats
-    method = METHODS[stage.method]
+    method = stage.hooks
     encoded = method.encode(stage, cache, stats[0], target)
     if encoded is not None:
         return encoded, stats
@@ -270,7 +265,7 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
     last = plans[-1]
     total = 0
     slots = compressible(cfg)
-    method = METHODS.get(last.stage.method)  # None for a quantizer
+    method = last.stage.hooks
     merged = method.layers_bytes(last.stage, cfg, last.keep_caps, last.capacities) if method is not None else None
     for slot, mem in enumerate(layer_memory(cfg)):
         if merged is not None or slot not in slots:  # layers merged together, or not compressed

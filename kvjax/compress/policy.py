@@ -135,16 +135,21 @@ class Stage:
         method.validate(self, where)
 
     @property
+    def hooks(self):
+        """The registered `Method` of this stage (None for a quantizer, whose parts are its `Scheme`)."""
+        return METHODS.get(self.method)
+
+    @property
     def n_sinks(self) -> int:
         if self.sinks is not None:
             return self.sinks
-        return METHODS[self.method].sinks if self.method in METHODS else 0
+        return self.hooks.sinks if self.hooks else 0
 
     def n_window(self, keep: int) -> int:
         """Recent tokens always kept when `keep` tokens are kept."""
         if self.window is not None:
             return self.window
-        return METHODS[self.method].window(self, keep) if self.method in METHODS else 0
+        return self.hooks.window(self, keep) if self.hooks else 0
 
     @property
     def recent(self) -> int:
@@ -172,7 +177,7 @@ class Stage:
         """Sinks plus a window that does not scale with the budget (the least a layer may keep)."""
         if self.window is not None:
             return self.n_sinks + self.window
-        return self.n_sinks + (METHODS[self.method].fixed_window(self) if self.method in METHODS else 0)
+        return self.n_sinks + (self.hooks.fixed_window(self) if self.hooks else 0)
 
     def keep(self, length: int) -> int:
         """Tokens this stage keeps of `length`."""
@@ -187,7 +192,7 @@ class Stage:
     @property
     def per_head(self) -> bool:
         """Whether heads may keep different tokens (so positions are stored per head)."""
-        return self.pooled or (self.method in METHODS and METHODS[self.method].per_head)
+        return self.pooled or bool(self.hooks and self.hooks.per_head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,9 +203,8 @@ class Policy:
         if not self.stages:
             raise ConfigError("a policy needs at least one stage")
         for stage in self.stages:
-            alone = METHODS[stage.method].alone if stage.method in METHODS else ""
-            if len(self.stages) > 1 and alone:
-                raise ConfigError(f"policy stage {stage.method!r} cannot be chained: {alone}")
+            if len(self.stages) > 1 and stage.hooks and stage.hooks.alone:
+                raise ConfigError(f"policy stage {stage.method!r} cannot be chained: {stage.hooks.alone}")
         for stage in self.stages[:-1]:
             if stage.encodes:
                 raise ConfigError(f"policy stage {stage.method!r}: encode last (evict first, then encode what is kept)")
@@ -311,7 +315,7 @@ def stage_counts(stage: Stage, lengths: np.ndarray, n_layers: int) -> np.ndarray
     raised = np.zeros(len(keep), bool)
     for row, (n, k) in enumerate(zip(lengths, keep)):
         protected = min(int(n), stage.n_sinks + stage.n_window(int(k)))
-        reads = METHODS[stage.method].kind == "selector" if stage.method in METHODS else False
+        reads = bool(stage.hooks and stage.hooks.kind == "selector")
         if k > n and not stage.every and not reads:  # a decode-time budget (or Quest's reads) is a cap
             raise ConfigError(
                 f"policy stage {stage.method!r}: size={k} is above row {row}'s sequence of {n} tokens"

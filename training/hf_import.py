@@ -1,5 +1,5 @@
 """Load a local Hugging Face checkpoint directory (config.json + safetensors) of the decoder families
-kvjax expresses (`training/families/`: Llama, Mistral, Qwen2, Qwen3), as a kvjax model, with its
+kvjax expresses (`training/families/`: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), as a kvjax model, with its
 tokenizer (tokenizer.json).
 
 They share kvjax's layout: pre-norm RMSNorm blocks, SwiGLU MLPs, RoPE pairing channel i with
@@ -64,16 +64,16 @@ def load_hf_model(directory: str | Path) -> tuple[Config, Decoder]:
     w = _tensors(path)
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # shapes only: every weight is set below
 
-    def put(variable, name: str, transpose: bool = False):
+    for weight in family.weights(cfg):
+        variable, name = parameter(model, weight.ours), weight.hf
         if name not in w:
             raise HFImportError(f"{path}: tensor {name} is missing")
-        value = w[name].T if transpose else w[name]
+        value = w[name] if weight.hf_rows is None else w[name][slice(*weight.hf_rows)]
+        value = value.T if weight.transpose else value
         if variable.shape != value.shape:
-            raise HFImportError(f"{path}: {name} has shape {value.shape}, kvjax expects {variable.shape}")
+            rows = "" if weight.hf_rows is None else f" (rows {weight.hf_rows[0]}:{weight.hf_rows[1]})"
+            raise HFImportError(f"{path}: {name}{rows} has shape {value.shape}, kvjax expects {variable.shape}")
         variable.set_value(jnp.asarray(value, variable.dtype))
-
-    for weight in family.weights(cfg):
-        put(parameter(model, weight.ours), weight.hf, weight.transpose)
     for i in range(cfg.n_layers):  # Llama's attention_bias also biases o_proj: only zeros map exactly
         if np.any(w.get(f"model.layers.{i}.self_attn.o_proj.bias", 0.0)):
             raise HFImportError(

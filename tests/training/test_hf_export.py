@@ -1,4 +1,5 @@
-"""Models that LlamaForCausalLM cannot express are refused before anything is written."""
+"""Models that no Hugging Face family kvjax writes can express are refused before anything is written
+(a sliding window alone is Mistral's; with q/k norms, Qwen3 has none)."""
 
 import pytest
 
@@ -7,17 +8,18 @@ from kvjax.training.hf_export import hf_state_dict
 
 
 @pytest.mark.parametrize(
-    "name, message",
+    "name, extra, message",
     [
-        ("swa", "has no sliding window"),
-        ("cla2", "has no cross-layer K/V sharing"),
-        ("mla", "has only attention layers"),
-        ("rwkv7", "has only attention layers"),
-        ("yoco-gret", "has only attention layers"),
+        ("swa", "model.attention.qk_norm=true", "Qwen3ForCausalLM has no sliding window"),
+        ("swa", "model.attention.qkv_bias=true", "MistralForCausalLM .a sliding window. has no attention biases"),
+        ("cla2", "model.n_layers=2", "has no cross-layer K/V sharing"),
+        ("mla", "model.n_layers=2", "has only attention layers"),
+        ("rwkv7", "model.n_layers=2", "has only attention layers"),
+        ("yoco-gret", "model.n_layers=2", "has only attention layers"),
     ],
 )
-def test_export_refuses_what_llama_cannot_express(make_model, name, message):
-    _, model = make_model(name, "model.n_layers=2")
+def test_export_refuses_what_no_family_can_express(make_model, name, extra, message):
+    _, model = make_model(name, extra)
     with pytest.raises(ConfigError, match=message):
         hf_state_dict(model)
 

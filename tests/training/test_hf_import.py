@@ -1,5 +1,5 @@
-"""Hugging Face checkpoint directories (Llama, Mistral, Qwen2, Qwen3) load as kvjax models that compute what
-transformers computes, kvjax's own export reads back exactly, and what kvjax cannot express is refused."""
+"""Hugging Face checkpoint directories (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) load as kvjax models that
+compute what transformers computes, kvjax's own export reads back exactly, and what kvjax cannot express is refused."""
 
 import json
 
@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.config import ConfigError
 from kvjax.training.hf_export import export_hf
 from kvjax.training.hf_import import HFImportError, load_hf_model
 
@@ -63,6 +64,7 @@ def _ids(length=12):
             },
         ),
         ("Qwen3", {"head_dim": 8}),  # q/k norms
+        ("Phi3", {"sliding_window": 5, "pad_token_id": 0}),  # fused qkv and gate/up projections
         (  # local/global layers with their RoPE bases, offset sandwich norms, GeGLU, scaled embeddings
             "Gemma3",
             {
@@ -109,6 +111,26 @@ def test_a_gemma3_checkpoint_exports_back_to_what_transformers_reads(tmp_path):
         "sliding_attention",
         "full_attention",
     ]
+
+
+def test_a_phi3_checkpoint_exports_back_as_phi3_or_by_default_as_mistral(tmp_path):
+    """Phi-3's fused projections are split on import and joined again on export; the same weights
+    written in Llama's layout (Mistral's, for the window) run the same in transformers."""
+    reference = _save("Phi3", tmp_path / "in", sliding_window=5, pad_token_id=0)
+    _, model = load_hf_model(tmp_path / "in")
+    ids = torch.tensor(_ids())
+    with torch.no_grad():
+        want = reference(ids).logits.numpy()
+    for architecture, out in (("Phi3ForCausalLM", "phi3"), (None, "mistral")):
+        export_hf(model, tmp_path / out, architecture=architecture)
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out).eval()
+        assert type(again).__name__.lower().startswith(out)
+        with torch.no_grad():
+            np.testing.assert_allclose(again(ids).logits.numpy(), want, atol=1e-5)
+    with pytest.raises(ConfigError, match="'Qwen3ForCausalLM' does not express .*ones that do: Llama.*Phi3"):
+        export_hf(model, tmp_path / "x", architecture="Qwen3ForCausalLM")
+    with pytest.raises(ConfigError, match="architecture='LlamaForCausalLM': kvjax writes this model as Mistral"):
+        export_hf(model, tmp_path / "x", architecture="LlamaForCausalLM")
 
 
 def test_a_model_with_qk_norms_exports_as_qwen3_that_transformers_runs(make_model, tmp_path):
@@ -158,6 +180,11 @@ def test_kvjax_export_reads_back_exactly(make_model, tmp_path):
             {"use_sliding_window": True, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
             "max_window_layers",
         ),
+        (
+            {"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "longrope", "short_factor": [1.0]}},
+            "rope_scaling.type='longrope' is not expressible",
+        ),
+        ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
     ],
 )
 def test_what_kvjax_cannot_express_is_refused_by_name(tmp_path, change, message):

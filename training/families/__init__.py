@@ -22,11 +22,22 @@ BY_HF_ARCHITECTURE = {name: family for family in FAMILIES for name in family.HF_
 BY_GGUF_ARCHITECTURE = {name: family for family in FAMILIES for name in family.GGUF_ARCHITECTURES}
 
 
-def exporting(cfg):
-    """The family whose Hugging Face architecture writes a model of `cfg` (its block's layout: Llama,
-    Qwen3 with q/k norms, Gemma 3 with offset sandwich norms); its `check_exportable` then refuses,
-    naming the field, what that architecture lacks."""
+def exporting(cfg, architecture: str | None = None):
+    """The family that writes a model of `cfg` as a Hugging Face directory: among the families whose
+    `exports(cfg)` holds (they express its block: Llama's, Qwen3's with q/k norms, Gemma 3's with offset
+    sandwich norms), the one named by `architecture`, else the one not marked `BY_NAME` (Phi-3 shares
+    Llama's block and is written only when asked for). Its `check_exportable` then refuses, naming the
+    field, what that architecture lacks."""
     families = [family for family in FAMILIES if family.exports(cfg)]
+    if architecture is not None:
+        if BY_HF_ARCHITECTURE.get(architecture) not in families:
+            names = [name for family in families for name in family.HF_ARCHITECTURES]
+            raise ConfigError(
+                f"architecture={architecture!r} does not express model {cfg.name!r}'s block; the ones that do: "
+                f"{', '.join(names) or 'none'}"
+            )
+        return BY_HF_ARCHITECTURE[architecture]
+    families = [family for family in families if not getattr(family, "BY_NAME", False)]
     if not families:
         raise ConfigError(
             f"model {cfg.name!r}: no Hugging Face architecture kvjax writes has this block (norm_offset="

@@ -19,13 +19,16 @@ from kvjax.training.families import HFImportError
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GGUF_ARCHITECTURES = ("llama",)
+WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")  # the architectures here with one sliding window
 
 
 @dataclasses.dataclass(frozen=True)
 class Weight:
     """One stored tensor: its kvjax parameter path (`blocks.3.mixer.q.kernel`), its Hugging Face and GGUF
-    names (None: not stored there), whether it is stored transposed, and (GGUF) the heads whose RoPE
-    rows llama.cpp permuted and what llama.cpp added to the values (Gemma's norms: 1)."""
+    names (None: not stored there), whether it is stored transposed, the rows [start, stop) of the
+    Hugging Face tensor it is when that tensor fuses several (Phi-3's qkv_proj; None: all of it), and
+    (GGUF) the heads whose RoPE rows llama.cpp permuted and what llama.cpp added to the values (Gemma's
+    norms: 1)."""
 
     ours: str
     hf: str | None
@@ -33,6 +36,7 @@ class Weight:
     transpose: bool = False
     rope_heads: int | None = None
     gguf_shift: float = 0.0
+    hf_rows: tuple[int, int] | None = None
 
 
 def weights(cfg: ModelConfig) -> list[Weight]:
@@ -202,14 +206,19 @@ def exports(cfg: ModelConfig) -> bool:
     return plain_block(cfg) and not cfg.attention.qk_norm
 
 
-def check_exportable(cfg: ModelConfig, arch: str = "LlamaForCausalLM") -> None:
-    """Refuse, naming the field, a model that `arch` (Llama's layout: full causal attention in every
-    layer, each with its own K/V) cannot express."""
-    if cfg.attention.window is not None:
+def check_exportable(cfg: ModelConfig, arch: str | None = None) -> None:
+    """Refuse, naming the field, a model that `arch` cannot express: Llama's layout, full causal
+    attention in every layer (Mistral and Phi-3: or one sliding window for all), each layer with its own
+    K/V. `arch` None: this family's own (Llama, or Mistral for a model with a window)."""
+    windowed = arch in (None, *WINDOWED)
+    arch = arch or ("MistralForCausalLM" if cfg.attention.window is not None else "LlamaForCausalLM")
+    if cfg.attention.window is not None and not windowed:
         raise ConfigError(
             f"model.attention.window={cfg.attention.window}: {arch} has no sliding window; export a "
             "model with full causal attention"
         )
+    if cfg.attention.window is not None and cfg.attention.qkv_bias:
+        raise ConfigError(f"model.attention.qkv_bias=True: {arch} (a sliding window) has no attention biases")
     if set(cfg.mixers) != {"attention"}:
         raise ConfigError(
             f"model mixers {sorted(set(cfg.mixers))}: {arch} has only attention layers; export a model "
@@ -223,11 +232,14 @@ def check_exportable(cfg: ModelConfig, arch: str = "LlamaForCausalLM") -> None:
 
 
 def to_hf(cfg: ModelConfig, *, bos_id: int | None = None, eos_id: int | None = None, max_positions: int = 8192) -> dict:
-    """The Hugging Face `LlamaForCausalLM` config.json of a kvjax model config (`check_exportable` first)."""
+    """The Hugging Face `LlamaForCausalLM` config.json of a kvjax model config (`check_exportable` first);
+    `MistralForCausalLM` when the model has a sliding window."""
     att = cfg.attention
+    mistral = {"sliding_window": att.window} if att.window is not None else {}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
+        "model_type": "mistral" if mistral else "llama",
+        **mistral,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_dim,

@@ -84,7 +84,7 @@ class Attention(nnx.Module):
             if isinstance(cache, QuestKVCache) and T == 1:  # Quest: a decode query reads its best pages
                 shared = cache.select(q, shared)
         if shared.reader is not None:  # the view attends its own way (kvjax.cache.KVView)
-            out = shared.reader.attend(q, positions, self.cfg.impl, self.cfg.window)
+            out = shared.reader.attend(q, positions, self.cfg.impl, self.cfg.window, self.cfg.softcap)
         else:
             out = attention(
                 q,
@@ -116,7 +116,8 @@ class Attention(nnx.Module):
         return attention_probs(q, view.k, view.v, positions, view.pos, **self._view_args(view))
 
     def _view_args(self, view: KVView) -> dict:
-        return dict(window=self.cfg.window, impl=self.cfg.impl, k_head=view.head, n_kv_heads=self.cfg.n_kv_heads)
+        cfg = self.cfg
+        return dict(window=cfg.window, impl=cfg.impl, k_head=view.head, n_kv_heads=cfg.n_kv_heads, softcap=cfg.softcap)
 
 
 def _build(kind: str):

@@ -89,6 +89,7 @@ class AttentionConfig:
     query_scale: float | None = None  # logits scaled by query_scale^-0.5, not head_dim^-0.5 (Gemma's
     # query_pre_attn_scalar)
     rope_scaling: RopeScaling | None = None  # Llama 3.1's frequency scaling (None: plain RoPE)
+    softcap: float | None = None  # scaled logits become softcap * tanh(logits / softcap) (Gemma 2)
 
     def __post_init__(self):
         p = "model.attention"
@@ -113,7 +114,13 @@ class AttentionConfig:
             "must be > 0, or null for full causal attention",
         )
         _require(self.impl in ATTENTION_IMPLS, f"{p}.impl", self.impl, f"must be one of {ATTENTION_IMPLS}")
-        _positive(p, self, "query_scale", optional=True)
+        _positive(p, self, "query_scale", "softcap", optional=True)
+        _require(
+            self.softcap is None or self.impl != "pallas",
+            f"{p}.impl",
+            self.impl,
+            f"has no Pallas kernel with logit soft-capping ({p}.softcap={self.softcap}); use xla or auto",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,11 +451,11 @@ class ModelConfig:
                 self.kv_sharing.kind,
                 "must be 'none' for a model with MLA layers (MLA shares K/V through its latent instead)",
             )
-        if self.attention.rope_scaling is not None:
+        for option in ("rope_scaling", "softcap"):  # read by the attention mixer only
             _require(
-                set(self.mixers) <= {"attention", "local", "swa"},
-                "model.attention.rope_scaling",
-                self.attention.rope_scaling,
+                getattr(self.attention, option) is None or set(self.mixers) <= {"attention", "local", "swa"},
+                f"model.attention.{option}",
+                getattr(self.attention, option),
                 f"applies to softmax attention layers only (this model's mixers: {sorted(set(self.mixers))})",
             )
         if self.kv_sharing.kind != "none":

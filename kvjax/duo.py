@@ -35,10 +35,10 @@ SINKS, RECENT = 64, 256  # the reference evaluation scripts' deployment sinks an
 PATTERN_FILE = "duo_pattern.json"  # the learned gates of a run, next to its checkpoints
 
 
-def streaming_attention(q, k, v, q_pos, k_pos, *, sinks: int, recent: int, impl: str = "xla") -> jax.Array:
+def streaming_attention(q, k, v, q_pos, k_pos, *, sinks: int, recent: int, impl="xla", softcap=None) -> jax.Array:
     """Attention `[B,T,N,Hv]` of q `[B,T,N,H]` over k, v `[B,K,S,H]` where query i sees key j iff
     j <= i and (j < sinks or i - j < recent)."""
-    probs = attention_probs(q, k, v, q_pos, k_pos, window=recent, sinks=sinks, impl=impl)
+    probs = attention_probs(q, k, v, q_pos, k_pos, window=recent, sinks=sinks, impl=impl, softcap=softcap)
     return attend(probs, v).astype(q.dtype)
 
 
@@ -59,11 +59,13 @@ class _GatedView:
     def __init__(self, view: KVView, mix: GateMix):
         self.view, self.mix = view, mix
 
-    def attend(self, q, q_pos, impl, window=None):
+    def attend(self, q, q_pos, impl, window=None, softcap=None):
         _full_attention_layer(window)
         view, mix = self.view, self.mix
-        full = attention(q, view.k, view.v, q_pos, view.pos, impl=impl, fresh=view.fresh)
-        stream = streaming_attention(q, view.k, view.v, q_pos, view.pos, sinks=mix.sinks, recent=mix.recent, impl=impl)
+        full = attention(q, view.k, view.v, q_pos, view.pos, impl=impl, fresh=view.fresh, softcap=softcap)
+        stream = streaming_attention(
+            q, view.k, view.v, q_pos, view.pos, sinks=mix.sinks, recent=mix.recent, impl=impl, softcap=softcap
+        )
         alpha = _per_query_head(jnp.clip(mix.gates, 0.0, 1.0), q.shape[2])[None, None, :, None]
         return (alpha * full.astype(jnp.float32) + (1 - alpha) * stream.astype(jnp.float32)).astype(q.dtype)
 
@@ -90,7 +92,7 @@ class _DuoView:
     def __init__(self, cache: DuoKVCache, full: KVView | None, stream: KVView | None):
         self.cache, self.full, self.stream = cache, full, stream
 
-    def attend(self, q, q_pos, impl, window=None):
+    def attend(self, q, q_pos, impl, window=None, softcap=None):
         _full_attention_layer(window)
         cache, (T, N) = self.cache, q.shape[1:3]
         G = N // (len(cache.retrieval) + len(cache.streaming))
@@ -101,13 +103,10 @@ class _DuoView:
             idx = np.concatenate([np.arange(h * G, (h + 1) * G) for h in heads])
             q_part = q[:, :, idx]
             if view is self.full or T == 1:  # a decode query's streaming view holds exactly its sinks + window
-                outs.append(attention(q_part, view.k, view.v, q_pos, view.pos, impl=impl))
+                outs.append(attention(q_part, view.k, view.v, q_pos, view.pos, impl=impl, softcap=softcap))
             else:
-                outs.append(
-                    streaming_attention(
-                        q_part, view.k, view.v, q_pos, view.pos, sinks=cache.sinks, recent=cache.recent, impl=impl
-                    )
-                )
+                stream = dict(sinks=cache.sinks, recent=cache.recent, impl=impl, softcap=softcap)
+                outs.append(streaming_attention(q_part, view.k, view.v, q_pos, view.pos, **stream))
             order.append(idx)
         out = jnp.concatenate(outs, axis=2)
         return out[:, :, np.argsort(np.concatenate(order))]

@@ -2,7 +2,9 @@
 
 GQA groups the queries (`[B,T,K,G,H]`) instead of repeating K/V in memory, and the mask is computed from
 positions alone: a key is visible when `0 <= k_pos <= q_pos` and, with a sliding window,
-`q_pos - k_pos < window`. Logits and softmax are computed in fp32.
+`q_pos - k_pos < window`. Logits and softmax are computed in fp32. `softcap` bounds the scaled logits to
+(-cap, cap) by `cap * tanh(logits / cap)` before the mask (Gemma 2's attention logit soft-capping; Gemma
+Team 2024, arXiv 2408.00118, sec. 2); the Pallas kernels have no soft-capping, so `auto` runs XLA then.
 
 Keys and values are head-major, `[B,K,S,H]`, the layout caches store: both einsums are then plain batched
 matmuls over (B, K). With token-major `[B,S,K,H]`, XLA:CPU copies the whole cache into head-major order
@@ -119,6 +121,7 @@ def attention(
     quant=None,
     paged=None,
     fresh: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """softmax(q k^T * scale, masked by positions) v, for q `[B,T,N,H]`, k `[B,K,S,H]`, v `[B,K,S,Hv]`.
 
@@ -132,12 +135,12 @@ def attention(
     (XLA) `causal_blocks` skips what causality hides.
     """
     K = _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads)
-    backend = kernel_impl(impl, pooled=k_head is not None)
+    backend = kernel_impl(impl, pooled=k_head is not None, softcap=softcap)
     T = q.shape[1]
     if fresh == T and T > 1 and k_head is None:  # a chunk over its own keys (see the docstring)
         k, v, k_pos = k[:, :, :T], v[:, :, :T], k_pos[..., :T]
         if backend == "xla":
-            return causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl)
+            return causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl, softcap=softcap)
     if backend == "pallas" and quant is not None and q.shape[1] == 1 and _fused_quant(quant, impl):
         return _quant_decode(q, quant, q_pos, window, scale, K)
     if backend == "pallas" and paged is not None and T == 1:
@@ -149,14 +152,13 @@ def attention(
         B, _, N, H = q.shape
         scale = H**-0.5 if scale is None else scale
         parts = ((q.reshape(B, K, N // K, H), k),)
-        return blocked_decode(parts, v, q_pos, k_pos, window, scale, block).astype(q.dtype)
-    probs = attention_probs(
-        q, k, v, q_pos, k_pos, window=window, scale=scale, impl=impl, k_head=k_head, n_kv_heads=n_kv_heads
-    )
+        return blocked_decode(parts, v, q_pos, k_pos, window, scale, block, softcap).astype(q.dtype)
+    args = dict(window=window, scale=scale, impl=impl, k_head=k_head, n_kv_heads=n_kv_heads, softcap=softcap)
+    probs = attention_probs(q, k, v, q_pos, k_pos, **args)
     return attend(probs, v).astype(q.dtype)
 
 
-def causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl, block: int = PREFILL_BLOCK) -> jax.Array:
+def causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl, block: int = PREFILL_BLOCK, softcap=None) -> jax.Array:
     """Attention of T queries over their own T keys (query t is key t, positions increasing): query block
     i (`block` rows) attends to keys [lo, (i + 1) b) only, lo = 0 or, with a window, the first key
     its first query can see; the keys after the block are causally hidden, the ones before lo out of the
@@ -176,19 +178,22 @@ def causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl, block: int = PREFI
             window=window,
             scale=scale,
             impl=impl,
+            softcap=softcap,
         )
         outs.append(attend(probs, v[:, :, lo:end]))
     return jnp.concatenate(outs, axis=1).astype(q.dtype)
 
 
-def kernel_impl(impl: str, *, pooled: bool = False) -> str:
+def kernel_impl(impl: str, *, pooled: bool = False, softcap: float | None = None) -> str:
     """The backend `impl` runs on this device: xla or pallas (see the module docstring)."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl={impl!r} must be one of {IMPLS}")
     if impl == "pallas" and pooled:
         raise ValueError("attention impl='pallas' has no kernel for a pooled (AdaKV) cache; use impl='auto' or 'xla'")
+    if impl == "pallas" and softcap is not None:
+        raise ValueError(f"attention impl='pallas' has no kernel with soft-capped logits (softcap={softcap}); use auto")
     if impl == "auto":
-        return "pallas" if jax.default_backend() in ("tpu", "gpu") and not pooled else "xla"
+        return "pallas" if jax.default_backend() in ("tpu", "gpu") and not pooled and softcap is None else "xla"
     return impl
 
 
@@ -272,21 +277,21 @@ def decode_block(n_slots: int) -> int | None:
     return None
 
 
-def blocked_decode(parts, v, q_pos, k_pos, window, scale: float, block: int) -> jax.Array:
+def blocked_decode(parts, v, q_pos, k_pos, window, scale: float, block: int, softcap=None) -> jax.Array:
     """Attention of one query per row over keys and values split into blocks of `block` slots (see the
     module docstring): the logits are the sum over `parts` of q `[B,K,G,Hp]` . k `[B,K,S,Hp]` (one
     part for plain attention; MLA's absorbed decode has a latent part and a RoPE part), times scale;
     v is `[B,K,S,Hv]`. Returns `[B,1,K*G,Hv]` in fp32."""
     (B, K, G, _), S, Hv = parts[0][0].shape, v.shape[2], v.shape[-1]
     C = S // block
-    probs = blocked_probs(parts, q_pos, k_pos, window, scale, block)
+    probs = blocked_probs(parts, q_pos, k_pos, window, scale, block, softcap)
     out = jnp.einsum(
         "BKCGS,BKCSH->BKCGH", probs.astype(v.dtype), v.reshape(B, K, C, block, Hv), preferred_element_type=jnp.float32
     ).sum(axis=2)
     return out.reshape(B, 1, K * G, Hv)
 
 
-def blocked_probs(parts, q_pos, k_pos, window, scale: float, block: int) -> jax.Array:
+def blocked_probs(parts, q_pos, k_pos, window, scale: float, block: int, softcap=None) -> jax.Array:
     """The probabilities `[B,K,C,G,block]` (fp32) of `blocked_decode`: one softmax over the C key blocks."""
     (B, K, _, _), S = parts[0][0].shape, parts[0][1].shape[2]
     C = S // block
@@ -299,12 +304,13 @@ def blocked_probs(parts, q_pos, k_pos, window, scale: float, block: int) -> jax.
         )
         * scale
     )
+    logits = capped(logits, softcap)
     mask = visible(q_pos, k_pos, window)[..., 0, :]  # [B,S] or, per head, [B,K,S]
     return masked_probs(logits, mask.reshape(B, -1, C, 1, block), axis=(2, 4))
 
 
 def attention_probs(
-    q, k, v, q_pos, k_pos, *, window=None, scale=None, impl="xla", k_head=None, n_kv_heads=None, sinks: int = 0
+    q, k, v, q_pos, k_pos, *, window=None, scale=None, impl="xla", k_head=None, n_kv_heads=None, sinks=0, softcap=None
 ) -> jax.Array:
     """The attention probabilities `[B,K,T,G,S]` (fp32) of `attention`, which compressors also observe;
     `sinks` keeps the first positions visible past the window (`visible`)."""
@@ -313,8 +319,13 @@ def attention_probs(
     scale = H**-0.5 if scale is None else scale
     q_BTKGH = q.reshape(B, T, K, N // K, H)
     spec = "BTKGH,BKSH->BKTGS" if k_head is None else "BTKGH,BSH->BKTGS"
-    logits = jnp.einsum(spec, q_BTKGH, k, preferred_element_type=jnp.float32) * scale
+    logits = capped(jnp.einsum(spec, q_BTKGH, k, preferred_element_type=jnp.float32) * scale, softcap)
     return masked_softmax(logits, q_pos, k_pos, window, k_head=k_head, sinks=sinks)
+
+
+def capped(logits: jax.Array, softcap: float | None) -> jax.Array:
+    """Gemma 2's soft-capping of scaled attention logits, `softcap * tanh(logits / softcap)`; None: as is."""
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
 def masked_softmax(

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import KVView, LatentView, _Arrays
-from kvjax.ops import attention, kernel_impl, masked_probs, visible
+from kvjax.ops import attention, capped, kernel_impl, masked_probs, visible
 from kvjax.page_pool import NULL_PAGE
 from kvjax.quant.packing import pack, unpack
 from kvjax.quant.quantizers import dequantize, quantize
@@ -52,17 +52,18 @@ class RowSplit(NamedTuple):
             out.append(fn(*(q[:, R:] for q in queries), self.chunk, positions[:, R:]))
         return jnp.concatenate(out, axis=1)
 
-    def attend(self, q: jax.Array, q_pos: jax.Array, impl: str, window: int | None) -> jax.Array:
+    def attend(self, q: jax.Array, q_pos: jax.Array, impl: str, window: int | None, softcap=None) -> jax.Array:
         """`KVView.reader`: kvjax.ops.attention over each part (the paged kernel reads the decode rows'
         pages under Pallas)."""
 
         def op(q, view, pos):
-            return attention(q, view.k, view.v, pos, view.pos, window=window, impl=impl, paged=view.paged)
+            args = dict(window=window, impl=impl, paged=view.paged, softcap=softcap)
+            return attention(q, view.k, view.v, pos, view.pos, **args)
 
         def over_pool(q, view, pos):
-            return self.pool.attend_pool(q, pos, window)
+            return self.pool.attend_pool(q, pos, window, softcap=softcap)
 
-        xla_pool = self.pool is not None and kernel_impl(impl) == "xla"
+        xla_pool = self.pool is not None and kernel_impl(impl, softcap=softcap) == "xla"
         return self.map(op, (q,), q_pos, rows_fn=over_pool if xla_pool else None)
 
 
@@ -251,7 +252,7 @@ class PagedKVCache(_Arrays):
         """int:8 codes `[..., H]` (packed) and their scales `[..., 1]` -> fp32 values."""
         return dequantize(unpack(codes, 8), scale, None, 8, codes.shape[-1])
 
-    def attend_pool(self, q: jax.Array, q_pos: jax.Array, window: int | None, scale: float | None = None) -> jax.Array:
+    def attend_pool(self, q: jax.Array, q_pos: jax.Array, window: int | None, scale=None, softcap=None) -> jax.Array:
         """One query per row, q `[B,1,N,H]` at q_pos `[B,1]`, over every slot of the pool, each row's
         softmax restricted to its own pages' slots below its length: the same keys as the gathered view,
         but every page is read once for all rows and nothing is copied per row. XLA's decode path when
@@ -280,7 +281,7 @@ class PagedKVCache(_Arrays):
         # one-off comparison of scripts/bench_serving.py's step time when the layout was chosen).
         G = N // K
         q_KMH = q.reshape(B, K, G, H).transpose(1, 0, 2, 3).reshape(K, B * G, H)
-        logits = jnp.einsum("KMH,KSH->KMS", q_KMH, keys, preferred_element_type=jnp.float32) * scale
+        logits = capped(jnp.einsum("KMH,KSH->KMS", q_KMH, keys, preferred_element_type=jnp.float32) * scale, softcap)
         mask = visible(q_pos, k_pos, window)  # [B,1,S] or, per head, [B,K,1,S]
         mask = jnp.broadcast_to(mask[None] if mask.ndim == 3 else mask.transpose(1, 0, 2, 3), (K, B, G, P * ps))
         probs = masked_probs(logits, mask.reshape(K, B * G, P * ps))

@@ -1,14 +1,9 @@
 """Load a local Hugging Face checkpoint directory (config.json + safetensors) of the decoder families
-kvjax expresses (`training/families/`: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3), as a kvjax model, with its
-tokenizer (tokenizer.json).
-
-They share kvjax's layout: pre-norm RMSNorm blocks, SwiGLU MLPs, RoPE pairing channel i with
-i + head_dim/2, GQA. Mistral's `sliding_window` becomes `attention.window` (both see keys with
-q - k < window); Qwen2's query/key/value biases (and Llama's `attention_bias`, when its output
-projection's bias is zero, as kvjax's export writes it) become `attention.qkv_bias`; Qwen3's q/k norms
-`attention.qk_norm`; Llama 3.1's `rope_type: llama3` becomes `attention.rope_scaling`. Anything else a
-config asks for (other RoPE scalings, other activations, a non-zero output bias, Qwen's per-layer windows)
-is refused by name rather than loaded approximately.
+kvjax expresses (`training/families/`: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3), as a kvjax
+model, with its tokenizer (tokenizer.json). Each family module maps its config and tensor names; this
+loop reads the tensors, checks every shape and fills a model built from shapes only. What a config asks
+for that kvjax cannot express (other RoPE scalings, activations, a non-zero output bias, Qwen's
+per-layer windows) is refused by name rather than loaded approximately.
 """
 
 from __future__ import annotations

@@ -144,14 +144,16 @@ class _LatentValues:
     cache: LowRankKVCache
     view: KVView
 
-    def attend(self, q, q_pos, impl, window=None):
+    def attend(self, q, q_pos, impl, window=None, softcap=None):
         cache, view, (B, T, N, H) = self.cache, self.view, q.shape
         block = decode_block(cache.capacity)
-        if T != 1 or block is None or kernel_impl(impl) != "xla":
-            return attention(q, view.k, view.v, q_pos, view.pos, window=window, impl=impl, fresh=view.fresh)
+        if T != 1 or block is None or kernel_impl(impl, softcap=softcap) != "xla":
+            return attention(
+                q, view.k, view.v, q_pos, view.pos, window=window, impl=impl, fresh=view.fresh, softcap=softcap
+            )
         K, (Kg, _, r) = cache.n_kv_heads, cache.v_basis.shape
         g, G, C = K // Kg, N // K, cache.capacity // block
-        probs = blocked_probs(((q.reshape(B, K, G, H), view.k),), q_pos, view.pos, window, H**-0.5, block)
+        probs = blocked_probs(((q.reshape(B, K, G, H), view.k),), q_pos, view.pos, window, H**-0.5, block, softcap)
         probs = probs.reshape(B, Kg, g, C, G, block)  # KV head k = group * g + j
         latent = jnp.einsum("BQjCnS,BQCSr->BQjnr", probs, cache.zv.reshape(B, Kg, C, block, r).astype(jnp.float32))
         out = jnp.einsum("BQjnr,Qjhr->BQjnh", latent, cache.v_basis.reshape(Kg, g, H, r))

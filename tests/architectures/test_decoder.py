@@ -21,9 +21,10 @@ from tests.architectures.oracles import (
 TWO_LAYERS = "model.n_layers=2"
 # The shipped SWA window (64) exceeds these tiny sequences; 8 makes the ring wrap during the test. MQA
 # carries Qwen3's q/k norms (they normalize the keys before they are cached), mqa-half Llama 3's scaled
-# RoPE frequencies.
+# RoPE frequencies, MHA Gemma 2's soft-capped attention logits (a cap low enough to act).
+SOFTCAP = "model.attention.softcap=0.5"
 VARIANTS = {
-    "mha": [],
+    "mha": [SOFTCAP],
     "gqa": [],
     "mqa": ["model.attention.qk_norm=true"],
     "mqa-half": ["model.attention.rope_scaling={factor: 8.0, original_max_positions: 16}"],
@@ -46,8 +47,8 @@ def test_cached_decode_equals_full_forward(make_model, variant, jit):
 
 def test_cached_decode_over_key_blocks_equals_full_forward(make_model):
     """40 tokens decoded into 64 slots: every step takes kvjax.ops' blocked path (two blocks of 32) with
-    keys in both blocks and empty slots after them."""
-    cfg, model = make_model("gqa", TWO_LAYERS)
+    keys in both blocks and empty slots after them; soft-capped logits, as the blocked path caps them too."""
+    cfg, model = make_model("gqa", TWO_LAYERS, SOFTCAP)
     assert decode_block(64) == 32
     assert_cached_decode_equals_full_forward(cfg, model, prefill=30, length=40, capacity=64)
 

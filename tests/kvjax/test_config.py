@@ -53,6 +53,15 @@ def test_yaml_file_in_any_directory(tmp_path):
         (["model.attention.n_kv_head=4"], "unknown config key 'model.attention.n_kv_head'; did you mean 'n_kv_heads'?"),
         (["model.n_layers=two"], "model.n_layers='two' must be of type int"),
         (["model.n_layers=true"], "model.n_layers=True must be of type int"),
+        (["model.attention.softcap=0"], "model.attention.softcap=0.0 must be > 0, or null"),
+        (
+            ["model.attention.softcap=50", "model.attention.impl=pallas"],
+            "model.attention.impl='pallas' has no Pallas kernel with logit soft-capping",
+        ),
+        (
+            ["model.attention.softcap=50", "model.layer_pattern=[retnet]"],
+            "model.attention.softcap=50.0 applies to softmax attention layers only",
+        ),
         (["decoding.top_p=0"], "decoding.top_p=0.0 must be in (0, 1]"),
         (["decoding.temperature=-1"], "decoding.temperature=-1.0 must be >= 0"),
         (["decoding.eos_id=264"], "decoding.eos_id=264 must be < model.vocab_size=264"),

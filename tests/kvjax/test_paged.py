@@ -183,25 +183,29 @@ def _scattered(rng, K, per_head=False, int8=False):
 
 
 @pytest.mark.parametrize(
-    "N, K, window, per_head, int8",
-    [(4, 2, None, False, False), (4, 1, 6, False, False), (2, 2, None, True, False), (6, 2, None, False, True)],
+    "N, K, window, per_head, int8, softcap",
+    [
+        (4, 2, None, False, False, None),
+        (4, 1, 6, False, False, 0.5),  # Gemma 2's soft-capped logits
+        (2, 2, None, True, False, None),
+        (6, 2, None, False, True, None),
+    ],
 )
-def test_attention_over_the_whole_pool_equals_attention_over_the_gathered_pages(N, K, window, per_head, int8):
+def test_attention_over_the_whole_pool_equals_attention_over_the_gathered_pages(N, K, window, per_head, int8, softcap):
     """`attend_pool` (the engine's XLA decode path once tables span the pool) == the op over the view."""
     rng = np.random.default_rng(0)
     cache = _scattered(rng, K, per_head, int8)
     q = jnp.asarray(rng.normal(size=(3, 1, N, 8)), jnp.float32)
     q_pos = jnp.asarray([[23], [21], [-1]], jnp.int32)
+    args = dict(window=window, scale=0.3, softcap=softcap)
     view = cache.view()
-    out = cache.attend_pool(q, q_pos, window, scale=0.3)
-    np.testing.assert_allclose(out, attention(q, view.k, view.v, q_pos, view.pos, window=window, scale=0.3), atol=1e-5)
+    out = cache.attend_pool(q, q_pos, **args)
+    np.testing.assert_allclose(out, attention(q, view.k, view.v, q_pos, view.pos, **args), atol=1e-5)
     np.testing.assert_array_equal(out[2], 0.0)  # the padding row sees no key
     shorter = cache.replace(length=cache.length.at[1].set(13))  # the length bounds what a row reads
-    cut = shorter.attend_pool(q, q_pos, window, scale=0.3)
+    cut = shorter.attend_pool(q, q_pos, **args)
     short = shorter.view()
-    np.testing.assert_allclose(
-        cut, attention(q, short.k, short.v, q_pos, short.pos, window=window, scale=0.3), atol=1e-5
-    )
+    np.testing.assert_allclose(cut, attention(q, short.k, short.v, q_pos, short.pos, **args), atol=1e-5)
     assert window is not None or not np.allclose(cut[1], out[1])
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint directories (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) load as kvjax models that
+"""Hugging Face checkpoint directories (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3) load as kvjax models that
 compute what transformers computes, kvjax's own export reads back exactly, and what kvjax cannot express is refused."""
 
 import json
@@ -65,6 +65,10 @@ def _ids(length=12):
         ),
         ("Qwen3", {"head_dim": 8}),  # q/k norms
         ("Phi3", {"sliding_window": 5, "pad_token_id": 0}),  # fused qkv and gate/up projections
+        (  # Gemma 3 without q/k norms, soft-capped logits (caps below the tiny logits: they act)
+            "Gemma2",
+            {"head_dim": 8, "sliding_window": 5, "attn_logit_softcapping": 0.002, "final_logit_softcapping": 0.1},
+        ),
         (  # local/global layers with their RoPE bases, offset sandwich norms, GeGLU, scaled embeddings
             "Gemma3",
             {
@@ -89,21 +93,29 @@ def test_logits_match_transformers(tmp_path, family, extra):
         want = reference(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(ours, want, atol=1e-4)
     att = config.model.attention
-    if family == "Gemma3":
+    if family.startswith("Gemma"):
         assert config.model.mixers == ("local", "attention") and config.model.local.window == 5
     else:
         assert att.window == extra.get("sliding_window")
     assert att.qkv_bias == (family == "Qwen2") and att.qk_norm == (family in ("Qwen3", "Gemma3"))
+    assert att.softcap == extra.get("attn_logit_softcapping")
     assert (att.rope_scaling is not None) == ("rope_scaling" in extra)
 
 
-def test_a_gemma3_checkpoint_exports_back_to_what_transformers_reads(tmp_path):
-    """Gemma 3's layer types, RoPE bases, offset norms and query scale survive kvjax's export."""
-    extra = {"head_dim": 8, "sliding_window": 5, "query_pre_attn_scalar": 12, "sliding_window_pattern": 2}
-    reference = _save("Gemma3", tmp_path / "in", **extra)
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("Gemma3", {"query_pre_attn_scalar": 12, "sliding_window_pattern": 2}),
+        ("Gemma2", {"attn_logit_softcapping": 0.002, "final_logit_softcapping": 0.1}),
+    ],
+)
+def test_a_gemma_checkpoint_exports_back_to_what_transformers_reads(tmp_path, family, extra):
+    """Gemma's layer types, RoPE bases, offset norms, query scale and soft-caps survive kvjax's export."""
+    reference = _save(family, tmp_path / "in", head_dim=8, sliding_window=5, **extra)
     _, model = load_hf_model(tmp_path / "in")
     export_hf(model, tmp_path / "out")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(again) is type(reference)
     ids = torch.tensor(_ids())
     with torch.no_grad():
         np.testing.assert_allclose(again(ids).logits.numpy(), reference(ids).logits.numpy(), atol=1e-5)

@@ -5,8 +5,9 @@ RoPE base (`rope_parameters`: 10,000 local, 1,000,000 global), QK-norm, sandwich
 gated MLPs, embeddings scaled by sqrt(d_model), logits scaled by `query_pre_attn_scalar`^-0.5 and a
 tied head. Every RMSNorm scales by 1 + weight (`model.norm_offset` 1); llama.cpp's converter stores
 1 + weight in GGUF files, so the GGUF names carry that shift. Q/K rows are not permuted (NeoX RoPE).
-Refused by name: attention logit soft-capping (Gemma 2), bidirectional attention, RoPE scaling
-(Gemma 3 4B and larger scale their global layers' RoPE by 8), attention biases.
+Attention logit soft-capping (`attn_logit_softcapping`, None in Gemma 3's configs) is read as Gemma 2's.
+Refused by name: bidirectional attention, RoPE scaling (Gemma 3 4B and larger scale their global layers'
+RoPE by 8), attention biases.
 """
 
 from __future__ import annotations
@@ -56,13 +57,15 @@ def _gemma(cfg_fields: dict, kinds: tuple[str, ...], local: LocalAttentionConfig
     )
 
 
-def from_hf(hf: dict, where: str) -> ModelConfig:
-    """The kvjax ModelConfig of a `Gemma3ForCausalLM` (text) config.json; refuses what kvjax cannot express."""
+def from_hf(hf: dict, where: str, *, qk_norm: bool = True, every: int = 6) -> ModelConfig:
+    """The kvjax ModelConfig of a `Gemma3ForCausalLM` (text) config.json; refuses what kvjax cannot
+    express. Gemma 2 (`gemma2.py`) reads its configs here too: no q/k norms, a global layer every
+    second one (`every`, when the file has no `layer_types`), one RoPE base for both kinds."""
     rope = hf.get("rope_parameters") or {}
-    full, sliding = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    per_kind = "full_attention" in rope  # Gemma 3 (transformers 5): a RoPE dict per layer type
+    full, sliding = (rope.get("full_attention", {}), rope.get("sliding_attention", {})) if per_kind else (rope, rope)
     for key, value, ok in (
         ("hidden_activation", hf.get("hidden_activation"), lambda v: v in (None, "gelu_pytorch_tanh")),
-        ("attn_logit_softcapping", hf.get("attn_logit_softcapping"), lambda v: v is None),
         ("use_bidirectional_attention", hf.get("use_bidirectional_attention"), lambda v: not v),
         ("attention_bias", hf.get("attention_bias"), lambda v: not v),
         ("rope_scaling", hf.get("rope_scaling"), lambda v: v is None),
@@ -71,7 +74,7 @@ def from_hf(hf: dict, where: str) -> ModelConfig:
     ):
         if not ok(value):
             raise HFImportError(f"{where}: {key}={value!r} is not expressible in kvjax")
-    n_layers, pattern = hf["num_hidden_layers"], hf.get("sliding_window_pattern", 6)
+    n_layers, pattern = hf["num_hidden_layers"], hf.get("sliding_window_pattern", every)
     types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)
     ]
@@ -79,15 +82,17 @@ def from_hf(hf: dict, where: str) -> ModelConfig:
         raise HFImportError(f"{where}: layer_types {unknown} are not expressible in kvjax (known: {sorted(KINDS)})")
     heads, head_dim = hf["num_attention_heads"], hf.get("head_dim", 256)
     scalar = float(hf.get("query_pre_attn_scalar", 256))
+    theta = float(full.get("rope_theta") or hf.get("rope_theta") or (1_000_000.0 if qk_norm else 10_000.0))
     att = AttentionConfig(
         n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=head_dim,
-        rope_theta=float(full.get("rope_theta") or hf.get("rope_theta") or 1_000_000.0),
-        qk_norm=True,
+        rope_theta=theta,
+        qk_norm=qk_norm,
         query_scale=None if scalar == head_dim else scalar,
+        softcap=hf.get("attn_logit_softcapping"),
     )
-    local_theta = float(sliding.get("rope_theta") or hf.get("rope_local_base_freq") or 10_000.0)
+    local_theta = float(sliding.get("rope_theta") or hf.get("rope_local_base_freq") or (10_000.0 if qk_norm else theta))
     fields = dict(
         name=where.rstrip("/").split("/")[-1].lower(),
         vocab_size=hf["vocab_size"],
@@ -118,46 +123,49 @@ def from_gguf(field, tensors: set[str], n_tokens: int | None, path) -> ModelConf
 
 
 def exports(cfg: ModelConfig) -> bool:
-    return cfg.norm_offset == 1.0 and cfg.sandwich_norms
+    return cfg.norm_offset == 1.0 and cfg.sandwich_norms and cfg.attention.qk_norm
 
 
-def check_exportable(cfg: ModelConfig) -> None:
-    """Refuse, naming the field, what `Gemma3ForCausalLM` cannot express (its layers are local or
-    global attention with q/k norms, its MLP GELU-tanh, its embeddings scaled)."""
+def check_exportable(cfg: ModelConfig, arch: str = "Gemma3ForCausalLM") -> None:
+    """Refuse, naming the field, what `arch` cannot express: local or global attention layers, q/k norms
+    (Gemma 3) or none and one RoPE base for both kinds (Gemma 2), GELU-tanh MLPs, scaled embeddings."""
+    gemma3 = arch == "Gemma3ForCausalLM"
     if set(cfg.mixers) - {"local", "attention"}:
-        raise ConfigError(
-            f"model mixers {sorted(set(cfg.mixers))}: Gemma3ForCausalLM has local and global attention layers only"
-        )
+        raise ConfigError(f"model mixers {sorted(set(cfg.mixers))}: {arch} has local and global attention layers only")
+    att, local = cfg.attention, cfg.attention_for("local")
     for field, value, want in (
-        ("attention.qk_norm", cfg.attention.qk_norm, True),
+        ("attention.qk_norm", att.qk_norm, gemma3),
         ("mlp_act", cfg.mlp_act, "gelu_tanh"),
         ("embed_scale", cfg.embed_scale, True),
-        ("attention.qkv_bias", cfg.attention.qkv_bias, False),
-        ("attention.query_scale", cfg.attention.query_scale, int(cfg.attention.query_scale or 0) or None),
+        ("attention.qkv_bias", att.qkv_bias, False),
+        ("attention.query_scale", att.query_scale, int(att.query_scale or 0) or None),
+        ("local.rope_theta", local.rope_theta, local.rope_theta if gemma3 else att.rope_theta),
     ):
         if value != want:
-            raise ConfigError(f"model.{field}={value!r}: Gemma3ForCausalLM needs {want!r}")
-    llama.check_exportable(dataclasses.replace(cfg, layer_pattern=("attention",)), "Gemma3ForCausalLM")
+            raise ConfigError(f"model.{field}={value!r}: {arch} needs {want!r}")
+    llama.check_exportable(dataclasses.replace(cfg, layer_pattern=("attention",)), arch)
 
 
-def to_hf(cfg: ModelConfig, *, max_positions: int = 32768, **ids) -> dict:
-    """The `Gemma3ForCausalLM` config.json of a kvjax model config (`check_exportable` first): Llama's
-    shape fields, then Gemma's own (`ids`: `bos_id`, `eos_id`)."""
+def to_hf(cfg: ModelConfig, *, max_positions: int = 32768, gemma3: bool = True, **ids) -> dict:
+    """The `Gemma3ForCausalLM` (`gemma3` False: `Gemma2ForCausalLM`) config.json of a kvjax model config
+    (`check_exportable` first): Llama's shape fields, then Gemma's own (`ids`: `bos_id`, `eos_id`)."""
     att, local = cfg.attention, cfg.attention_for("local")
     shape = llama.to_hf(cfg, max_positions=max_positions, **ids)
     for llama_only in ("hidden_act", "rope_theta", "attention_bias", "mlp_bias"):
         del shape[llama_only]
+    per_kind = {
+        "full_attention": {"rope_type": "default", "rope_theta": att.rope_theta},
+        "sliding_attention": {"rope_type": "default", "rope_theta": local.rope_theta},
+    }
     return {
         **shape,
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM" if gemma3 else "Gemma2ForCausalLM"],
+        "model_type": "gemma3_text" if gemma3 else "gemma2",
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": int(att.query_scale or att.head_dim),  # an int in Gemma3TextConfig
         "sliding_window": local.window,
         "layer_types": [{"local": "sliding_attention", "attention": "full_attention"}[k] for k in cfg.mixers],
-        "rope_parameters": {
-            "full_attention": {"rope_type": "default", "rope_theta": att.rope_theta},
-            "sliding_attention": {"rope_type": "default", "rope_theta": local.rope_theta},
-        },
+        "rope_parameters": per_kind if gemma3 else per_kind["full_attention"],
         "final_logit_softcapping": cfg.final_softcap,
+        "attn_logit_softcapping": att.softcap,
     }

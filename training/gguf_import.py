@@ -204,10 +204,8 @@ def _dequantized(reader, path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
-    """A kvjax Decoder with the file's weights (fp32) and the Config describing it."""
-    path = resolve_gguf(name_or_path)
-    reader = _reader(path)
+def _model_config(reader, path: Path):
+    """The file's ModelConfig (from its metadata and tensor names) and its family module."""
     arch = _field(reader, "general.architecture")
     if arch not in BY_GGUF_ARCHITECTURE:
         raise GGUFError(
@@ -218,6 +216,20 @@ def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
     cfg = family.from_gguf(
         functools.partial(_field, reader), {t.name for t in reader.tensors}, tokens and len(tokens.data), path
     )
+    return cfg, family
+
+
+def gguf_config(name_or_path: str | Path) -> Config:
+    """The Config of a GGUF model, read from its metadata without loading a weight."""
+    path = resolve_gguf(name_or_path)
+    return Config(model=_model_config(_reader(path), path)[0])
+
+
+def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
+    """A kvjax Decoder with the file's weights (fp32) and the Config describing it."""
+    path = resolve_gguf(name_or_path)
+    reader = _reader(path)
+    cfg, family = _model_config(reader, path)
     w = _dequantized(reader, path)
     stored = [weight for weight in family.weights(cfg) if weight.gguf is not None]
     if missing := sorted({weight.gguf for weight in stored} - set(w)):

@@ -43,9 +43,8 @@ def _tensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def load_hf_model(directory: str | Path) -> tuple[Config, Decoder]:
-    """A kvjax Decoder (fp32) with the checkpoint's weights, and the Config describing it."""
-    path = Path(directory)
+def _model_config(path: Path):
+    """The checkpoint's ModelConfig (from its config.json) and its family module."""
     if not is_hf_dir(path):
         raise HFImportError(f"{path}: not a Hugging Face checkpoint (config.json and {' or '.join(WEIGHTS)})")
     hf = json.loads((path / "config.json").read_text())
@@ -55,7 +54,18 @@ def load_hf_model(directory: str | Path) -> tuple[Config, Decoder]:
             f"{path}: architectures={arch!r} is not supported (supported: {', '.join(BY_HF_ARCHITECTURE)})"
         )
     family = BY_HF_ARCHITECTURE[arch]
-    cfg = family.from_hf(hf, str(path))
+    return family.from_hf(hf, str(path)), family
+
+
+def hf_config(directory: str | Path) -> Config:
+    """The Config of a checkpoint directory, read from its config.json without loading a weight."""
+    return Config(model=_model_config(Path(directory))[0])
+
+
+def load_hf_model(directory: str | Path) -> tuple[Config, Decoder]:
+    """A kvjax Decoder (fp32) with the checkpoint's weights, and the Config describing it."""
+    path = Path(directory)
+    cfg, family = _model_config(path)
     w = _tensors(path)
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # shapes only: every weight is set below
 

@@ -10,17 +10,18 @@ import sys
 from pathlib import Path
 
 from kvjax.architectures import Decoder
-from kvjax.config import Config, ConfigError
+from kvjax.config import Config, ConfigError, load_config
 from kvjax.training.gguf_import import (
     SHIPPED,
     gguf_adds_bos,
+    gguf_config,
     gguf_context_length,
     load_gguf_model,
     load_gguf_tokenizer,
 )
-from kvjax.training.hf_import import is_hf_dir, load_hf_model, load_hf_tokenizer
+from kvjax.training.hf_import import hf_config, is_hf_dir, load_hf_model, load_hf_tokenizer
 from kvjax.training.tokenizer import Tokenizer
-from kvjax.training.trainer import load_trained
+from kvjax.training.trainer import RUN_CONFIG, load_trained
 
 
 class ModelRefError(ConfigError):
@@ -65,6 +66,23 @@ def load_model(ref: str) -> LoadedModel:
     if (record := Path(ref) / "uptrain.json").is_file():  # an uptrained model keeps its source's context
         context = max(context, json.loads(record.read_text())["context"] or 0)
     return LoadedModel(config, model, tokenizer, context, True, config.data.corpus)
+
+
+def is_model_ref(ref: str) -> bool:
+    """Whether `ref` names a model rather than a config: a shipped model, a .gguf file, a Hugging Face
+    checkpoint directory or a run directory."""
+    return is_gguf(ref) or is_hf_dir(ref) or (Path(ref) / "checkpoints").is_dir()
+
+
+def model_config(ref: str) -> Config:
+    """The Config of the model `ref` names, without loading its weights."""
+    if is_gguf(ref):
+        return gguf_config(ref)
+    if is_hf_dir(ref):
+        return hf_config(ref)
+    if not (Path(ref) / "checkpoints").is_dir():
+        raise _missing(ref)
+    return load_config(Path(ref) / RUN_CONFIG)
 
 
 def check_context(loaded: LoadedModel, tokens: int, what: str, allow: bool) -> None:

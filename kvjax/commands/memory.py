@@ -1,13 +1,15 @@
-"""`kvjax memory`: analytic KV-cache bytes of model configs, side by side."""
+"""`kvjax memory`: analytic KV-cache bytes of model configs or models (shipped, GGUF, Hugging Face, run
+directories: their config only, no weights are read), side by side."""
 
 from __future__ import annotations
 
 from kvjax import memory
 from kvjax.commands.args import POSITIVE, split_overrides
-from kvjax.config import ConfigError, load_config
+from kvjax.config import Config, ConfigError, apply_overrides, from_dict, load_config
 from kvjax.kinds import KINDS
 from kvjax.plan import sharable_kinds
 from kvjax.report import format_bytes, format_table
+from kvjax.training.loading import is_model_ref, model_config
 
 
 def _kv_shape(cfg) -> tuple[str, str]:
@@ -22,6 +24,13 @@ def _kv_shape(cfg) -> tuple[str, str]:
     return str(cfg.attention.n_kv_heads), str(cfg.attention.head_dim)
 
 
+def _config(name: str, overrides: list[str]) -> Config:
+    """A config by name or path, or the config of a model reference, with the overrides applied."""
+    if not is_model_ref(name):
+        return load_config(name, overrides)
+    return from_dict(Config, apply_overrides(model_config(name).to_dict(), overrides))
+
+
 def memory_table(names: list[str], overrides: list[str], tokens: list[int], batch: int) -> str:
     """One row per config: shape, K/V bytes per token, whole-cache bytes, and the ratio to MHA."""
     headers = ["variant", "layers", "KV layers", "KV heads", "head dim", "dtype", "KV B/token", "cache B/token"]
@@ -30,7 +39,7 @@ def memory_table(names: list[str], overrides: list[str], tokens: list[int], batc
     headers += [f"vs MHA @{tokens[-1] // 1024}k" if tokens[-1] % 1024 == 0 else "vs MHA"]
     rows = []
     for name in names:
-        cfg = load_config(name, overrides).model
+        cfg = _config(name, overrides).model
         total = [memory.cache_bytes(cfg, t, batch) for t in tokens]
         mha = memory.cache_bytes(memory.mha_reference(cfg), tokens[-1], batch)
         rows.append(
@@ -65,8 +74,13 @@ def run(args) -> None:
 
 
 def register(sub) -> None:
-    mem = sub.add_parser("memory", help="analytic KV-cache memory of model configs")
-    mem.add_argument("configs", nargs="+", help="YAML paths or shipped names, then key.sub=value overrides")
+    mem = sub.add_parser("memory", help="analytic KV-cache memory of model configs and models")
+    mem.add_argument(
+        "configs",
+        nargs="+",
+        help="YAML paths or shipped config names, or models (smollm2, gemma3, a .gguf file, a Hugging Face or "
+        "run directory), then key.sub=value overrides",
+    )
     mem.add_argument(
         "--tokens",
         type=POSITIVE,

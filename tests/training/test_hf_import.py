@@ -211,14 +211,17 @@ def test_what_kvjax_cannot_express_is_refused_by_name(tmp_path, change, message)
 
 def test_a_checkpoint_directory_is_a_model_for_eval_generate_and_uptrain(make_model, tmp_path):
     """With its tokenizer.json beside it, an exported kvjax model loads by directory like a run or a
-    GGUF file, and uptrains with its own tokenizer (`data.tokenizer=hf:<dir>`)."""
+    GGUF file, and uptrains with its own tokenizer (`data.tokenizer=hf:<dir>`); `kvjax memory` reads
+    either directory's config without its weights."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from kvjax.training.loading import load_model
+    from kvjax import memory
+    from kvjax.commands.memory import memory_table
+    from kvjax.training.loading import load_model, model_config
     from kvjax.training.uptrain import uptrain
     from tests.training.conftest import SMALL_CORPUS
 
-    _, model = make_model("gqa", "model.n_layers=2")
+    cfg, model = make_model("gqa", "model.n_layers=2")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -248,3 +251,8 @@ def test_a_checkpoint_directory_is_a_model_for_eval_generate_and_uptrain(make_mo
     )
     assert record["after"]["step"] == 2
     assert load_model(str(tmp_path / "up")).config.data.tokenizer == f"hf:{tmp_path / 'hf'}"
+    hf, up = (model_config(str(tmp_path / name)).model for name in ("hf", "up"))
+    assert memory.cache_bytes(hf, 64, 1) == memory.cache_bytes(cfg, 64, 1)
+    assert up.attention.n_kv_heads == 1 and hf.attention.n_kv_heads == cfg.attention.n_kv_heads
+    table = memory_table([str(tmp_path / "hf"), str(tmp_path / "up")], ["model.dtype=bfloat16"], [64], 1)
+    assert "| hf " in table and "bfloat16" in table

@@ -12,6 +12,8 @@ import pytest
 from kvjax.commands import build_parser, main
 from kvjax.commands.args import split_overrides
 from kvjax.config import load_config
+from kvjax.training.hf_export import export_hf
+from kvjax.training.loading import load_decoder
 from tests.training.test_cli import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +78,18 @@ SMALLEST = {
         "OUT",
     ],
     "bench_train.py": ["--batch", "1", "--seq-len", "16", "--steps", "2"],
-    "bench_smollm2.py": ["--context", "64", "--batches", "1", "--new-tokens", "4", "--repeats", "1"],
+    "bench_vs_transformers.py": [
+        "--model",
+        "HF",
+        "--context",
+        "32",
+        "--batches",
+        "1",
+        "--new-tokens",
+        "4",
+        "--repeats",
+        "1",
+    ],
 }
 
 
@@ -120,10 +133,11 @@ print(json.dumps(results))
 def benchmarks(run, tmp_path_factory):
     """Each benchmark's exit code and output at its smallest setting."""
     out = tmp_path_factory.mktemp("benchmarks")
+    hf = export_hf(load_decoder(run)[1], out / "hf")  # the run as a Hugging Face directory
     jobs = []
     for script, args in sorted(SMALLEST.items()):
         cwd = out / script.removesuffix(".py")
-        args = [a.replace("RUN", run).replace("OUT", str(cwd / "out")) for a in args]
+        args = [a.replace("RUN", run).replace("OUT", str(cwd / "out")).replace("HF", str(hf)) for a in args]
         jobs.append((str(ROOT / "scripts" / script), args, str(cwd)))
     result = subprocess.run(
         [sys.executable, "-c", RUNNER, json.dumps(jobs)],

@@ -68,6 +68,18 @@ def load_model(ref: str) -> LoadedModel:
     return LoadedModel(config, model, tokenizer, context, True, config.data.corpus)
 
 
+def load_decoder(ref: str) -> tuple[Config, Decoder]:
+    """The model `ref` names and its Config, without its tokenizer (what a benchmark needs)."""
+    if is_gguf(ref):
+        return load_gguf_model(ref)
+    if is_hf_dir(ref):
+        return load_hf_model(ref)
+    if not (Path(ref) / "checkpoints").is_dir():
+        raise _missing(ref)
+    config, model, _ = load_trained(ref)
+    return config, model
+
+
 def is_model_ref(ref: str) -> bool:
     """Whether `ref` names a model rather than a config: a shipped model, a .gguf file, a Hugging Face
     checkpoint directory or a run directory."""

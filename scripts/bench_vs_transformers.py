@@ -1,7 +1,8 @@
-"""SmolLM2-135M prefill and decode throughput in kvjax and in Hugging Face transformers (PyTorch, CPU),
-measured in the same run on the same dequantized weights. Needs the `parity` extra.
+"""Prefill and decode throughput of one model in kvjax and in Hugging Face transformers (PyTorch, CPU),
+measured in the same run on the same weights: a shipped model (smollm2, gemma3) or .gguf file (transformers
+dequantizes it itself), or a Hugging Face checkpoint directory. Needs the `parity` extra.
 
-    python scripts/bench_smollm2.py [--context 2048] [--batches 1 8] [--new-tokens 16]
+    python scripts/bench_vs_transformers.py [--model smollm2] [--context 2048] [--batches 1 8] [--new-tokens 16]
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 
 from kvjax.report import format_table
 from kvjax.timing import generation_times
-from kvjax.training.gguf_import import load_gguf_model, resolve_gguf
+from kvjax.training.gguf_import import resolve_gguf
+from kvjax.training.loading import is_gguf, load_decoder
 
 
 @torch.no_grad()
@@ -38,8 +40,30 @@ def torch_speeds(model, prompts: np.ndarray, new_tokens: int, repeats: int) -> t
     return prompts.size / np.median(prefills[1:]), len(prompts) * (new_tokens - 1) / np.median(decodes[1:])
 
 
+def reference_model(ref: str):
+    """transformers' model of the same checkpoint, fp32, with SDPA attention where the architecture has it
+    (Gemma 2's soft-capped logits need the eager path); returns the model and the attention it runs."""
+    import transformers
+
+    if is_gguf(ref):
+        path = resolve_gguf(ref)
+        where, kwargs = str(path.parent), {"gguf_file": path.name}
+    else:
+        where, kwargs = ref, {}
+    for attention in ("sdpa", "eager"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                where, dtype=torch.float32, attn_implementation=attention, **kwargs
+            )
+            return model.eval(), attention
+        except ValueError:  # the architecture has no SDPA path
+            continue
+    raise SystemExit(f"transformers cannot load {ref}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="smollm2, gemma3, a .gguf file or a Hugging Face directory")
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens + new tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=16)
@@ -49,11 +73,8 @@ def main() -> None:
     import transformers
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    _, model = load_gguf_model("smollm2")
-    path = resolve_gguf("smollm2")
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+    _, model = load_decoder(args.model)
+    reference, attention = reference_model(args.model)
     rows = []
     rng = np.random.default_rng(0)
     for batch in args.batches:
@@ -73,8 +94,8 @@ def main() -> None:
             ]
         )
     print(
-        f"SmolLM2-135M, fp32, context {args.context}, jax {jax.__version__}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__} (sdpa), {torch.get_num_threads()} torch threads"
+        f"{model.config.name}, fp32, context {args.context}, jax {jax.__version__}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__} ({attention}), {torch.get_num_threads()} torch threads"
     )
     print(
         format_table(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -109,11 +110,12 @@ class TrainState:
     rng: jax.Array  # uint32 key data, saved so that stochastic parts resume exactly
 
 
-def learning_rate(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warmup from 0 to lr, then cosine decay to min_lr_ratio * lr at the last step."""
-    return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, cfg.warmup_steps, decay_steps=cfg.steps, end_value=cfg.lr * cfg.min_lr_ratio
-    )
+def learning_rate(cfg: TrainConfig, lr=None) -> optax.Schedule:
+    """Linear warmup from 0 to lr (default train.lr; inside a train step, a traced scalar), then cosine
+    decay to min_lr_ratio * lr at the last step."""
+    lr = cfg.lr if lr is None else lr
+    shape = optax.warmup_cosine_decay_schedule(0.0, 1.0, cfg.warmup_steps, cfg.steps, end_value=cfg.min_lr_ratio)
+    return lambda count: lr * shape(count)
 
 
 KV_PARAMS = ("k", "v", "kv_norm")  # module names of the K/V projections and norms (`train.trainable=kv`)
@@ -129,13 +131,15 @@ def trainable_labels(params, trainable: str):
     return jax.tree_util.tree_map_with_path(label, params)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig, lr=None) -> optax.GradientTransformation:
     """Clip by global norm, then AdamW; weight decay only on matrices (not on norm scales or biases).
-    With train.trainable=kv every other parameter is frozen (no update, no optimizer state)."""
+    With train.trainable=kv every other parameter is frozen (no update, no optimizer state). The state's
+    structure does not depend on the learning rate (`lr`, default train.lr), so a train step may take it
+    as an argument."""
     decay = partial(jax.tree.map, lambda p: p.ndim >= 2)
     train = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay),
+        optax.adamw(learning_rate(cfg, lr), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay),
     )
     if cfg.trainable == "all":
         return train
@@ -152,9 +156,11 @@ def token_losses(graphdef, params, windows: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
-def _train_step(graphdef, tx, schedule, accum, state: TrainState, batch, weights=None):
-    """One optimizer step on windows `[B, L+1]`; with `weights` `[B, L]` (a TrainingMix's) the objective
-    is the mean of weighted token losses, while the logged `loss` stays the plain mean NLL."""
+def _train_step(graphdef, cfg: TrainConfig, state: TrainState, batch, weights, lr):
+    """One optimizer step on windows `[B, L+1]` at peak learning rate `lr` (an argument, not a constant of
+    the program); with `weights` `[B, L]` (a TrainingMix's) the objective is the mean of weighted token
+    losses, while the logged `loss` stays the plain mean NLL."""
+    tx, schedule, accum = make_optimizer(cfg, lr), learning_rate(cfg, lr), cfg.grad_accum
 
     def loss_fn(params, windows, weights):
         nll = token_losses(graphdef, params, windows)
@@ -176,6 +182,15 @@ def _train_step(graphdef, tx, schedule, accum, state: TrainState, batch, weights
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new = state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state, step=state.step + 1)
     return new, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+
+
+@functools.lru_cache(maxsize=32)
+def _programs(graphdef, cfg: TrainConfig):
+    """The jitted train step and evaluation of one model structure under one optimizer setting, shared by
+    every Trainer of them: the learning rate is an argument and the seed only sets values, so an LR grid
+    or another seed compiles nothing new (`cfg` comes with lr and seed fixed, see `Trainer`)."""
+    step = jax.jit(partial(_train_step, graphdef, cfg), donate_argnums=(0,))
+    return step, jax.jit(partial(_eval_sums, graphdef))
 
 
 def _eval_sums(graphdef, params, windows, weights, token_bytes):
@@ -261,7 +276,6 @@ class Trainer:
             raise ValueError("init's model config differs from config.model")
         model = Decoder(config.model, rngs=nnx.Rngs(cfg.seed)) if init is None else init
         self.graphdef, params = nnx.split(model)
-        self.schedule = learning_rate(cfg)
         tx = make_optimizer(cfg)
         with jax.set_mesh(self.mesh):
             params = shard_params(params, self.mesh)
@@ -271,10 +285,7 @@ class Trainer:
                 step=jnp.int32(0),
                 rng=jax.random.key_data(jax.random.key(cfg.seed)),
             )
-        self._step = jax.jit(
-            partial(_train_step, self.graphdef, tx, self.schedule, cfg.grad_accum), donate_argnums=(0,)
-        )
-        self._eval = jax.jit(partial(_eval_sums, self.graphdef))
+        self._step, self._eval = _programs(self.graphdef, dataclasses.replace(cfg, lr=1.0, seed=0, init=None))
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.position = None
         self.extended_from = None  # train.steps of the checkpoint, when this run changes it
@@ -335,7 +346,7 @@ class Trainer:
                 windows, weights = next(iterator)
                 batch = shard_batch(windows, self.mesh)
                 weights = None if weights is None else shard_batch(weights, self.mesh)
-                self.state, metrics = self._step(self.state, batch, weights)
+                self.state, metrics = self._step(self.state, batch, weights, jnp.float32(cfg.lr))
                 self._done = self.step
                 row = {"step": self._done, **{k: float(v) for k, v in metrics.items()}}
                 if not math.isfinite(row["loss"]):

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import shutil
 
@@ -126,18 +127,18 @@ def test_weighted_steps_unit_weights_are_the_plain_step_and_accumulation_keeps_t
     the update; with grad_accum the weights follow their rows (== one big weighted batch)."""
     from functools import partial
 
-    from kvjax.training.trainer import _train_step, make_optimizer
+    from kvjax.training.trainer import _train_step
 
     cfg = small_config("train.batch_size=4")
     trainer = Trainer(cfg, tmp_path / "a", progress=False)
-    tx, schedule = make_optimizer(cfg.train), trainer.schedule
     windows = trainer.corpus.train[:4]
     weights = np.ones((4, windows.shape[1] - 1), np.float32)
     heavy = weights.copy()
     heavy[1, 5:9] = heavy[3, 20:25] = 30.0
 
     def step(accum, w):
-        new, metrics = jax.jit(partial(_train_step, trainer.graphdef, tx, schedule, accum))(trainer.state, windows, w)
+        train = dataclasses.replace(cfg.train, grad_accum=accum)
+        new, metrics = jax.jit(partial(_train_step, trainer.graphdef, train))(trainer.state, windows, w, cfg.train.lr)
         return jax.tree.leaves(new.params), float(metrics["loss"]), float(metrics["grad_norm"])
 
     plain, loss, norm = step(1, None)

@@ -3,6 +3,11 @@ measured in the same run on the same weights: a shipped model (smollm2, gemma3) 
 dequantizes it itself), or a Hugging Face checkpoint directory. Needs the `parity` extra.
 
     python scripts/bench_vs_transformers.py [--model smollm2] [--context 2048] [--batches 1 8] [--new-tokens 16]
+        [--nll-windows 4]
+
+`--nll-windows N` also scores N held-out KJV windows of `--context` tokens (the model's own tokenizer;
+BOS first where the model's file asks for it) on both sides: mean NLL in nats per token, which should
+agree to the last few digits when both read the same weights.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import torch
 
 from kvjax.report import format_table
 from kvjax.timing import generation_times
+from kvjax.training.compression_eval import corpus_tokens
 from kvjax.training.gguf_import import resolve_gguf
-from kvjax.training.loading import is_gguf, load_decoder
+from kvjax.training.loading import is_gguf, load_decoder, load_model
 
 
 @torch.no_grad()
@@ -61,6 +67,31 @@ def reference_model(ref: str):
     raise SystemExit(f"transformers cannot load {ref}")
 
 
+def nll(logits: np.ndarray, windows: np.ndarray) -> float:
+    """Mean next-token NLL (nats) of windows `[n, L]` from logits `[n, L, V]` (fp32)."""
+    logits = logits[:, :-1].astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    logz = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    picked = np.take_along_axis(logits, windows[:, 1:, None], -1)[..., 0]
+    return float((logz - picked).mean())
+
+
+def nll_both(ref: str, model, reference, windows: int, length: int) -> tuple[float, float]:
+    """(kvjax, transformers) mean NLL over `windows` KJV validation windows of `length` tokens."""
+    loaded = load_model(ref)
+    stream = corpus_tokens(loaded.tokenizer, "kjv")
+    rows = np.resize(stream, (windows, length)).astype(np.int64)
+    if loaded.bos:
+        rows[:, 0] = loaded.tokenizer.bos_id
+    ours, theirs = [], []
+    forward = jax.jit(lambda t, p: model(t, p)[0])
+    for row in rows:
+        ours.append(nll(np.asarray(forward(row[None].astype(np.int32), np.arange(length)[None])), row[None]))
+        with torch.no_grad():
+            theirs.append(nll(reference(torch.tensor(row[None])).logits.numpy(), row[None]))
+    return float(np.mean(ours)), float(np.mean(theirs))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2, gemma3, a .gguf file or a Hugging Face directory")
@@ -68,6 +99,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per side (median), after a warm-up")
+    parser.add_argument("--nll-windows", type=int, default=0, help="held-out KJV windows scored on both sides")
     args = parser.parse_args()
 
     import transformers
@@ -103,6 +135,12 @@ def main() -> None:
             rows,
         )
     )
+    if args.nll_windows:
+        ours, theirs = nll_both(args.model, model, reference, args.nll_windows, args.context)
+        print(
+            f"NLL over {args.nll_windows} KJV validation windows of {args.context} tokens: kvjax {ours:.6f}, "
+            f"transformers {theirs:.6f} nats/token (|diff| {abs(ours - theirs):.2e})"
+        )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ gguf = pytest.importorskip("gguf")
 from flax import nnx  # noqa: E402
 
 from kvjax.architectures import Decoder  # noqa: E402
-from kvjax.config import load_config  # noqa: E402
+from kvjax.config import ConfigError, load_config  # noqa: E402
 from kvjax.training.families.llama import unpermute_rope_rows  # noqa: E402
 from kvjax.training.gguf_import import GGUFError, load_gguf_model  # noqa: E402
 
@@ -19,9 +19,9 @@ def llama_cpp_permute(w, n_heads):
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, arch="llama"):
+def write_gguf(path, model, arch="llama", rope_freqs=None):
     """A GGUF file of `model` as llama.cpp's converter writes `arch` (Qwen3: Q/K rows not permuted, and
-    each layer's q/k norms)."""
+    each layer's q/k norms); `rope_freqs`: the per-pair frequency factors llama.cpp stores for Llama 3."""
     cfg, att = model.config, model.config.attention
     rope = llama_cpp_permute if arch == "llama" else lambda w, heads: w
     w = gguf.GGUFWriter(str(path), arch)
@@ -37,6 +37,8 @@ def write_gguf(path, model, arch="llama"):
     f32 = lambda v: np.asarray(v[...], np.float32)  # noqa: E731
     w.add_tensor("token_embd.weight", f32(model.embed.embedding))
     w.add_tensor("output_norm.weight", f32(model.final_norm.scale))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     for i, b in enumerate(model.blocks):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", f32(b.mixer_norm.scale))
@@ -79,8 +81,11 @@ def test_a_gguf_written_from_a_kvjax_model_loads_back_exactly(tmp_path, arch):
         np.testing.assert_array_equal(a, b)
 
 
-def test_unsupported_architecture_is_a_clear_error(tmp_path):
+def test_unsupported_architecture_and_scaled_rope_are_clear_errors(tmp_path):
     model = Decoder(load_config("gqa", ["model.n_layers=1"]).model, rngs=nnx.Rngs(0))
     write_gguf(tmp_path / "other.gguf", model, arch="falcon")
     with pytest.raises(GGUFError, match="general.architecture='falcon' is not supported"):
         load_gguf_model(tmp_path / "other.gguf")
+    write_gguf(tmp_path / "llama3.gguf", model, rope_freqs=np.ones(model.config.attention.head_dim // 2))
+    with pytest.raises(ConfigError, match="rope_freqs.weight .Llama 3 RoPE scaling. is not read"):
+        load_gguf_model(tmp_path / "llama3.gguf")

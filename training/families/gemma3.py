@@ -133,16 +133,17 @@ def check_exportable(cfg: ModelConfig, arch: str = "Gemma3ForCausalLM") -> None:
     if set(cfg.mixers) - {"local", "attention"}:
         raise ConfigError(f"model mixers {sorted(set(cfg.mixers))}: {arch} has local and global attention layers only")
     att, local = cfg.attention, cfg.attention_for("local")
-    for field, value, want in (
-        ("attention.qk_norm", att.qk_norm, gemma3),
-        ("mlp_act", cfg.mlp_act, "gelu_tanh"),
-        ("embed_scale", cfg.embed_scale, True),
-        ("attention.qkv_bias", att.qkv_bias, False),
-        ("attention.query_scale", att.query_scale, int(att.query_scale or 0) or None),
-        ("local.rope_theta", local.rope_theta, local.rope_theta if gemma3 else att.rope_theta),
+    integer = att.query_scale is None or float(att.query_scale).is_integer()  # query_pre_attn_scalar is an int
+    for field, value, ok, want in (
+        ("attention.qk_norm", att.qk_norm, att.qk_norm == gemma3, repr(gemma3)),
+        ("mlp_act", cfg.mlp_act, cfg.mlp_act == "gelu_tanh", "'gelu_tanh'"),
+        ("embed_scale", cfg.embed_scale, cfg.embed_scale, "True"),
+        ("attention.qkv_bias", att.qkv_bias, not att.qkv_bias, "False"),
+        ("attention.query_scale", att.query_scale, integer, "a whole number (or null: head_dim)"),
+        ("local.rope_theta", local.rope_theta, gemma3 or local.rope_theta == att.rope_theta, repr(att.rope_theta)),
     ):
-        if value != want:
-            raise ConfigError(f"model.{field}={value!r}: {arch} needs {want!r}")
+        if not ok:
+            raise ConfigError(f"model.{field}={value!r}: {arch} needs {want}")
     llama.check_exportable(dataclasses.replace(cfg, layer_pattern=("attention",)), arch)
 
 

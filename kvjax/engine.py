@@ -155,7 +155,7 @@ def check_engine_policy(policy: Policy) -> tuple[bool, bool]:
                 raise ConfigError(f"{where}:{stage.bits}: quantized pages are int:8 (symmetric) only")
         elif not (stage.method in METHODS and METHODS[stage.method].pageable):
             raise ConfigError(f"{where}: the engine pages token eviction and int:8; {stage.method} is not supported")
-        elif stage.every or stage.allocator != "uniform":
+        elif stage.every or not stage.allocation.same_everywhere:
             raise ConfigError(
                 f"{where}: the engine compresses once after the prefill with one budget for every "
                 f"layer and head (every={stage.every}, allocator={stage.allocator!r} are not supported)"

@@ -53,11 +53,12 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
             raise ConfigError(f"{where}: quantizing or factoring MLA's latent cache is not implemented")
         if method is not None and not method.poolable and any(s.pooled for s in policy.stages):
             raise ConfigError(f"{where}: {stage.method} cannot run on an AdaKV pool; use a uniform allocator")
-        if mla and (stage.reducer == "cam" or stage.pooled):
-            raise ConfigError(
-                f"{where}: {cfg.name!r} has MLA layers, whose cache is one latent shared by all heads: CaM (no "
-                "separate values) and AdaKV (no heads) do not apply"
-            )
+        for part in (stage.allocation, stage.reduction):
+            if mla and not part.mla:
+                raise ConfigError(
+                    f"{where}: {cfg.name!r} has MLA layers, whose cache is one latent shared by all heads: "
+                    f"{part.name} (it needs separate heads and values) does not apply"
+                )
         if stage.quantizes and stage.quant_spec.scheme.pre_rope_keys and cfg.attention.rope_scaling is not None:
             raise ConfigError(
                 f"{where}: {stage.method} keeps keys before RoPE and re-rotates them with plain RoPE; "
@@ -139,7 +140,7 @@ def plan_stages(
                 raise ConfigError(f"policy stage {stage.method!r} needs its layer budgets from the prefill's attention")
             counts = np.asarray(layer_counts, np.int64)
         windows = np.vectorize(stage.n_window)(counts)
-        floors = np.floor(stage.floor * counts + 1e-9).astype(np.int64)
+        floors = stage.allocation.floors(stage, counts)
         heads = [kv_heads(cfg, s) if stage.pooled else 1 for s in slots]
         keep_caps = tuple(int(counts[j].max()) * heads[j] for j in range(len(slots)))
         if stage.hooks:
@@ -246,13 +247,8 @@ def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, tar
         floor=floor if pooled else None,
         head=cache.head[:, None] if pooled else None,
     )
-    merged = method.merge(stage, cache, idx, valid, stat)
-    if merged is not None:
-        cache = merged
-    elif stage.reducer == "cam":
-        cache = reducers.merge_cam(cache, idx, valid, stat)
-    elif stage.reducer == "kvmerger":
-        cache = reducers.merge_kvmerger(cache, idx, valid, stage.sigma)
+    merged = method.merge(stage, cache, idx, valid, stat)  # a method's own (D2O), else the stage's reducer
+    cache = stage.reduction.merge(cache, idx, valid, stat, stage.reducer_options) if merged is None else merged
     new = reducers.gather(cache, idx, valid, capacity, per_head=Kh > 1)
     return new, [reducers.gather_stat(s, idx, valid, capacity) for s in stats]
 

@@ -15,10 +15,11 @@ tokens removed (kvpress's `compression_ratio`; a row of L tokens keeps int(L * (
 integer >= 1 is a **size**, the tokens kept per sequence. A chain applies its stages in order, each
 to what the previous one kept, so keep fractions multiply (0.5 then 0.5 keeps a quarter).
 
-Options: `sinks`, `window`, `allocator`, `reducer`, `every` and the allocators' and reducers' options
-(`beta`, `floor`, `sigma`) are any stage's; every other option belongs to its method (its `Options`
-dataclass, `kvjax.compress.methods`) or quantizer (from its parts, `kvjax.quant.schemes`), and another
-method's option is an error that lists the method's own.
+Options: `sinks`, `window`, `allocator`, `reducer` and `every` are any stage's; the chosen allocator's
+and reducer's own options (`beta` of `pyramid`, `floor` of `adakv`, `sigma` of `kvmerger`;
+`kvjax.compress.allocators`, `kvjax.compress.reducers`) are the stage's when it chooses them; every
+other option belongs to its method (its `Options` dataclass, `kvjax.compress.methods`) or quantizer
+(from its parts, `kvjax.quant.schemes`), and any other option is an error that lists what the stage takes.
 
 When it runs: every stage compresses once after the prefill; `every=n` on the last stage also holds its
 budget during decoding, evicting back to it every n steps (the cache holds budget + n slots).
@@ -31,14 +32,14 @@ import warnings
 
 import numpy as np
 
+from kvjax.compress.allocators import ALLOCATORS
 from kvjax.compress.methods import METHODS
+from kvjax.compress.reducers import REDUCERS
 from kvjax.config import ConfigError, Note
 from kvjax.quant import QuantSpec
 from kvjax.quant.schemes import SCHEMES
 
-ALLOCATORS = ("uniform", "pyramid", "adakv")
-REDUCERS = ("select", "cam", "kvmerger")
-COMMON = ("sinks", "window", "allocator", "reducer", "every", "beta", "floor", "sigma")  # options of any stage
+COMMON = ("sinks", "window", "allocator", "reducer", "every")  # options of any stage
 
 
 def registered(kind: str) -> tuple[str, ...]:
@@ -60,10 +61,10 @@ def options_class(method: str) -> type:
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One compression step: the method, its budget (a `ratio` or a `size`; a quantizer's `bits`), what
-    every method shares, and `options`, the method's own options (its `Options` dataclass; None: its
-    defaults). `window` None: the method's rule (StreamingLLM: the rest of the budget, H2O: half of it,
-    SnapKV: `obs_window`, others: 0). `Stage.of("snapkv", ratio=0.5, kernel=7)` sorts keywords into the
-    two."""
+    every method shares, and the options of the method, the allocator and the reducer (their `Options`
+    dataclasses; None: their defaults). `window` None: the method's rule (StreamingLLM: the rest of the
+    budget, H2O: half of it, SnapKV: `obs_window`, others: 0). `Stage.of("snapkv", ratio=0.5, kernel=7,
+    allocator="pyramid", beta=10)` sorts keywords into their places."""
 
     method: str
     ratio: float | None = None
@@ -74,19 +75,25 @@ class Stage:
     allocator: str = "uniform"  # how the budget is spread over layers and heads
     reducer: str = "select"  # what happens to the evicted tokens
     every: int = 0  # the last stage holds its budget while decoding, evicting every n steps
-    beta: float = 20.0  # PyramidKV: the top layer keeps budget / beta
-    floor: float = 0.2  # AdaKV: each head keeps at least floor x its uniform share
-    sigma: float = 1.0  # KVMerger: Gaussian kernel width over unit-key distances
-    options: object = None
+    options: object = None  # the method's own
+    allocator_options: object = None
+    reducer_options: object = None
 
     @classmethod
     def of(cls, method: str, **fields) -> Stage:
-        """A stage from keywords: the stage's own fields, and the method's options by their names."""
+        """A stage from keywords: the stage's own fields, then the options of the method, the allocator
+        and the reducer by their names."""
         own = {f.name for f in dataclasses.fields(cls)}
         options = {name: fields.pop(name) for name in list(fields) if name not in own}
         if options and method in all_methods():
-            _check_names(method, options, f"policy stage {method!r}")
-            fields["options"] = options_class(method)(**options)
+            where = f"policy stage {method!r}"
+            allocator, reducer = _part(fields, "allocator", where), _part(fields, "reducer", where)
+            _check_names(method, options, where, allocator, reducer)
+            for key, part in (("options", None), ("allocator_options", allocator), ("reducer_options", reducer)):
+                kind = options_class(method) if part is None else part.Options
+                mine = {f.name for f in dataclasses.fields(kind)}
+                if chosen := {name: options.pop(name) for name in list(options) if name in mine}:
+                    fields[key] = kind(**chosen)
         return cls(method, **fields)
 
     def __post_init__(self):
@@ -94,12 +101,17 @@ class Stage:
         methods = all_methods()
         if self.method not in methods:
             raise ConfigError(f"{where}: method={self.method!r} must be one of {methods}")
-        kind = options_class(self.method)
-        if self.options is None:
-            object.__setattr__(self, "options", kind())
-        elif type(self.options) is not kind:
-            raise ConfigError(f"{where}: options={self.options!r} must be {self.method}'s own ({kind.__name__})")
-        self.options.check(where)
+        allocator, reducer = _part(vars(self), "allocator", where), _part(vars(self), "reducer", where)
+        for key, kind, owner in (
+            ("options", options_class(self.method), self.method),
+            ("allocator_options", allocator.Options, f"allocator {self.allocator}"),
+            ("reducer_options", reducer.Options, f"reducer {self.reducer}"),
+        ):
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, kind())
+            elif type(getattr(self, key)) is not kind:
+                raise ConfigError(f"{where}: {key}={getattr(self, key)!r} must be {owner}'s own ({kind.__name__})")
+            getattr(self, key).check(where)
         if self.quantizes:
             try:
                 self.quant_spec
@@ -116,18 +128,13 @@ class Stage:
             raise ConfigError(f"{where}: ratio={self.ratio} must be in [0, 1) (the fraction of tokens removed)")
         if self.size is not None and self.size < 1:
             raise ConfigError(f"{where}: size={self.size} must be >= 1 (tokens kept)")
-        for name, allowed in (("allocator", ALLOCATORS), ("reducer", REDUCERS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{where}: {name}={getattr(self, name)!r} must be one of {allowed}")
         for name in ("sinks", "window", "every"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{where}: {name}={value} must be >= 0")
-        if self.beta < 1 or not 0 <= self.floor <= 1 or self.sigma <= 0:
-            raise ConfigError(f"{where}: beta={self.beta} must be >= 1, floor={self.floor} in [0, 1], sigma > 0")
         method = METHODS[self.method]
-        if self.reducer == "cam" and not method.observed_queries(self, 1):
-            raise ConfigError(f"{where}: reducer='cam' weighs merges by attention; use h2o, snapkv or tova")
+        if reducer.needs_attention and not method.observed_queries(self, 1):
+            raise ConfigError(f"{where}: reducer={self.reducer!r} weighs merges by attention; use h2o, snapkv or tova")
         if method.kind != "scorer" and (self.every or self.allocator != "uniform" or self.reducer != "select"):
             raise ConfigError(
                 f"{where}: every=, allocator= and reducer= do not apply to {self.method} (it evicts no token by score)"
@@ -186,8 +193,18 @@ class Stage:
         return int(length * (1 - self.ratio) + 1e-9) if self.ratio is not None else self.size
 
     @property
+    def allocation(self):
+        """The stage's registered allocator (`kvjax.compress.allocators`)."""
+        return ALLOCATORS[self.allocator]
+
+    @property
+    def reduction(self):
+        """The stage's registered reducer (`kvjax.compress.reducers`)."""
+        return REDUCERS[self.reducer]
+
+    @property
     def pooled(self) -> bool:
-        return self.allocator == "adakv"
+        return self.allocation.pooled
 
     @property
     def per_head(self) -> bool:
@@ -224,26 +241,47 @@ class Policy:
 def _stage_text(stage: Stage) -> str:
     budget = stage.bits if stage.quantizes else stage.ratio if stage.ratio is not None else stage.size
     changed = [(stage, f) for f in dataclasses.fields(Stage) if f.name in COMMON]
-    changed += [(stage.options, f) for f in dataclasses.fields(stage.options)]
+    for options in (stage.options, stage.allocator_options, stage.reducer_options):
+        changed += [(options, f) for f in dataclasses.fields(options)]
     opts = [f"{f.name}={str(getattr(obj, f.name)).lower()}" for obj, f in changed if getattr(obj, f.name) != f.default]
     return f"{stage.method}:{budget}" + (":" + ",".join(opts) if opts else "")
 
 
-def _option_types(method: str) -> dict[str, str]:
-    """The options a stage of `method` takes, with their types as text: the common ones, then its own."""
+def _part(fields: dict, name: str, where: str):
+    """The registered allocator or reducer (`name`) that stage fields choose, by its name."""
+    registry = {"allocator": ALLOCATORS, "reducer": REDUCERS}[name]
+    chosen = fields.get(name) or next(iter(registry))
+    if chosen not in registry:
+        raise ConfigError(f"{where}: {name}={chosen!r} must be one of {tuple(registry)}")
+    return registry[chosen]
+
+
+def _option_types(method: str, allocator, reducer) -> dict[str, str]:
+    """The options a stage of `method` with this allocator and reducer takes, with their types as text:
+    the common ones, its own, the allocator's and the reducer's."""
     common = {f.name: f.type for f in dataclasses.fields(Stage) if f.name in COMMON}
-    own = {f.name: f.type for f in dataclasses.fields(options_class(method))}
-    return {name: kind if isinstance(kind, str) else kind.__name__ for name, kind in {**common, **own}.items()}
+    for kind in (options_class(method), allocator.Options, reducer.Options):
+        common |= {f.name: f.type for f in dataclasses.fields(kind)}
+    return {name: kind if isinstance(kind, str) else kind.__name__ for name, kind in common.items()}
 
 
-def _check_names(method: str, options, where: str) -> None:
-    unknown = [name for name in options if name not in _option_types(method)]
-    if unknown:
-        own = [f.name for f in dataclasses.fields(options_class(method))]
-        raise ConfigError(
-            f"{where}: unknown option {unknown[0]!r}; {method}'s own options: {own or 'none'}, and any "
-            f"stage's: {list(COMMON)}"
-        )
+def _check_names(method: str, options, where: str, allocator, reducer) -> None:
+    unknown = [name for name in options if name not in _option_types(method, allocator, reducer)]
+    if not unknown:
+        return
+    owners = [
+        f"{kind} {part.name}"
+        for kind, registry in (("allocator", ALLOCATORS), ("reducer", REDUCERS))
+        for part in registry.values()
+        if unknown[0] in {f.name for f in dataclasses.fields(part.Options)}
+    ]
+    if owners:
+        raise ConfigError(f"{where}: option {unknown[0]!r} belongs to {owners[0]}; add {owners[0].replace(' ', '=')}")
+    own = [f.name for f in dataclasses.fields(options_class(method))]
+    raise ConfigError(
+        f"{where}: unknown option {unknown[0]!r}; {method}'s own options: {own or 'none'}, and any "
+        f"stage's: {list(COMMON)}"
+    )
 
 
 def _option(kind: str, name: str, text: str, where: str):
@@ -275,10 +313,14 @@ def parse_stage(text: str) -> Stage:
         raise ConfigError(f"{where}: budget {budget!r} must be a ratio in [0, 1) or a size >= 1") from None
     if value >= 1 and value != int(value):
         raise ConfigError(f"{where}: size {budget!r} must be a whole number of tokens")
-    types, options = _option_types(method), {}
-    for item in parts[2].split(",") if len(parts) == 3 else ():
+    items = [item for item in parts[2].split(",")] if len(parts) == 3 else []
+    chosen = dict(item.partition("=")[::2] for item in items)
+    allocator = _part({k.strip(): v.strip() for k, v in chosen.items()}, "allocator", where)
+    reducer = _part({k.strip(): v.strip() for k, v in chosen.items()}, "reducer", where)
+    types, options = _option_types(method, allocator, reducer), {}
+    for item in items:
         name, eq, raw = (part.strip() for part in item.partition("="))
-        _check_names(method, [name], where)
+        _check_names(method, [name], where, allocator, reducer)
         if not eq and "bool" in types[name]:  # a bare flag: int:4:asym
             eq, raw = "=", "true"
         if not eq:
@@ -343,32 +385,9 @@ def stage_counts(stage: Stage, lengths: np.ndarray, n_layers: int) -> np.ndarray
             stacklevel=2,
         )
     counts = np.broadcast_to(keep, (n_layers, len(keep))).copy()
-    if stage.allocator == "pyramid" and n_layers > 1:  # a raised row keeps its protected tokens in every layer
-        counts = np.stack(
-            [counts[:, b] if raised[b] else pyramid_counts(stage, int(n), n_layers) for b, n in enumerate(lengths)],
-            axis=1,
-        )
+    if n_layers > 1:  # the allocator spreads the budget; a raised row keeps its protected tokens in every layer
+        spread = [
+            None if raised[b] else stage.allocation.layer_counts(stage, int(n), n_layers) for b, n in enumerate(lengths)
+        ]
+        counts = np.stack([counts[:, b] if s is None else s for b, s in enumerate(spread)], axis=1)
     return counts
-
-
-def pyramid_counts(stage: Stage, length: int, n_layers: int) -> np.ndarray:
-    """PyramidKV's layer budgets `[n_layers]` for one row of `length` tokens (Cai et al. 2024, arXiv
-    2406.02069, sec. 3.3), as kvpress's `PyramidKVPress.get_layer_budget` computes them from the
-    official code's rule: with k the mean budget (`length * (1 - ratio)`, or the size) and w the
-    stage's fixed window, the budget falls linearly from max = 2k - k/beta at layer 0 to min = k/beta;
-    when max exceeds length - w it is capped there and min = 2k - max, so the layers still sum to L x k.
-    Each budget is rounded (`round`, as kvpress; the official code floors, which can overshoot the
-    total); when the schedule would not hold (min below w, or max above the length) every layer keeps
-    round(k), as kvpress falls back to SnapKV."""
-    k = length * (1 - stage.ratio) if stage.ratio is not None else float(stage.size)
-    w = stage.fixed_protected
-    low = k / stage.beta
-    high = 2 * k - low
-    if high >= length - w:
-        high = length - w
-        low = 2 * k - high
-    if not length >= high >= low >= w:
-        return np.full(n_layers, round(k), np.int64)
-    step = (high - low) / (n_layers - 1)
-    # rounded at 1e-9 first, so float noise cannot tip a .5 (200 x 0.15 = 30.000000000000004) and break the sum
-    return np.array([round(round(high - layer * step, 9)) for layer in range(n_layers)], np.int64)

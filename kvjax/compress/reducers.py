@@ -6,6 +6,9 @@ for new tokens); a row that keeps fewer tokens leaves empty slots (position -1).
 compacted to the front in their original order, so the next token goes to slot `length`, at its true
 position.
 
+What happens to the evicted slots is the stage's `reducer=` (registered in `REDUCERS`, each with its
+own options): `select` drops them, `cam` and `kvmerger` merge them.
+
 - `select`: top-k by score (sinks and window scored +inf). Head-wise scores give each head its own
   tokens: positions are then stored per head, `[B,K,S]`.
 - AdaKV (Feng et al. 2024, arXiv 2407.11550, alg. 1): one top-k over all heads of a layer (K x budget
@@ -23,10 +26,14 @@ position.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache, LatentCache, PooledKVCache
+from kvjax.config import ConfigError
+from kvjax.options import Options
 
 _FORCED = 1e30  # above any score, below the +inf that marks sinks and window
 
@@ -202,3 +209,48 @@ def _kvmerger(keys, arrays, pos, idx, valid, sigma):
     best = jnp.take_along_axis(sim, target[..., None], axis=-1)[..., 0]
     weight = jnp.where(pos >= 0, jnp.exp(-(2.0 - 2.0 * best) / (2 * sigma**2)), 0.0)
     return tuple(_weighted_merge(x, kept, target, weight) for x in arrays)
+
+
+class Reducer:
+    """A reducer: its `Options`, whether it weighs merges by attention (`needs_attention`: the scorer
+    must observe queries), whether it applies to an MLA latent (`mla`), and `merge`, which folds the
+    evicted slots into the kept ones before they are gathered (`select`: nothing)."""
+
+    name: str
+    Options: type[Options] = Options
+    needs_attention = False
+    mla = True
+
+    def merge(self, cache, idx, valid, stat, options):
+        return cache
+
+
+class Select(Reducer):
+    name = "select"
+
+
+class CaM(Reducer):
+    name = "cam"
+    needs_attention = True
+    mla = False  # an MLA latent has no separate values
+
+    def merge(self, cache, idx, valid, stat, options):
+        return merge_cam(cache, idx, valid, stat)
+
+
+class KVMerger(Reducer):
+    name = "kvmerger"
+
+    @dataclasses.dataclass(frozen=True)
+    class Options(Options):
+        sigma: float = 1.0  # Gaussian kernel width over unit-key distances
+
+        def check(self, where: str) -> None:
+            if self.sigma <= 0:
+                raise ConfigError(f"{where}: sigma={self.sigma} must be > 0")
+
+    def merge(self, cache, idx, valid, stat, options):
+        return merge_kvmerger(cache, idx, valid, options.sigma)
+
+
+REDUCERS = {r.name: r for r in (Select(), CaM(), KVMerger())}

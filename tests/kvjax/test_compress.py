@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 from kvjax import DecodingConfig, Generator
 from kvjax.cache import KVCache, KVView, PooledKVCache, QuestKVCache, caches_nbytes
 from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
+from kvjax.compress.allocators import ALLOCATORS
 from kvjax.compress.apply import observe_fn
 from kvjax.compress.methods.base import Target
 from kvjax.compress.methods.snapkv import pool
-from kvjax.compress.policy import BudgetNote, Stage, pyramid_counts, stage_counts
+from kvjax.compress.policy import BudgetNote, Stage, stage_counts
 from kvjax.compress.reducers import protected, top_slots
 from kvjax.compress.scorers import observe, score
 from kvjax.config import ConfigError
@@ -433,15 +434,16 @@ def test_pyramid_budgets_follow_the_reference_schedule():
     """Hand-computed from PyramidKV's rule as kvpress computes it (w = the 8-token observation window)."""
     stage = Stage.of("snapkv", ratio=0.5, obs_window=8, allocator="pyramid")
     # k = 50: max 2k - k/20 = 97.5 is above 100 - 8, so max = 92 and min = 100 - 92 = 8; step 28.
-    np.testing.assert_array_equal(pyramid_counts(stage, 100, 4), [92, 64, 36, 8])
+    np.testing.assert_array_equal(ALLOCATORS["pyramid"].layer_counts(stage, 100, 4), [92, 64, 36, 8])
     # k = 1000 of 2000: min 50, max 1950 (below 2000 - 8): step 633.3, rounded; sums to 4 x 1000.
-    np.testing.assert_array_equal(pyramid_counts(stage, 2000, 4), [1950, 1317, 683, 50])
+    np.testing.assert_array_equal(ALLOCATORS["pyramid"].layer_counts(stage, 2000, 4), [1950, 1317, 683, 50])
     # k = 200 of 1000 (ratio 0.8): min 10 is below the window, so every layer keeps k (kvpress's fallback).
     np.testing.assert_array_equal(
-        pyramid_counts(Stage.of("snapkv", ratio=0.8, obs_window=32, allocator="pyramid"), 1000, 4), [200] * 4
+        ALLOCATORS["pyramid"].layer_counts(Stage.of("snapkv", ratio=0.8, obs_window=32, allocator="pyramid"), 1000, 4),
+        [200] * 4,
     )
     # The issue's case: 30 layers, 300 tokens, 20% removed: the layers spend exactly 30 x 240.
-    short = pyramid_counts(Stage("snapkv", ratio=0.2, allocator="pyramid"), 300, 30)
+    short = ALLOCATORS["pyramid"].layer_counts(Stage("snapkv", ratio=0.2, allocator="pyramid"), 300, 30)
     assert short.sum() == 30 * 240 and short[0] == 300 - 32
 
 
@@ -584,11 +586,15 @@ def test_policies_run_on_every_token_cache_with_exact_bytes(make_model, variant)
         ("keynorm:0.5:reducer=cam", "reducer='cam' weighs merges by attention"),
         ("h2o:0.5:allocator=adakv+tova:0.5", "must be the last stage"),
         ("snapkv:0.5:kernel=4", "kernel=4 must be odd"),
+        ("snapkv:0.5:beta=10", "option 'beta' belongs to allocator pyramid; add allocator=pyramid"),
+        ("h2o:0.5:allocator=pyramid,beta=0.5", "beta=0.5 must be >= 1"),
+        ("h2o:0.5:reducer=kvmerger,sigma=0", "sigma=0.0 must be > 0"),
+        ("h2o:0.5:allocator=adakv,floor=2", "floor=2.0 must be in [0, 1]"),
     ],
 )
 def test_bad_policies_fail_before_compute(gqa, policy, message):
     cfg, model = gqa
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+").replace("[", r"\[")):
         gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy))
         gen.compression_plan(np.array([40, 29]), NEW)
 

@@ -39,3 +39,7 @@ def test_the_readme_is_short_and_its_implemented_table_names_what_the_code_accep
     listed = set().union(*(table[row] for row in ("token eviction", "encoding", "heads and layers")))
     assert listed == set(policy.all_methods())
     assert table["budgets and merging"] == set(policy.ALLOCATORS) | set(policy.REDUCERS)
+    from kvjax.training import families
+    from kvjax.training.gguf_import import SHIPPED
+
+    assert table["real models"] == set(SHIPPED) | set(families.BY_HF_ARCHITECTURE) | set(families.BY_GGUF_ARCHITECTURE)

@@ -92,6 +92,11 @@ class Conversion:
             raise ConfigError(f"{where}: yoco-swa already shares one K/V across its upper half; drop cla/mlkv")
         att = source.attention
         K = att.n_kv_heads if self.kv_heads is None else self.kv_heads
+        if self.kv_heads is not None and att.n_kv_heads == 1:
+            raise ConfigError(
+                f"{where}: the source has one KV head already (MQA, as Gemma 3 270M): there are no heads to pool; "
+                "drop the mqa/gqa stage"
+            )
         if att.n_kv_heads % K:
             divisors = [d for d in range(1, att.n_kv_heads + 1) if att.n_kv_heads % d == 0]
             raise ConfigError(

@@ -114,10 +114,16 @@ def test_bad_conversions_are_refused_before_any_compute(source, text, message):
         convert(source, parse_conversion(text))
 
 
-def test_a_source_that_already_shares_kv_is_refused(make_model):
+def test_a_source_that_already_shares_kv_or_has_one_kv_head_is_refused(make_model):
     _, cla = make_model("cla2")
     with pytest.raises(ConfigError, match="already shares K/V across layers"):
         convert(cla, parse_conversion("mlkv:layers=1"))
+    _, mqa = make_model("mqa", "model.n_layers=2")
+    with pytest.raises(ConfigError, match="one KV head already .MQA, as Gemma 3 270M.: there are no heads to pool"):
+        convert(mqa, parse_conversion("mqa+cla2"))
+    _, gemma = make_model("gqa", "model.n_layers=2", "model.layer_pattern=[local, attention]")
+    with pytest.raises(ConfigError, match=r"must be a plain attention model \(its mixers: \['attention', 'local'\]\)"):
+        convert(gemma, parse_conversion("cla2"))
 
 
 def test_qkv_biases_and_qk_norms_are_kept_and_pooled_like_the_kernels(make_model):

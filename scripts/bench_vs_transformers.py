@@ -76,9 +76,10 @@ def nll(logits: np.ndarray, windows: np.ndarray) -> float:
     return float((logz - picked).mean())
 
 
-def nll_both(ref: str, model, reference, windows: int, length: int) -> tuple[float, float]:
-    """(kvjax, transformers) mean NLL over `windows` KJV validation windows of `length` tokens."""
-    loaded = load_model(ref)
+def nll_both(loaded, reference, windows: int, length: int) -> tuple[float, float]:
+    """(kvjax, transformers) mean NLL over `windows` KJV validation windows of `length` tokens;
+    `loaded`: kvjax's model with its tokenizer (`load_model`)."""
+    model = loaded.model
     stream = corpus_tokens(loaded.tokenizer, "kjv")
     rows = np.resize(stream, (windows, length)).astype(np.int64)
     if loaded.bos:
@@ -105,7 +106,8 @@ def main() -> None:
     import transformers
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    _, model = load_decoder(args.model)
+    loaded = load_model(args.model) if args.nll_windows else None  # the NLL needs the tokenizer too
+    model = loaded.model if loaded else load_decoder(args.model)[1]
     reference, attention = reference_model(args.model)
     rows = []
     rng = np.random.default_rng(0)
@@ -136,7 +138,7 @@ def main() -> None:
         )
     )
     if args.nll_windows:
-        ours, theirs = nll_both(args.model, model, reference, args.nll_windows, args.context)
+        ours, theirs = nll_both(loaded, reference, args.nll_windows, args.context)
         print(
             f"NLL over {args.nll_windows} KJV validation windows of {args.context} tokens: kvjax {ours:.6f}, "
             f"transformers {theirs:.6f} nats/token (|diff| {abs(ours - theirs):.2e})"

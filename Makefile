@@ -2,11 +2,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
-# Only programs that took 2 s or more to compile are written to it (jax's default is 1 s): the small ones
-# gain little from it, and serializing an executable is where jaxlib 0.10.2 once crashed a test worker
-# (a segfault in `executable.serialize()` under a loaded CI run; not reproduced since).
-export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 2
+# No persistent compilation cache by default: jaxlib 0.10.2 segfaulted a test worker while writing an
+# executable to it (`compilation_cache.put_executable_and_time`) in 2 of about 8 cold CI runs, and in a
+# cold run it saved nothing measurable (tests/kvjax/test_compress.py + test_quant.py: 152 s with a fresh
+# cache, 148 s without). For faster warm reruns at that risk: make test JAX_COMPILATION_CACHE_DIR=.cache/jax
 # Test processes (pytest-xdist, one test file per worker): XLA compiles on one core, and compiling is
 # most of a test run's time, so 2 workers halve a cold run on 2 cores (11m42s -> 5m51s; warm 5m -> 3m11s).
 TEST_WORKERS ?= 2

@@ -1,11 +1,10 @@
-"""Test-wide JAX settings (strict rank promotion, persistent compilation cache, quick compiles) and shared
+"""Test-wide JAX settings (strict rank promotion, an opt-in persistent compilation cache, quick compiles) and shared
 model fixtures."""
 
 from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 # Tests compile far more than they compute: LLVM at -O0 cut a cold run of tests/kvjax/test_compress.py
 # from 121 s to 92 s (same results; XLA's own graph optimizations still run).
@@ -13,12 +12,10 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_opti
 
 import jax  # noqa: E402
 
-CACHE_DIR = os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "jax")
-)
 jax.config.update("jax_numpy_rank_promotion", "raise")
-jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+if CACHE_DIR := os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # opt-in only: see the Makefile for why
+    jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402

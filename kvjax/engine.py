@@ -8,8 +8,10 @@ the decode rows instead of stalling them (Sarathi-Serve, Agrawal et al. 2024; st
 per power-of-two row bucket and chunk bucket). While no prompt is being prefilled and every running
 request decodes greedily, several decode steps run in one call.
 
-Works for attention models whose layers produce or share full-attention K/V (MHA/GQA/MQA, CLA, MLKV)
-or MLA latents (`PagedLatentCache`).
+Works for attention models whose layers produce or share K/V (MHA/GQA/MQA, CLA, MLKV), sliding-window
+layers included (Gemma's local layers, Mistral's window: the window is a mask over the pages, whose
+tokens stay paged until the request ends, so a local layer takes as many pages as a global one), or MLA
+latents (`PagedLatentCache`).
 
 A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Generator` does (one prefill
 of the whole prompt, then eviction and/or `int:8` quantization), and only what is kept goes into pages:
@@ -187,12 +189,19 @@ class Engine:
         module docstring). `decode_steps`: while no prompt is being prefilled and every running request
         decodes greedily, up to this many decode steps run in one device call (1: a call per step)."""
         cfg = model.config
-        if not set(cfg.mixers) <= {"attention", "mla"} or cfg.attention.window is not None:
+        if not set(cfg.mixers) <= {"attention", "local", "mla"}:
             raise ConfigError(
-                f"the engine pages full-attention K/V and MLA latents; model mixers "
-                f"{sorted(set(cfg.mixers))} (window {cfg.attention.window}) are not supported yet"
+                f"the engine pages attention K/V and MLA latents; model mixers {sorted(set(cfg.mixers))} "
+                "are not supported yet"
             )
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
+        windowed = sorted({k for k in cfg.mixers if k != "mla" and cfg.attention_for(k).window is not None})
+        if self.policy is not None and windowed:
+            raise ConfigError(
+                f"engine policy {policy!s}: {cfg.name!r} has sliding-window layers ({', '.join(windowed)}), whose "
+                "prompt cache a policy leaves whole while it compresses the others, and every layer's pages share "
+                "one block table; serve it without a policy"
+            )
         self.model, self.pool = model, PagePool(n_pages, page_size)
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
         self.prefix_cache = prefix_cache and self.policy is None

@@ -3,12 +3,16 @@
 Servers compared at the same bytes of K/V memory:
 - **static batches** (`Generator`): requests in arrival order, `rows` at a time, each batch decoded to
   its longest output; without paging every row must reserve the workload's longest prompt plus its
-  longest output, so rows = budget / (bytes per token x that reservation).
+  longest output, so rows = budget / the bytes of one row's caches at that reservation (sliding-window
+  rings capped at their window, as `Generator` allocates them).
 - **engine** (`kvjax.Engine`): paged memory, continuous batching, chunked prefill mixed into the decode
   steps, prefix cache; the budget buys pages.
 - **engine + policy** for each `--policies` entry (e.g. `snapkv:0.5`, `int:8`): the same budget buys
   pages of the policy's layout (int8 pages are smaller, so there are more), and compressed prompts take
   fewer of them, so more requests run at once.
+
+On a model with sliding-window layers (Gemma 3) the engine pages every token of every layer (the window
+is a mask), while a static row's rings stay at their window: there the static rows hold more tokens.
 
 Prompt and output lengths are drawn uniformly from their ranges (numpy seed `seed`); an optional shared
 prefix starts every prompt; every request decodes greedily to its own length. Each server serves the
@@ -107,12 +111,12 @@ def serve_bench(
     budget = int(memory_mib * 2**20)
     longest = max(len(r.prompt) + r.decoding.max_new_tokens for r in requests)
     reserve = max(len(r.prompt) for r in requests) + max(r.decoding.max_new_tokens for r in requests)
-    rows = budget // (memory.cache_bytes_per_token(cfg) * reserve)
+    row_bytes = memory.cache_bytes(cfg, reserve)  # a static row's caches (sliding-window rings capped)
+    rows = budget // row_bytes
     if rows < 1:
         raise ConfigError(
             f"--memory-mib={memory_mib}: {budget:,} bytes hold no static row of {reserve} tokens "
-            f"({memory.cache_bytes_per_token(cfg):,} bytes per token: "
-            f"{memory.cache_bytes_per_token(cfg) * reserve / 2**20:.3g} MiB a row); raise it"
+            f"({row_bytes / 2**20:.3g} MiB a row); raise it"
         )
     engines = {}
     for policy in (None, *policies):  # each layout's pages in the budget; every request checked before compute
@@ -148,7 +152,7 @@ def serve_bench(
             "concurrent": rows,
             "tokens_per_s": new_tokens / static_s,
             "requests_per_s": len(requests) / static_s,
-            "bytes_allocated": rows * reserve * memory.cache_bytes_per_token(cfg),
+            "bytes_allocated": rows * row_bytes,
             "prefill_tokens": out["prompt_tokens"],
         }
     )

@@ -6,9 +6,13 @@ from __future__ import annotations
 import functools
 import os
 
-# Tests compile far more than they compute: LLVM at -O0 cut a cold run of tests/kvjax/test_compress.py
-# from 121 s to 92 s (same results; XLA's own graph optimizations still run).
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+# Tests compile far more than they compute, so they compile cheaply (same results; XLA's graph optimizations
+# still run): LLVM at -O0 cut a cold run of tests/kvjax/test_compress.py from 121 s to 92 s, and XLA:CPU's
+# older loop emitters instead of its MLIR fusion emitters cut test_engine.py + test_quant.py from 249 s to
+# 157 s. Subprocesses that tests start inherit the flags.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+).strip()
 
 import jax  # noqa: E402
 
@@ -22,6 +26,21 @@ from flax import nnx  # noqa: E402
 
 from kvjax.architectures import Decoder  # noqa: E402
 from kvjax.config import load_config  # noqa: E402
+
+# Gemma 3's block at toy size (make_model('gqa', *GEMMA_LIKE)): local rings of 8 beside global layers, q/k
+# norms, sandwich norms.
+GEMMA_LIKE = (
+    "model.n_layers=4",
+    "model.layer_pattern=[local, attention]",
+    "model.local.window=8",
+    "model.local.rope_theta=100",
+    "model.attention.qk_norm=true",
+    "model.attention.query_scale=24",
+    "model.norm_offset=1.0",
+    "model.sandwich_norms=true",
+    "model.mlp_act=gelu_tanh",
+    "model.embed_scale=true",
+)
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from kvjax.compress.reducers import protected, top_slots
 from kvjax.compress.scorers import observe, score
 from kvjax.config import ConfigError
 from kvjax.ops import attend, attention, attention_probs, grouped_mask
+from tests.conftest import GEMMA_LIKE
 
 PROMPTS = [list(range(3, 43)), [7, 1, 9, 4] * 7 + [2]]  # 40 and 29 tokens
 NEW = 6
@@ -821,20 +822,6 @@ def test_compressed_bytes_and_protected_tokens_over_random_shapes(K, lengths, ke
             window = last.n_window(int(count))
             must = set(range(min(last.n_sinks, L[b]))) | set(range(L[b] - window, L[b]))
             assert must <= set(kept_pos)
-
-
-GEMMA_LIKE = (  # Gemma 3's block at toy size: local rings beside global layers, q/k norms, sandwich norms
-    "model.n_layers=4",
-    "model.layer_pattern=[local, attention]",
-    "model.local.window=8",
-    "model.local.rope_theta=100",
-    "model.attention.qk_norm=true",
-    "model.attention.query_scale=24",
-    "model.norm_offset=1.0",
-    "model.sandwich_norms=true",
-    "model.mlp_act=gelu_tanh",
-    "model.embed_scale=true",
-)
 
 
 @pytest.mark.parametrize(

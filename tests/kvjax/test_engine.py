@@ -15,6 +15,7 @@ from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
 from kvjax.config import ConfigError
 from kvjax.engine import Engine, Request
+from tests.conftest import GEMMA_LIKE
 
 PROMPT_LENGTHS, NEW = (5, 17, 3, 11, 9), (6, 3, 8, 2, 5)
 
@@ -117,8 +118,21 @@ def test_mla_latents_in_pages_with_prefix_hits_and_preemptions(make_model, reque
 def test_requests_that_cannot_fit_and_models_it_cannot_page_are_refused(gqa, make_model):
     with pytest.raises(ConfigError, match="request 0: 30 tokens need 8 pages; a sequence may hold 4"):
         Engine(gqa, n_pages=5, page_size=4).run([Request(tuple(range(20)), DecodingConfig(max_new_tokens=10))])
-    with pytest.raises(ConfigError, match="the engine pages full-attention K/V and MLA latents"):
-        Engine(make_model("swa", "model.n_layers=2")[1], n_pages=8)
+    with pytest.raises(ConfigError, match=r"mixers \['mamba'\] are not supported yet"):
+        Engine(make_model("mamba", "model.n_layers=2")[1], n_pages=8)
+
+
+def test_local_and_global_layers_in_pages(make_model, requests):
+    """Gemma's layout (local windows of 8 beside global layers): the window is a mask over the pages, so
+    prompts longer than it, prefix hits and preemptions give what Generator's rings give; a policy, which
+    would compress the global layers' prompts and not the local ones', is refused by name."""
+    model = make_model("gqa", *GEMMA_LIKE)[1]
+    gen = Generator(model, capacity=40)
+    engine = Engine(model, n_pages=10, page_size=4, slots=4, chunk=4)
+    _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
+    assert engine.stats.preemptions > 0 and engine.stats.cached_tokens > 0 and engine.pool.used_pages == 0
+    with pytest.raises(ConfigError, match=r"sliding-window layers \(local\).*serve it without a policy"):
+        Engine(model, n_pages=8, policy="snapkv:0.5")
 
 
 def test_a_policy_engine_gives_each_request_what_generator_gives_it_alone(gqa, requests):
@@ -194,7 +208,11 @@ SHARDED = textwrap.dedent(
 @pytest.mark.slow
 def test_eight_devices_serve_what_one_device_serves():
     """Slots over data (4) and KV heads over tensor (2) on 8 simulated CPU devices: the same tokens."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
     run = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, check=True)
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["eight"]["pool_devices"] == 8 and out["one"]["pool_devices"] == 1 and out["one"]["preemptions"] > 0

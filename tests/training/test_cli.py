@@ -7,6 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from kvjax.commands import main
 from kvjax.config import ConfigError, load_config
@@ -66,7 +67,19 @@ def test_compare_quick_end_to_end(tmp_path, capsys):
     a cache that grows and one with a state only (the bytes of latents, rings, CLA and YOCO are checked
     in tests/kvjax/test_memory.py and tests/architectures/test_yoco.py), two seeds with their intervals,
     an LR grid that selects on a split it does not report, matched parameters, decode curves."""
-    exp = load_experiment()
+    exp_file = tmp_path / "tiny.yaml"  # the shipped experiment at the unit tests' shape and corpus
+    exp_file.write_text(
+        yaml.safe_dump(
+            {
+                "base": "compare.yaml",
+                "overrides": [*load_experiment().overrides, *TINY[:4], "train.batch_size=4"],
+                "decode_batch": 2,
+                "decode_context": 64,
+                "decode_tokens": 4,
+            }
+        )
+    )
+    exp = load_experiment(exp_file)
     cfg = load_config("gqa", [*exp.overrides, *exp.quick])
     corpus = prepare_corpus(cfg)
     selection = selection_windows(corpus, cfg.data)
@@ -77,14 +90,26 @@ def test_compare_quick_end_to_end(tmp_path, capsys):
         selection_windows(corpus, small.data)
 
     variants = ["gqa", "rwkv7"]
-    options = ["--seeds", "2", "--lr-grid", "1e-5", "2e-2", "--match-params", "--decode-contexts", "64", "128"]
+    options = [
+        "--experiment",
+        str(exp_file),
+        "--seeds",
+        "2",
+        "--lr-grid",
+        "1e-5",
+        "2e-2",
+        "--match-params",
+        "--decode-contexts",
+        "64",
+        "128",
+    ]
     assert main(["compare", "--quick", "--out", str(tmp_path), "--variants", *variants, *options]) == 0
     out = capsys.readouterr().out
-    rows = list(csv.DictReader(open(tmp_path / "compare.csv")))  # --out is used as given
+    rows = list(csv.DictReader(open(tmp_path / "tiny.csv")))  # --out is used as given
     assert [r["variant"] for r in rows] == variants and "| rwkv7 " in out
     assert all(r["cache_bytes_analytic"] == r["cache_bytes_measured"] for r in rows)
     assert len({r["tokens_trained"] for r in rows}) == 1  # the same budget for every variant
-    record = json.loads((tmp_path / "compare.json").read_text())
+    record = json.loads((tmp_path / "tiny.json").read_text())
     gqa, rwkv7 = record["rows"]
     assert rwkv7["kv_bytes_per_token"] == 0 and rwkv7["state_bytes_per_sequence"] > 0 < gqa["kv_bytes_per_token"]
     # rwkv7's FFN set so that its parameters are gqa's
@@ -101,7 +126,7 @@ def test_compare_quick_end_to_end(tmp_path, capsys):
     assert (gqa_run / "checkpoints").is_dir() and (tmp_path / f"gqa-lr{gqa['lr']:g}-seed1" / "checkpoints").is_dir()
     assert (tmp_path / "lr-grid" / "gqa-lr1e-05").is_dir()
     assert record["environment"]["jax"] == jax.__version__ and record["environment"]["platform"] == "cpu"
-    for plot in ("compare.png", "compare-decode.png"):
+    for plot in ("tiny.png", "tiny-decode.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = Trainer(
         load_config("gqa", [*exp.overrides, *exp.quick, f"train.lr={gqa['lr']}", "train.seed=1"]),

@@ -47,7 +47,7 @@ def test_eight_device_step_equals_one_device():
         "train.eval_every=100",
         "train.checkpoint_every=100",
     ]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8"}
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, *overrides], capture_output=True, text=True, env=env, timeout=600
     )

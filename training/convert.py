@@ -11,6 +11,10 @@ A conversion is text, stages joined by `+` (e.g. `mqa+cla2`), each `name[:key=va
   layers (`merge=mean`; MLKV's code averages the layers' heads too), or keeps its own (`merge=keep`);
   the other layers lose theirs. A CLA producer's separate K/V norm starts as its own pre-norm.
 - `swa:window=W`: sliding-window attention; the weights are unchanged.
+
+A source with local (sliding-window) layers beside global ones (Gemma 2/3) takes the stages that act on
+each layer alone: KV-head pooling, and `swa`, which windows its global layers (the local ones keep their
+own window). Layer sharing, YOCO and MLA, which would mix or replace the two kinds, are refused by name.
 - `yoco-swa:window=W` (Sun et al. 2024): the lower half becomes windowed self-attention; the upper half
   reads one global K/V, made by the first upper layer from the group's projections (`merge` as above)
   through a K/V norm that starts as that layer's pre-norm.
@@ -80,9 +84,15 @@ class Conversion:
         """The target model config (for MLA, with the chosen `rope_pairs`); refuses, naming the field,
         what cannot map from `source`."""
         where = f"conversion {self.text!r}"
-        if set(source.mixers) != {"attention"}:
+        mixers = set(source.mixers)
+        if not mixers <= {"attention", "local"}:
+            raise ConfigError(f"{where}: the source must be an attention model (its mixers: {sorted(mixers)})")
+        if "local" in mixers and (self.mla_rank is not None or self.sharing or self.yoco_window):
+            stage = "mla" if self.mla_rank is not None else "yoco-swa" if self.yoco_window else self.sharing.kind
             raise ConfigError(
-                f"{where}: the source must be a plain attention model (its mixers: {sorted(set(source.mixers))})"
+                f"{where}: {stage} does not apply to a source with local (sliding-window) layers beside global ones "
+                f"(model.layer_pattern {list(source.layer_pattern)}); pooling KV heads (gqa, mqa) and swa (a window "
+                "on the global layers) do"
             )
         if self.mla_rank is not None:
             return self._mla_target(source, rope_pairs, where)
@@ -384,7 +394,8 @@ def _copy_shared(model: Decoder, target: Decoder) -> None:
     if target.lm_head is not None:
         put(target.lm_head.kernel, model.lm_head.kernel[...])
     for new, old in zip(target.blocks, model.blocks):
-        for norm in ("mixer_norm", "mlp_norm"):
-            put(getattr(new, norm).scale, getattr(old, norm).scale[...])
+        for norm in ("mixer_norm", "mlp_norm", "post_mixer_norm", "post_mlp_norm"):
+            if getattr(new, norm) is not None:  # the post norms: Gemma's sandwich
+                put(getattr(new, norm).scale, getattr(old, norm).scale[...])
         for name in ("gate", "up", "down"):
             put(getattr(new.mlp, name).kernel, getattr(old.mlp, name).kernel[...])

@@ -14,13 +14,16 @@ from kvjax.memory import kv_bytes_per_token as memory_per_token
 from kvjax.plan import init_caches
 from kvjax.training.convert import convert, parse_conversion, pool_heads
 from tests.architectures.oracles import assert_cached_decode_equals_full_forward, tokens_and_positions
+from tests.conftest import GEMMA_LIKE
 
 
 def _with_random_norms(model, seed=0):
     """A copy with random pre-norm scales (they start at 1), so that a new K/V norm's start matters."""
     model, rng = nnx.clone(model), np.random.default_rng(seed)
     for block in model.blocks:
-        for norm in (block.mixer_norm, block.mlp_norm):
+        for norm in (block.mixer_norm, block.mlp_norm, block.post_mixer_norm, block.post_mlp_norm):
+            if norm is None:  # no sandwich
+                continue
             norm.scale.set_value(jnp.asarray(rng.uniform(0.5, 1.5, norm.scale.shape), jnp.float32))
     return model
 
@@ -121,9 +124,25 @@ def test_a_source_that_already_shares_kv_or_has_one_kv_head_is_refused(make_mode
     _, mqa = make_model("mqa", "model.n_layers=2")
     with pytest.raises(ConfigError, match="one KV head already .MQA, as Gemma 3 270M.: there are no heads to pool"):
         convert(mqa, parse_conversion("mqa+cla2"))
-    _, gemma = make_model("gqa", "model.n_layers=2", "model.layer_pattern=[local, attention]")
-    with pytest.raises(ConfigError, match=r"must be a plain attention model \(its mixers: \['attention', 'local'\]\)"):
-        convert(gemma, parse_conversion("cla2"))
+    _, mamba = make_model("hybrid-mamba-attn", "model.n_layers=2")
+    with pytest.raises(ConfigError, match=r"must be an attention model \(its mixers: \['attention', 'mamba'\]\)"):
+        convert(mamba, parse_conversion("cla2"))
+
+
+def test_a_local_and_global_source_takes_head_pooling_and_a_window(make_model):
+    """Gemma's layout (local windows of 8 beside global layers, sandwich and q/k norms): at no reduction
+    gqa and swa reproduce it; swa windows the global layers only; mqa pools; the stages that would mix
+    or replace the two kinds of layer are refused by name."""
+    gemma = _with_random_norms(make_model("gqa", *GEMMA_LIKE, "model.init_std=0.2")[1])
+    want = _logits(gemma)
+    for text in ("gqa:kv_heads=2", "swa:window=100"):
+        np.testing.assert_allclose(_logits(convert(gemma, parse_conversion(text))), want, atol=1e-5)
+    windowed = convert(gemma, parse_conversion("mqa+swa:window=16")).config
+    assert windowed.attention.window == 16 and windowed.attention_for("local").window == 8
+    assert windowed.attention.n_kv_heads == 1 and windowed.mixers == gemma.config.mixers
+    for text, stage in [("cla2", "cla"), ("yoco-swa:window=4", "yoco-swa"), ("mla:d_c=8,rope_dims=4", "mla")]:
+        with pytest.raises(ConfigError, match=f"{stage} does not apply to a source with local .sliding-window. layers"):
+            convert(gemma, parse_conversion(text))
 
 
 def test_qkv_biases_and_qk_norms_are_kept_and_pooled_like_the_kernels(make_model):

@@ -14,6 +14,7 @@ from kvjax.commands.args import split_overrides
 from kvjax.config import load_config
 from kvjax.training.hf_export import export_hf
 from kvjax.training.loading import load_decoder
+from tests.training.conftest import SMALL_CORPUS
 from tests.training.test_cli import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +78,7 @@ SMALLEST = {
         "--out",
         "OUT",
     ],
-    "bench_train.py": ["--batch", "1", "--seq-len", "16", "--steps", "2"],
+    "bench_train.py": ["--batch", "1", "--seq-len", "16", "--steps", "2", "--corpus", SMALL_CORPUS],
     "bench_vs_transformers.py": [
         "--model",
         "HF",

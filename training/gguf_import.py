@@ -64,7 +64,7 @@ def resolve_gguf(name_or_path: str | Path) -> Path:
     return path
 
 
-def _reader(path: Path):
+def gguf_reader(path: Path):
     """The file's (memory-mapped) reader, parsed once per file version: parsing SmolLM2's 49k-entry
     vocabulary takes ~5 s, and the model and its tokenizer are usually loaded together."""
     stat = path.stat()
@@ -173,12 +173,12 @@ def _sentencepiece(reader, path: Path) -> HFTokenizer:
 
 def load_gguf_tokenizer(name_or_path: str | Path) -> HFTokenizer:
     path = resolve_gguf(name_or_path)
-    return tokenizer_from_gguf(_reader(path), path)
+    return tokenizer_from_gguf(gguf_reader(path), path)
 
 
 def gguf_context_length(name_or_path: str | Path) -> int | None:
     """The context length the model was trained for (`<arch>.context_length`), if the file says."""
-    reader = _reader(resolve_gguf(name_or_path))
+    reader = gguf_reader(resolve_gguf(name_or_path))
     value = _field(reader, f"{_field(reader, 'general.architecture')}.context_length")
     return None if value is None else int(value)
 
@@ -186,7 +186,7 @@ def gguf_context_length(name_or_path: str | Path) -> int | None:
 def gguf_adds_bos(name_or_path: str | Path) -> bool:
     """Whether the model expects BOS before text (`tokenizer.ggml.add_bos_token`: Gemma does, SmolLM2's
     file says not)."""
-    return bool(_field(_reader(resolve_gguf(name_or_path)), "tokenizer.ggml.add_bos_token", False))
+    return bool(_field(gguf_reader(resolve_gguf(name_or_path)), "tokenizer.ggml.add_bos_token", False))
 
 
 def _dequantized(reader, path: Path) -> dict[str, np.ndarray]:
@@ -222,13 +222,13 @@ def _model_config(reader, path: Path):
 def gguf_config(name_or_path: str | Path) -> Config:
     """The Config of a GGUF model, read from its metadata without loading a weight."""
     path = resolve_gguf(name_or_path)
-    return Config(model=_model_config(_reader(path), path)[0])
+    return Config(model=_model_config(gguf_reader(path), path)[0])
 
 
 def load_gguf_model(name_or_path: str | Path) -> tuple[Config, Decoder]:
     """A kvjax Decoder with the file's weights (fp32) and the Config describing it."""
     path = resolve_gguf(name_or_path)
-    reader = _reader(path)
+    reader = gguf_reader(path)
     cfg, family = _model_config(reader, path)
     w = _dequantized(reader, path)
     stored = [weight for weight in family.weights(cfg) if weight.gguf is not None]

@@ -126,7 +126,7 @@ def test_local_and_global_layers_in_pages(make_model, requests):
     """Gemma's layout (local windows of 8 beside global layers): the window is a mask over the pages, so
     prompts longer than it, prefix hits and preemptions give what Generator's rings give; a policy, which
     would compress the global layers' prompts and not the local ones', is refused by name."""
-    model = make_model("gqa", *GEMMA_LIKE)[1]
+    model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
     gen = Generator(model, capacity=40)
     engine = Engine(model, n_pages=10, page_size=4, slots=4, chunk=4)
     _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])

@@ -13,7 +13,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kvjax import memory  # noqa: E402
-from kvjax.training.gguf_import import load_gguf_model, load_gguf_tokenizer, resolve_gguf  # noqa: E402
+from kvjax.training.gguf_import import load_gguf_model, load_gguf_tokenizer  # noqa: E402
+from tests.training.gguf_reference import transformers_from_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +33,8 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    path = resolve_gguf("gemma3")
-    kw = dict(gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw).eval()
-    return model, transformers.AutoTokenizer.from_pretrained(str(path.parent), **kw)
+def reference(ours):  # after ours: transformers reuses the file's parse
+    return transformers_from_gguf("gemma3")
 
 
 def test_the_file_is_what_the_model_card_says(ours):

@@ -14,8 +14,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from kvjax import DecodingConfig, generate  # noqa: E402
 from kvjax.training.data import load_corpus  # noqa: E402
-from kvjax.training.gguf_import import GGUFError, load_gguf_model, load_gguf_tokenizer, resolve_gguf  # noqa: E402
+from kvjax.training.gguf_import import GGUFError, load_gguf_model, load_gguf_tokenizer  # noqa: E402
 from kvjax.training.hf_export import export_hf  # noqa: E402
+from tests.training.gguf_reference import transformers_from_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -35,11 +36,8 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    path = resolve_gguf("smollm2")
-    kw = dict(gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw).eval()
-    return model, transformers.AutoTokenizer.from_pretrained(str(path.parent), **kw)
+def reference(ours):  # after ours: transformers reuses the file's parse
+    return transformers_from_gguf("smollm2")
 
 
 @pytest.fixture(scope="module")

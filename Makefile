@@ -2,10 +2,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# No persistent compilation cache by default: jaxlib 0.10.2 segfaulted a test worker while writing an
-# executable to it (`compilation_cache.put_executable_and_time`) in 2 of about 8 cold CI runs, and in a
-# cold run it saved nothing measurable (tests/kvjax/test_compress.py + test_quant.py: 152 s with a fresh
-# cache, 148 s without). For faster warm reruns at that risk: make test JAX_COMPILATION_CACHE_DIR=.cache/jax
+# No persistent compilation cache by default: in a cold run it saved nothing measurable
+# (tests/kvjax/test_compress.py + test_quant.py: 152 s with a fresh cache, 148 s without). jaxlib 0.10.2
+# segfaulted writing to it in 2 of about 8 cold CI runs, most likely the same exhaustion of memory
+# mappings that crashed a worker without it (tests/conftest.py now frees compiled programs after each file).
+# For faster warm reruns: make test JAX_COMPILATION_CACHE_DIR=.cache/jax
 # Test processes (pytest-xdist, one test file per worker): XLA compiles on one core, and compiling is
 # most of a test run's time, so 2 workers halve a cold run on 2 cores (11m42s -> 5m51s; warm 5m -> 3m11s).
 TEST_WORKERS ?= 2

@@ -124,8 +124,8 @@ def test_a_source_that_already_shares_kv_or_has_one_kv_head_is_refused(make_mode
     _, mqa = make_model("mqa", "model.n_layers=2")
     with pytest.raises(ConfigError, match="one KV head already .MQA, as Gemma 3 270M.: there are no heads to pool"):
         convert(mqa, parse_conversion("mqa+cla2"))
-    _, mamba = make_model("hybrid-mamba-attn", "model.n_layers=2")
-    with pytest.raises(ConfigError, match=r"must be an attention model \(its mixers: \['attention', 'mamba'\]\)"):
+    _, mamba = make_model("mamba", "model.n_layers=2")
+    with pytest.raises(ConfigError, match=r"must be an attention model \(its mixers: \['mamba'\]\)"):
         convert(mamba, parse_conversion("cla2"))
 
 

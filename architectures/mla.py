@@ -27,7 +27,8 @@ from flax import nnx
 from kvjax.architectures.layers import RMSNorm, apply_rope, dense
 from kvjax.architectures.mixers import common, register_mixer
 from kvjax.cache import LatentCache, LatentView, heads_first
-from kvjax.config import AttentionConfig, MLAConfig
+from kvjax.config import AttentionConfig
+from kvjax.kinds.mla import MLAConfig
 from kvjax.ops import attend, attention, blocked_decode, decode_block, kernel_impl, masked_softmax
 from kvjax.pallas_kernels import flash_attention, latent_decode_attention
 from kvjax.rope import frequencies, rotate

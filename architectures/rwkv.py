@@ -35,7 +35,7 @@ from flax import nnx
 from kvjax.architectures.layers import dense, last_valid
 from kvjax.architectures.mixers import common, register_mixer
 from kvjax.cache import RWKVState
-from kvjax.config import RWKVConfig
+from kvjax.kinds.rwkv import RWKVConfig
 
 GROUP_NORM_EPS = 64e-5  # the reference's 1e-5 * head_size_divisor**2
 

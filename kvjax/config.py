@@ -15,40 +15,21 @@ from typing import Any
 
 import yaml
 
+from kvjax.errors import ConfigError, positive, require
 from kvjax.kinds import KINDS
+from kvjax.kinds.attention import LocalAttentionConfig
+from kvjax.kinds.mamba import MambaConfig
+from kvjax.kinds.mla import MLAConfig
+from kvjax.kinds.retention import GRET_FORMS, RetNetConfig
+from kvjax.kinds.rwkv import RWKVConfig
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "pallas", "auto")  # kvjax.ops.attention's backends
 MLP_ACTS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU (Llama), GeGLU with tanh GELU (Gemma)
 TRAINABLE = ("all", "kv")  # train.trainable: every parameter, or only the K/V projections and norms
-RWKV_FORMS = ("scan", "associative")
-MAMBA_SCANS = ("associative", "sequential")
 YOCO_SELF_MIXERS = ("swa", "gret")
-GRET_FORMS = ("parallel", "chunkwise", "recurrent")
 KV_SHARING_KINDS = ("none", "cla", "mlkv", "explicit")
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A config value or file that kvjax cannot accept; the message says which and why."""
-
-
-class Note(UserWarning):
-    """Something kvjax did differently from what was asked, for a good reason the message gives (a
-    warning, so library users can filter it; the command line prints it as one `kvjax: note:` line)."""
-
-
-def _require(ok: bool, field: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field}={value!r} {allowed}")
-
-
-def _positive(section: str, config: Any, *names: str, optional: bool = False) -> None:
-    """Each named field of `config` must be > 0 (or, `optional`, null)."""
-    for name in names:
-        value = getattr(config, name)
-        if not (optional and value is None):
-            _require(value > 0, f"{section}.{name}", value, "must be > 0" + (", or null" if optional else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +46,8 @@ class RopeScaling:
 
     def __post_init__(self):
         p = "model.attention.rope_scaling"
-        _positive(p, self, "factor", "low_freq_factor", "original_max_positions")
-        _require(
+        positive(p, self, "factor", "low_freq_factor", "original_max_positions")
+        require(
             self.high_freq_factor > self.low_freq_factor,
             f"{p}.high_freq_factor",
             self.high_freq_factor,
@@ -93,155 +74,34 @@ class AttentionConfig:
 
     def __post_init__(self):
         p = "model.attention"
-        _positive(p, self, "n_heads", "n_kv_heads")
-        _require(
+        positive(p, self, "n_heads", "n_kv_heads")
+        require(
             self.n_heads % self.n_kv_heads == 0,
             f"{p}.n_kv_heads",
             self.n_kv_heads,
             f"must divide {p}.n_heads={self.n_heads}",
         )
-        _require(
+        require(
             self.head_dim > 0 and self.head_dim % 2 == 0,
             f"{p}.head_dim",
             self.head_dim,
             "must be a positive even number (RoPE rotates pairs of channels)",
         )
-        _positive(p, self, "rope_theta")
-        _require(
+        positive(p, self, "rope_theta")
+        require(
             self.window is None or self.window > 0,
             f"{p}.window",
             self.window,
             "must be > 0, or null for full causal attention",
         )
-        _require(self.impl in ATTENTION_IMPLS, f"{p}.impl", self.impl, f"must be one of {ATTENTION_IMPLS}")
-        _positive(p, self, "query_scale", "softcap", optional=True)
-        _require(
+        require(self.impl in ATTENTION_IMPLS, f"{p}.impl", self.impl, f"must be one of {ATTENTION_IMPLS}")
+        positive(p, self, "query_scale", "softcap", optional=True)
+        require(
             self.softcap is None or self.impl != "pallas",
             f"{p}.impl",
             self.impl,
             f"has no Pallas kernel with logit soft-capping ({p}.softcap={self.softcap}); use xla or auto",
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalAttentionConfig:
-    """The `local` layers of `model.layer_pattern`: sliding-window attention over the last `window`
-    positions (a ring of `window` slots) with their own RoPE base (None: model.attention.rope_theta), as
-    Gemma 2 and 3 interleave local and global layers (Gemma 3: five local layers of 512 tokens, RoPE base
-    10,000, per global layer of base 1,000,000). Heads and everything else are model.attention's."""
-
-    window: int = 512
-    rope_theta: float | None = None
-
-    def __post_init__(self):
-        _positive("model.local", self, "window")
-        _positive("model.local", self, "rope_theta", optional=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class MLAConfig:
-    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, sec. 2.1): the cache holds a
-    `kv_lora_rank`-dim latent c_KV (RMSNormed when `latent_norm`) and one `qk_rope_head_dim` RoPE key shared
-    by all heads. Heads come from model.attention.n_heads, RoPE theta from model.attention.rope_theta.
-    `q_lora_rank` 0 projects queries directly (DeepSeek-V2-Lite); > 0 compresses them too. `absorb`
-    folds W_UK into the query and W_UV into the output and attends over the latent itself.
-
-    A model converted from MHA/GQA (MHA2MLA, Ji et al. 2025, sec. 3.2) caches one RoPE key per source KV
-    head (`rope_heads`; query head h reads key h // (n_heads / rope_heads)) and keeps RoPE on a chosen
-    subset of each head's frequency pairs: `rope_pairs[layer][rope head]` lists the qk_rope_head_dim / 2
-    pairs k (of a model.attention.head_dim-dim RoPE, frequency theta^(-2k / head_dim)) its RoPE dims carry.
-    null: the standard frequencies of a qk_rope_head_dim-dim RoPE."""
-
-    kv_lora_rank: int = 12
-    q_lora_rank: int = 0
-    qk_nope_head_dim: int = 16
-    qk_rope_head_dim: int = 4
-    v_head_dim: int = 16
-    latent_norm: bool = True
-    absorb: bool = True
-    rope_heads: int = 1
-    rope_pairs: tuple[tuple[tuple[int, ...], ...], ...] | None = None
-
-    def __post_init__(self):
-        p = "model.mla"
-        _positive(p, self, "kv_lora_rank", "v_head_dim", "rope_heads")
-        _require(
-            self.qk_nope_head_dim >= 0,
-            f"{p}.qk_nope_head_dim",
-            self.qk_nope_head_dim,
-            "must be >= 0 (0: every query/key dim carries RoPE)",
-        )
-        if self.rope_pairs is not None:
-            for layer, heads in enumerate(self.rope_pairs):
-                _require(
-                    len(heads) == self.rope_heads and all(len(k) * 2 == self.qk_rope_head_dim for k in heads),
-                    f"{p}.rope_pairs[{layer}]",
-                    heads,
-                    f"must list rope_heads={self.rope_heads} heads of qk_rope_head_dim/2 pair indices",
-                )
-        _require(self.q_lora_rank >= 0, f"{p}.q_lora_rank", self.q_lora_rank, "must be >= 0 (0 turns it off)")
-        _require(
-            self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0,
-            f"{p}.qk_rope_head_dim",
-            self.qk_rope_head_dim,
-            "must be a positive even number (RoPE rotates pairs of channels)",
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class MambaConfig:
-    """Mamba-1 mixer (Gu and Dao 2023): state size `d_state`, conv kernel `d_conv`, inner width
-    `expand` x d_model, Delta rank `dt_rank` (null: ceil(d_model / 16)), Delta initialised log-uniform in
-    [dt_min, dt_max]; `scan` picks the training/prefill recurrence (associative: log depth)."""
-
-    d_state: int = 16
-    d_conv: int = 4
-    expand: int = 2
-    dt_rank: int | None = None
-    dt_min: float = 1e-3
-    dt_max: float = 0.1
-    scan: str = "associative"
-
-    def __post_init__(self):
-        p = "model.mamba"
-        _positive(p, self, "d_state", "d_conv", "expand")
-        _require(self.dt_rank is None or self.dt_rank > 0, f"{p}.dt_rank", self.dt_rank, "must be > 0 or null")
-        _require(
-            0 < self.dt_min < self.dt_max,
-            f"{p}.dt_min/dt_max",
-            (self.dt_min, self.dt_max),
-            "must satisfy 0 < dt_min < dt_max",
-        )
-        _require(self.scan in MAMBA_SCANS, f"{p}.scan", self.scan, f"must be one of {MAMBA_SCANS}")
-
-
-@dataclasses.dataclass(frozen=True)
-class RetNetConfig:
-    """RetNet's multi-scale retention (Sun et al. 2023, arXiv 2307.08621): values `value_factor` x as wide
-    as keys (per head), trained in `form` (parallel, chunkwise in chunks of `chunk` tokens, recurrent)."""
-
-    value_factor: int = 2
-    form: str = "chunkwise"
-    chunk: int = 64
-
-    def __post_init__(self):
-        p = "model.retnet"
-        _positive(p, self, "value_factor", "chunk")
-        _require(self.form in GRET_FORMS, f"{p}.form", self.form, f"must be one of {GRET_FORMS}")
-
-
-@dataclasses.dataclass(frozen=True)
-class RWKVConfig:
-    """RWKV-7 layers (Peng et al. 2025): heads of `head_size` channels (d_model must be a multiple);
-    `form` is the training/prefill recurrence (`scan`: per token; `associative`: log depth). The channel
-    mix is model.ffn_dim wide."""
-
-    head_size: int = 16
-    form: str = "scan"
-
-    def __post_init__(self):
-        _positive("model.rwkv", self, "head_size")
-        _require(self.form in RWKV_FORMS, "model.rwkv.form", self.form, f"must be one of {RWKV_FORMS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,22 +119,22 @@ class YOCOConfig:
 
     def __post_init__(self):
         p = "model.yoco"
-        _require(
+        require(
             self.self_mixer in YOCO_SELF_MIXERS,
             f"{p}.self_mixer",
             self.self_mixer,
             f"must be one of {YOCO_SELF_MIXERS}",
         )
-        _positive(p, self, "window", "chunk")
-        _require(self.gret_form in GRET_FORMS, f"{p}.gret_form", self.gret_form, f"must be one of {GRET_FORMS}")
+        positive(p, self, "window", "chunk")
+        require(self.gret_form in GRET_FORMS, f"{p}.gret_form", self.gret_form, f"must be one of {GRET_FORMS}")
 
 
 def check_kv_source(kv_source: tuple[int, ...], field: str) -> None:
     """A valid sharing map: every source points back (or to itself) at a layer that is its own source,
     so the first layer always produces."""
     for i, src in enumerate(kv_source):
-        _require(0 <= src <= i, f"{field}[{i}]", src, f"must be in [0, {i}] (sources point back)")
-        _require(
+        require(0 <= src <= i, f"{field}[{i}]", src, f"must be in [0, {i}] (sources point back)")
+        require(
             kv_source[src] == src,
             f"{field}[{i}]",
             src,
@@ -310,16 +170,16 @@ class KVSharingConfig:
 
     def __post_init__(self):
         p = "model.kv_sharing"
-        _require(self.kind in KV_SHARING_KINDS, f"{p}.kind", self.kind, f"must be one of {KV_SHARING_KINDS}")
+        require(self.kind in KV_SHARING_KINDS, f"{p}.kind", self.kind, f"must be one of {KV_SHARING_KINDS}")
         needs = {"cla": "factor", "mlkv": "n_kv_layers", "explicit": "kv_source"}.get(self.kind)
         for name in ("factor", "n_kv_layers", "kv_source"):
             value = getattr(self, name)
             if name == needs:
-                _require(value is not None, f"{p}.{name}", value, f"must be set for kind={self.kind!r}")
+                require(value is not None, f"{p}.{name}", value, f"must be set for kind={self.kind!r}")
             else:
-                _require(value is None, f"{p}.{name}", value, f"is not used by kind={self.kind!r}; remove it")
+                require(value is None, f"{p}.{name}", value, f"is not used by kind={self.kind!r}; remove it")
         if self.kind in ("cla", "mlkv"):
-            _positive(p, self, needs)
+            positive(p, self, needs)
         if self.kind == "explicit":
             check_kv_source(self.kv_source, f"{p}.kv_source")
 
@@ -363,12 +223,14 @@ class ModelConfig:
     attention: AttentionConfig = AttentionConfig()
     kv_sharing: KVSharingConfig = KVSharingConfig()
     layer_pattern: tuple[str, ...] = ("attention",)
-    mla: MLAConfig = MLAConfig()
-    mamba: MambaConfig = MambaConfig()
-    rwkv: RWKVConfig = RWKVConfig()
-    retnet: RetNetConfig = RetNetConfig()
     yoco: YOCOConfig | None = None
-    local: LocalAttentionConfig = LocalAttentionConfig()
+    # The layer kinds' own sections (`Kind.section`; the dataclass lives in the kind's module): each is
+    # filled with its defaults when a layer of its kind is present, and null otherwise.
+    local: LocalAttentionConfig | None = None
+    mla: MLAConfig | None = None
+    mamba: MambaConfig | None = None
+    rwkv: RWKVConfig | None = None
+    retnet: RetNetConfig | None = None
     norm_offset: float = 0.0
     sandwich_norms: bool = False
     mlp_act: str = "silu"
@@ -376,26 +238,27 @@ class ModelConfig:
     final_softcap: float | None = None
 
     def __post_init__(self):
-        _positive("model", self, "vocab_size", "d_model", "n_layers", "ffn_dim", "norm_eps", "init_std")
-        _require(self.mlp_act in MLP_ACTS, "model.mlp_act", self.mlp_act, f"must be one of {MLP_ACTS}")
-        _positive("model", self, "final_softcap", optional=True)
-        _require(self.dtype in DTYPES, "model.dtype", self.dtype, f"must be one of {DTYPES}")
+        positive("model", self, "vocab_size", "d_model", "n_layers", "ffn_dim", "norm_eps", "init_std")
+        require(self.mlp_act in MLP_ACTS, "model.mlp_act", self.mlp_act, f"must be one of {MLP_ACTS}")
+        positive("model", self, "final_softcap", optional=True)
+        require(self.dtype in DTYPES, "model.dtype", self.dtype, f"must be one of {DTYPES}")
         pattern_kinds = tuple(name for name, kind in KINDS.items() if kind.in_pattern)  # YOCO places the rest
-        _require(
+        require(
             bool(self.layer_pattern) and all(kind in pattern_kinds for kind in self.layer_pattern),
             "model.layer_pattern",
             list(self.layer_pattern),
             f"must be a non-empty list of mixer kinds from {pattern_kinds} (repeated to fill model.n_layers)",
         )
+        self._kind_sections()
         if "rwkv" in self.layer_pattern:
-            _require(
+            require(
                 self.d_model % self.rwkv.head_size == 0,
                 "model.rwkv.head_size",
                 self.rwkv.head_size,
                 f"must divide model.d_model={self.d_model}",
             )
         if self.yoco is not None:
-            _require(
+            require(
                 self.n_layers >= 2 and self.n_layers % 2 == 0,
                 "model.n_layers",
                 self.n_layers,
@@ -411,55 +274,55 @@ class ModelConfig:
                     "the cross-decoder attends globally; set model.yoco.window",
                 ),
             ):
-                _require(value == default, f"model.{field}", value, f"must be {default!r} with model.yoco ({why})")
+                require(value == default, f"model.{field}", value, f"must be {default!r} with model.yoco ({why})")
         if "mla" in self.layer_pattern:
             mla, att = self.mla, self.attention
-            _require(
+            require(
                 att.n_heads % mla.rope_heads == 0,
                 "model.mla.rope_heads",
                 mla.rope_heads,
                 f"must divide model.attention.n_heads={att.n_heads}",
             )
-            _require(
+            require(
                 mla.rope_heads == 1 or att.impl != "pallas",
                 "model.attention.impl",
                 att.impl,
                 "has no Pallas kernel for MLA with several RoPE key heads (model.mla.rope_heads); use xla or auto",
             )
             if mla.rope_pairs is not None:
-                _require(
+                require(
                     len(mla.rope_pairs) == self.n_layers,
                     "model.mla.rope_pairs",
                     len(mla.rope_pairs),
                     f"must have one entry per layer (model.n_layers={self.n_layers})",
                 )
-                _require(
+                require(
                     all(0 <= k < att.head_dim // 2 for heads in mla.rope_pairs for ks in heads for k in ks),
                     "model.mla.rope_pairs",
                     "...",
                     f"pair indices must be in [0, head_dim/2={att.head_dim // 2})",
                 )
-            _require(
+            require(
                 self.attention.window is None,
                 "model.attention.window",
                 self.attention.window,
                 "must be null for MLA layers (no sliding-window latent cache)",
             )
-            _require(
+            require(
                 self.kv_sharing.kind == "none",
                 "model.kv_sharing.kind",
                 self.kv_sharing.kind,
                 "must be 'none' for a model with MLA layers (MLA shares K/V through its latent instead)",
             )
         for option in ("rope_scaling", "softcap"):  # read by the attention mixer only
-            _require(
+            require(
                 getattr(self.attention, option) is None or set(self.mixers) <= {"attention", "local", "swa"},
                 f"model.attention.{option}",
                 getattr(self.attention, option),
                 f"applies to softmax attention layers only (this model's mixers: {sorted(set(self.mixers))})",
             )
         if self.kv_sharing.kind != "none":
-            _require(
+            require(
                 set(self.layer_pattern) == {"attention"},
                 "model.layer_pattern",
                 list(self.layer_pattern),
@@ -468,19 +331,44 @@ class ModelConfig:
             )
         share, p = self.kv_sharing, "model.kv_sharing"
         if share.kind == "mlkv":
-            _require(
+            require(
                 share.n_kv_layers <= self.n_layers,
                 f"{p}.n_kv_layers",
                 share.n_kv_layers,
                 f"must be <= model.n_layers={self.n_layers}",
             )
         if share.kind == "explicit":
-            _require(
+            require(
                 len(share.kv_source) == self.n_layers,
                 f"{p}.kv_source",
                 list(share.kv_source),
                 f"must have one entry per layer (model.n_layers={self.n_layers})",
             )
+
+    def _kind_sections(self) -> None:
+        """Give every kind this model uses its section (its defaults unless set) and drop the others: a
+        setting for a kind no layer has would change nothing, so it is refused rather than ignored."""
+        used = {KINDS[kind].section for kind in self.mixers}
+        for kind in KINDS.values():
+            if kind.section is None:
+                continue
+            if not hasattr(self, kind.section):
+                raise TypeError(f"layer kind {kind.name!r}: ModelConfig has no field {kind.section!r} for its section")
+            value = getattr(self, kind.section)
+            if kind.section in used:
+                object.__setattr__(self, kind.section, kind.Config() if value is None else value)
+                continue
+            default = kind.Config()
+            changed = {f.name: getattr(value, f.name) for f in dataclasses.fields(default) if value is not None}
+            changed = {k: v for k, v in changed.items() if v != getattr(default, k)}
+            require(
+                not changed,
+                f"model.{kind.section}",
+                changed,
+                f"configures {kind.name!r} layers, and this model has none (its mixers: {sorted(set(self.mixers))}); "
+                f"drop the section (model.{kind.section}=null) or add {kind.name!r} to model.layer_pattern",
+            )
+            object.__setattr__(self, kind.section, None)
 
     @property
     def kv_source(self) -> tuple[int, ...]:
@@ -530,11 +418,11 @@ class DecodingConfig:
 
     def __post_init__(self):
         p = "decoding"
-        _positive(p, self, "max_new_tokens")
-        _require(self.temperature >= 0, f"{p}.temperature", self.temperature, "must be >= 0 (0 is greedy)")
-        _require(self.top_k >= 0, f"{p}.top_k", self.top_k, "must be >= 0 (0 turns it off)")
-        _require(0 < self.top_p <= 1, f"{p}.top_p", self.top_p, "must be in (0, 1] (1 turns it off)")
-        _require(self.eos_id is None or self.eos_id >= 0, f"{p}.eos_id", self.eos_id, "must be >= 0 or null")
+        positive(p, self, "max_new_tokens")
+        require(self.temperature >= 0, f"{p}.temperature", self.temperature, "must be >= 0 (0 is greedy)")
+        require(self.top_k >= 0, f"{p}.top_k", self.top_k, "must be >= 0 (0 turns it off)")
+        require(0 < self.top_p <= 1, f"{p}.top_p", self.top_p, "must be in (0, 1] (1 turns it off)")
+        require(self.eos_id is None or self.eos_id >= 0, f"{p}.eos_id", self.eos_id, "must be >= 0 or null")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,19 +440,19 @@ class DataConfig:
 
     def __post_init__(self):
         p = "data"
-        _positive(p, self, "seq_len")
-        _require(0 < self.val_fraction < 1, f"{p}.val_fraction", self.val_fraction, "must be in (0, 1)")
-        _positive(p, self, "eval_windows")
-        _require(0 <= self.passkey <= 1, f"{p}.passkey", self.passkey, "must be a fraction in [0, 1]")
-        _require(self.passkey_weight > 0, f"{p}.passkey_weight", self.passkey_weight, "must be > 0")
-        _require(
+        positive(p, self, "seq_len")
+        require(0 < self.val_fraction < 1, f"{p}.val_fraction", self.val_fraction, "must be in (0, 1)")
+        positive(p, self, "eval_windows")
+        require(0 <= self.passkey <= 1, f"{p}.passkey", self.passkey, "must be a fraction in [0, 1]")
+        require(self.passkey_weight > 0, f"{p}.passkey_weight", self.passkey_weight, "must be > 0")
+        require(
             self.passkey > 0 or self.passkey_weight == 1,
             f"{p}.passkey_weight",
             self.passkey_weight,
             "applies only with data.passkey > 0 (pass-key samples in the mix); leave it at 1",
         )
-        _require(0 <= self.repeats <= 1, f"{p}.repeats", self.repeats, "must be a fraction in [0, 1]")
-        _require(
+        require(0 <= self.repeats <= 1, f"{p}.repeats", self.repeats, "must be a fraction in [0, 1]")
+        require(
             self.passkey + self.repeats <= 1,
             f"{p}.repeats",
             self.repeats,
@@ -596,7 +484,7 @@ class TrainConfig:
 
     def __post_init__(self):
         p = "train"
-        _positive(
+        positive(
             p,
             self,
             "steps",
@@ -607,24 +495,24 @@ class TrainConfig:
             "keep_checkpoints",
             "log_every",
         )
-        _require(
+        require(
             self.batch_size % self.grad_accum == 0,
             f"{p}.grad_accum",
             self.grad_accum,
             f"must divide {p}.batch_size={self.batch_size}",
         )
-        _positive(p, self, "lr")
-        _require(0 <= self.min_lr_ratio <= 1, f"{p}.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
-        _require(
+        positive(p, self, "lr")
+        require(0 <= self.min_lr_ratio <= 1, f"{p}.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        require(
             0 <= self.warmup_steps < self.steps,
             f"{p}.warmup_steps",
             self.warmup_steps,
             f"must be in [0, {p}.steps={self.steps})",
         )
-        _require(self.weight_decay >= 0, f"{p}.weight_decay", self.weight_decay, "must be >= 0")
-        _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{p}.b1/b2", (self.b1, self.b2), "must be in [0, 1)")
-        _positive(p, self, "grad_clip")
-        _require(self.trainable in TRAINABLE, f"{p}.trainable", self.trainable, f"must be one of {TRAINABLE}")
+        require(self.weight_decay >= 0, f"{p}.weight_decay", self.weight_decay, "must be >= 0")
+        require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{p}.b1/b2", (self.b1, self.b2), "must be in [0, 1)")
+        positive(p, self, "grad_clip")
+        require(self.trainable in TRAINABLE, f"{p}.trainable", self.trainable, f"must be one of {TRAINABLE}")
 
     def warmup_for(self, steps: int) -> int:
         """This warm-up scaled to a run of `steps` (the same fraction of it; at least 1 and below `steps`)."""
@@ -643,8 +531,8 @@ class MeshConfig:
     def __post_init__(self):
         sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
         for name, size in sizes.items():
-            _require(size > 0 or size == -1, f"mesh.{name}", size, "must be > 0, or -1 for the rest")
-        _require(list(sizes.values()).count(-1) <= 1, "mesh", sizes, "may have at most one axis set to -1")
+            require(size > 0 or size == -1, f"mesh.{name}", size, "must be > 0, or -1 for the rest")
+        require(list(sizes.values()).count(-1) <= 1, "mesh", sizes, "may have at most one axis set to -1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -659,7 +547,7 @@ class Config:
 
     def __post_init__(self):
         eos = self.decoding.eos_id
-        _require(
+        require(
             eos is None or eos < self.model.vocab_size,
             "decoding.eos_id",
             eos,

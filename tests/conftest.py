@@ -70,8 +70,27 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
+# The longest test files, longest first: seconds on one worker of a cold 2-core run, from
+# `pytest -n 2 --dist loadfile --durations=0` summed per file (2026-12-04). Only the order matters.
+LONGEST_FILES = (
+    "tests/kvjax/test_compress.py",  # 90 s
+    "tests/kvjax/test_engine.py",  # 78
+    "tests/test_scripts.py",  # 65, in one fixture: every benchmark in one process
+    "tests/training/test_smollm2.py",  # 65
+    "tests/kvjax/test_quant.py",  # 65
+    "tests/training/test_gemma3.py",  # 52
+    "tests/training/test_trainer.py",  # 49
+    "tests/training/test_uptrain.py",  # 44
+    "tests/training/test_cli.py",  # 40
+    "tests/training/test_compression_eval.py",  # 40
+    "tests/training/test_cli_inputs.py",  # 38
+    "tests/kvjax/test_methods.py",  # 38
+)
+
+
 def pytest_collection_modifyitems(items):
-    """Files holding slow tests first: under pytest-xdist's --dist loadfile (one file per worker at a
-    time) the longest files then start early instead of leaving one worker busy alone at the end."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: order within a file is kept
+    """The longest files first, the rest in their usual order. pytest-xdist's --dist loadfile hands each
+    worker one file at a time in collection order (the Makefile turns off its own reordering by test
+    count), and longest-first keeps one worker from running a long file alone at the end of the run."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable within a file

@@ -45,10 +45,10 @@ from kvjax.architectures import Decoder
 from kvjax.config import (
     ConfigError,
     KVSharingConfig,
-    MLAConfig,
     ModelConfig,
     YOCOConfig,
 )
+from kvjax.kinds.mla import MLAConfig
 
 STAGES = ("gqa", "mqa", "cla", "mlkv", "swa", "yoco-swa", "mla")
 POOLS = ("mean", "first")

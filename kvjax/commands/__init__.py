@@ -21,7 +21,7 @@ from kvjax.commands import (
     uptrain,
 )
 from kvjax.commands.args import Parser
-from kvjax.config import ConfigError, Note
+from kvjax.errors import ConfigError, Note
 from kvjax.training.checkpoint import CheckpointError
 from kvjax.training.data import DataError
 from kvjax.training.gguf_import import GGUFError

@@ -35,7 +35,7 @@ import numpy as np
 from kvjax.compress.allocators import ALLOCATORS
 from kvjax.compress.methods import METHODS
 from kvjax.compress.reducers import REDUCERS
-from kvjax.config import ConfigError, Note
+from kvjax.errors import ConfigError, Note
 from kvjax.quant import QuantSpec
 from kvjax.quant.schemes import SCHEMES
 

@@ -2,10 +2,28 @@
 ring (`swa`, also YOCO's self-decoder layers); per token 2 x n_kv_heads x head_dim values and an int32
 position. Their K/V may serve later layers (CLA, MLKV, YOCO's cross-decoder)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache, RingKVCache, layer_slots
+from kvjax.errors import positive
 from kvjax.kinds.base import INT32, Kind, LayerMemory, register
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalAttentionConfig:
+    """The `local` layers of `model.layer_pattern`: sliding-window attention over the last `window`
+    positions (a ring of `window` slots) with their own RoPE base (None: model.attention.rope_theta), as
+    Gemma 2 and 3 interleave local and global layers (Gemma 3: five local layers of 512 tokens, RoPE base
+    10,000, per global layer of base 1,000,000). Heads and everything else are model.attention's."""
+
+    window: int = 512
+    rope_theta: float | None = None
+
+    def __post_init__(self):
+        positive("model.local", self, "window")
+        positive("model.local", self, "rope_theta", optional=True)
 
 
 class _Attention(Kind):
@@ -51,3 +69,5 @@ class Local(_Attention):
     window and RoPE base."""
 
     name = "local"
+    section = "local"
+    Config = LocalAttentionConfig

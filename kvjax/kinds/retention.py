@@ -2,8 +2,28 @@
 (`retnet`, fixed decays, values `value_factor` times wider); their state is one fp32
 `n_heads x head_dim x value_dim` matrix per sequence, nothing per token."""
 
+import dataclasses
+
 from kvjax.cache import RetentionState
+from kvjax.errors import positive, require
 from kvjax.kinds.base import Kind, LayerMemory, register
+
+GRET_FORMS = ("parallel", "chunkwise", "recurrent")  # also YOCO's gated retention (model.yoco.gret_form)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetNetConfig:
+    """RetNet's multi-scale retention (Sun et al. 2023, arXiv 2307.08621): values `value_factor` x as wide
+    as keys (per head), trained in `form` (parallel, chunkwise in chunks of `chunk` tokens, recurrent)."""
+
+    value_factor: int = 2
+    form: str = "chunkwise"
+    chunk: int = 64
+
+    def __post_init__(self):
+        p = "model.retnet"
+        positive(p, self, "value_factor", "chunk")
+        require(self.form in GRET_FORMS, f"{p}.form", self.form, f"must be one of {GRET_FORMS}")
 
 
 class _Retention(Kind):
@@ -28,6 +48,8 @@ class GatedRetention(_Retention):
 @register
 class RetNet(_Retention):
     name = "retnet"
+    section = "retnet"
+    Config = RetNetConfig
 
     def value_dim(self, cfg):
         return cfg.retnet.value_factor * cfg.attention.head_dim

@@ -9,7 +9,8 @@ from flax import nnx
 from kvjax import memory
 from kvjax.architectures.mamba import Mamba, ssm_scan_associative, ssm_scan_sequential
 from kvjax.cache import KVCache, SSMState, caches_nbytes
-from kvjax.config import ConfigError, MambaConfig, load_config
+from kvjax.config import ConfigError, load_config
+from kvjax.kinds.mamba import MambaConfig
 from kvjax.plan import init_caches
 from tests.architectures.oracles import (
     assert_cached_decode_equals_full_forward,

@@ -11,7 +11,8 @@ from flax import nnx
 from kvjax import memory
 from kvjax.architectures.mla import MLA
 from kvjax.cache import LatentCache, caches_nbytes
-from kvjax.config import AttentionConfig, ConfigError, MLAConfig, load_config
+from kvjax.config import AttentionConfig, ConfigError, load_config
+from kvjax.kinds.mla import MLAConfig
 from kvjax.ops import attention
 from kvjax.plan import init_caches
 from tests.architectures.oracles import (

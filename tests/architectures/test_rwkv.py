@@ -12,7 +12,8 @@ from flax import nnx
 from kvjax import DecodingConfig, Generator, memory
 from kvjax.architectures.rwkv import GROUP_NORM_EPS, RWKVTimeMix, wkv_associative, wkv_scan
 from kvjax.cache import RWKVState, caches_nbytes
-from kvjax.config import ConfigError, RWKVConfig, load_config
+from kvjax.config import ConfigError, load_config
+from kvjax.kinds.rwkv import RWKVConfig
 from kvjax.plan import init_caches
 from tests.architectures.oracles import (
     assert_cached_decode_equals_full_forward,

@@ -9,6 +9,7 @@ from kvjax.config import (
     DecodingConfig,
     ModelConfig,
     apply_overrides,
+    from_dict,
     load_config,
 )
 
@@ -137,3 +138,26 @@ def test_overrides_do_not_mutate_the_tree():
     tree = {"model": {"attention": {"n_heads": 8}}}
     out = apply_overrides(tree, ["model.attention.n_heads=4"])
     assert tree["model"]["attention"]["n_heads"] == 8 and out["model"]["attention"]["n_heads"] == 4
+
+
+def test_a_model_config_holds_the_sections_of_its_own_kinds_only():
+    """Each kind's section is filled with its defaults when a layer of that kind is present and is null
+    otherwise; a setting for a kind the model lacks is refused by name, and a run directory's config
+    written with every section at its defaults (as kvjax wrote them before) still loads."""
+    from kvjax.kinds import KINDS
+
+    sections = {kind.section: kind.Config for kind in KINDS.values() if kind.section}
+    assert set(sections) == {"local", "mla", "mamba", "rwkv", "retnet"}
+    for name, kept in [("gqa", set()), ("mla", {"mla"}), ("mamba", {"mamba"}), ("rwkv7", {"rwkv"})]:
+        model = load_config(name).model
+        assert {s for s in sections if getattr(model, s) is not None} == kept, name
+    assert load_config("gqa", ["model.layer_pattern=[local, attention]"]).model.local == sections["local"]()
+    with pytest.raises(ConfigError) as info:
+        load_config("gqa", ["model.mamba.d_state=8"])
+    assert str(info.value).startswith("model.mamba={'d_state': 8} configures 'mamba' layers, and this model has none")
+    assert load_config("mla", ["model.layer_pattern=[attention]", "model.mla=null"]).model.mla is None
+    with pytest.raises(ConfigError, match="drop the section"):  # mla.yaml's own section, no mla layer left
+        load_config("mla", ["model.layer_pattern=[attention]", "model.mla.kv_lora_rank=16"])
+    tree = Config().to_dict()
+    tree["model"].update({section: dataclasses.asdict(cls()) for section, cls in sections.items()})
+    assert from_dict(Config, tree) == Config()

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvjax.config import AttentionConfig, ConfigError, LocalAttentionConfig, ModelConfig
+from kvjax.config import AttentionConfig, ConfigError, ModelConfig
+from kvjax.kinds.attention import LocalAttentionConfig
 from kvjax.training.families import HFImportError, llama
 from kvjax.training.families.llama import Weight
 
@@ -144,7 +145,7 @@ def check_exportable(cfg: ModelConfig, arch: str = "Gemma3ForCausalLM") -> None:
     ):
         if not ok:
             raise ConfigError(f"model.{field}={value!r}: {arch} needs {want}")
-    llama.check_exportable(dataclasses.replace(cfg, layer_pattern=("attention",)), arch)
+    llama.check_exportable(dataclasses.replace(cfg, layer_pattern=("attention",), local=None), arch)
 
 
 def to_hf(cfg: ModelConfig, *, max_positions: int = 32768, gemma3: bool = True, **ids) -> dict:

@@ -26,6 +26,7 @@ from kvjax.ops import grouped_mask
 from kvjax.plan import compressible, kv_heads
 from kvjax.quant import QuantKVCache, QuantSpec
 from kvjax.quant.packing import packed_width
+from kvjax.quant.parts import LowRankError, Outliers, Sinks
 
 
 def check_policy(policy: Policy, cfg: ModelConfig) -> None:
@@ -301,9 +302,10 @@ def quant_cache_bytes(spec, capacity: int, K: int, H: int, dtype, positions: int
         groups = H // spec.value_group(H)
         total = capacity * (codes + 2 * K * groups * item) + capacity // spec.group * 2 * K * H * item
         fixed = 2 * K * spec.residual * H * item
-    total += capacity * 2 * K * spec.n_outliers(H) * (item + 1)  # exact outliers
+    if spec.scheme.outliers is not None:
+        total += Outliers.nbytes(capacity, K, spec.n_outliers(H), item)
     if spec.scheme.exact_sinks:
-        fixed += 2 * K * spec.sinks * H * item
-    if spec.rank:  # low-rank error: Q per token and P per block of `residual` tokens, for K and V
-        total += capacity * 2 * K * spec.rank * item + -(-capacity // spec.residual) * 2 * K * H * spec.rank * item
+        fixed += Sinks.nbytes(K, spec.sinks, H, item)
+    if spec.rank:
+        total += LowRankError.nbytes(capacity, K, H, spec.rank, spec.residual, item)
     return total + fixed + capacity * INT32 * positions + 2 * INT32

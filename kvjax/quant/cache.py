@@ -4,7 +4,8 @@ KIVI, a full-precision residual of the most recent tokens. Attention reads a deq
 The cache is built from parts, and a quantizer (`kvjax/quant/schemes/`, one module each: `int`, `kivi`,
 `kvquant`, `gear`) is the set of parts it switches on: codes per token, or per-channel key blocks
 through a full-precision residual (`blocked`), value channel groups, exact outliers (largest
-magnitudes, or both extremes), keys quantized before RoPE, exact sinks, and a low-rank error term.
+magnitudes, or both extremes), keys quantized before RoPE, exact sinks, and a low-rank error term
+(the last three optional parts are pytrees of their own, with their bytes: `kvjax/quant/parts.py`).
 Nothing here names a quantizer; each scheme's module says what it is and where it deviates.
 
 Slots are the usual ones (token t of a row at slot `length` when written, `pos` per slot, -1 empty),
@@ -26,8 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import KVView, _append_slots, _Positioned, _scatter
+from kvjax.cache import KVView, _append_slots, _Positioned
 from kvjax.quant.packing import pack, packed_width, unpack
+from kvjax.quant.parts import LowRankError, Outliers, Sinks, scatter_head_major
 from kvjax.quant.quantizers import dequantize, quantize
 from kvjax.quant.schemes import SCHEMES, Scheme
 from kvjax.rope import rotate_slots
@@ -98,55 +100,10 @@ class QuantSpec:
         return -(-capacity // g) * g
 
 
-def _head_major_scatter(buf, slots, values):
-    """values `[B,K,T,...]` to slots `[B,T]` of buf `[B,K,S,...]` (slots outside [0, S) dropped)."""
-    return _scatter(buf, slots, jnp.moveaxis(values, 1, 2), head_major=True)
-
-
 def _scatter_last(buf, slots, values):
     """values `[B,K,T,n]` to slots `[B,T]` of a group-major buf `[B,K,n,S]` (slots outside [0, S) dropped)."""
     rows = jnp.arange(buf.shape[0])[:, None]
     return buf.at[rows, :, :, slots].set(values.transpose(0, 2, 1, 3).astype(buf.dtype), mode="drop")
-
-
-def _split_outliers(x, n: int, extremes: bool = False):
-    """x `[..., H]` -> (x with each vector's n outliers replaced, their values, their channels). KVQuant:
-    the n largest magnitudes, zeroed; GEAR (`extremes`): the n/2 largest and n/2 smallest entries, set
-    to the vector's mean."""
-    f = x.astype(jnp.float32)
-    if extremes:
-        idx = jnp.concatenate([jax.lax.top_k(f, n // 2)[1], jax.lax.top_k(-f, n // 2)[1]], axis=-1)
-        fill = jnp.broadcast_to(f.mean(axis=-1, keepdims=True), idx.shape).astype(x.dtype)
-    else:
-        idx = jax.lax.top_k(jnp.abs(f), n)[1]
-        fill = jnp.zeros(idx.shape, x.dtype)
-    values = jnp.take_along_axis(x, idx, axis=-1)
-    return jnp.put_along_axis(x, idx, fill, axis=-1, inplace=False), values, idx.astype(jnp.uint8)
-
-
-def _restore(x: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
-    """x `[..., H]` with each vector's exact outliers (values at channels idx `[..., n]`) written back:
-    one select per outlier, which XLA fuses into the dequantization (a scatter would not fuse)."""
-    channel = jnp.arange(x.shape[-1], dtype=jnp.int32).reshape((1,) * (x.ndim - 1) + (-1,))
-    for j in range(idx.shape[-1]):
-        x = jnp.where(channel == idx[..., j : j + 1].astype(jnp.int32), values[..., j : j + 1].astype(x.dtype), x)
-    return x
-
-
-def low_rank(error: jax.Array, rank: int, loops: int = 3) -> tuple[jax.Array, jax.Array]:
-    """GEAR's power iteration (`fake_poweriteration_group`): Q `[..., T, r]` and P `[..., H, r]` with
-    Q P^T ~ error `[..., T, H]`; P starts from a fixed U[0, 1) draw, QR only on the last pass."""
-    e = error.astype(jnp.float32)
-    p = jnp.broadcast_to(jax.random.uniform(jax.random.key(0), (e.shape[-1], rank)), (*e.shape[:-2], e.shape[-1], rank))
-    for i in range(loops):
-        last = i == loops - 1
-        if last:
-            p = jnp.linalg.qr(p)[0]
-        q = e @ p
-        if last:
-            q = jnp.linalg.qr(q)[0]
-        p = e.swapaxes(-1, -2) @ q
-    return q, p
 
 
 @struct.dataclass
@@ -185,16 +142,11 @@ class QuantKVCache(_Positioned):
     pos: jax.Array  # [B,S] (or [B,K,S] after head-wise eviction)
     length: jax.Array  # [B] tokens written
     n_quant: jax.Array  # [B] tokens in codes (kivi: a multiple of residual; int: = length)
-    k_out: jax.Array | None = None  # kvquant: exact outliers [B,K,S,n] (pre-RoPE keys) and channels
-    k_out_idx: jax.Array | None = None
-    v_out: jax.Array | None = None
-    v_out_idx: jax.Array | None = None
-    k_sink: jax.Array | None = None  # kvquant: the first tokens in full precision [B,K,sinks,H] (pre-RoPE)
-    v_sink: jax.Array | None = None
-    k_lr_q: jax.Array | None = None  # gear: the error's factors, Q per token [B,K,S,r] and P per block
-    k_lr_p: jax.Array | None = None  # [B,K,ceil(S/residual),H,r]
-    v_lr_q: jax.Array | None = None
-    v_lr_p: jax.Array | None = None
+    # The scheme's optional parts (kvjax.quant.parts), None when it lacks them. Keys are pre-RoPE in
+    # them too when the scheme quantizes keys before RoPE.
+    outliers: Outliers | None = None  # exact outlier entries per token vector
+    sinks: Sinks | None = None  # the first tokens in full precision
+    low_rank: LowRankError | None = None  # GEAR's factors of each block's quantization error
     spec: QuantSpec = struct.field(pytree_node=False, default=None)
 
     @classmethod
@@ -216,23 +168,11 @@ class QuantKVCache(_Positioned):
             )
             res = dict(k_res=zeros(B, K, spec.residual, H), v_res=zeros(B, K, spec.residual, H))
         if spec.scheme.outliers is not None:
-            n = spec.n_outliers(H)
-            res |= dict(
-                k_out=zeros(B, K, S, n),
-                v_out=zeros(B, K, S, n),
-                k_out_idx=jnp.zeros((B, K, S, n), jnp.uint8),
-                v_out_idx=jnp.zeros((B, K, S, n), jnp.uint8),
-            )
+            res["outliers"] = Outliers.init(B, K, S, spec.n_outliers(H), dtype)
         if spec.scheme.exact_sinks:
-            res |= dict(k_sink=zeros(B, K, spec.sinks, H), v_sink=zeros(B, K, spec.sinks, H))
+            res["sinks"] = Sinks.init(B, K, spec.sinks, H, dtype)
         if spec.rank:
-            r, blocks = spec.rank, -(-S // spec.residual)
-            res |= dict(
-                k_lr_q=zeros(B, K, S, r),
-                v_lr_q=zeros(B, K, S, r),
-                k_lr_p=zeros(B, K, blocks, H, r),
-                v_lr_p=zeros(B, K, blocks, H, r),
-            )
+            res["low_rank"] = LowRankError.init(B, K, S, H, spec.rank, spec.residual, dtype)
         return cls(
             k_codes=jnp.zeros((B, K, S, width), jnp.uint8),
             v_codes=jnp.zeros((B, K, S, width), jnp.uint8),
@@ -335,10 +275,8 @@ class QuantKVCache(_Positioned):
         new = self._write_slots(slots, pos)
         if not self.spec.blocked:
             return new._store(slots, k_hm, v_hm, self.spec.bits).replace(n_quant=new.length)
-        if self.spec.scheme.exact_sinks:  # the first slots, kept exactly
-            new = new.replace(
-                k_sink=_head_major_scatter(new.k_sink, slots, k_hm), v_sink=_head_major_scatter(new.v_sink, slots, v_hm)
-            )
+        if new.sinks is not None:  # the first slots, kept exactly
+            new = new.replace(sinks=new.sinks.write(slots, k_hm, v_hm))
         return new._kivi_append(k_hm, v_hm, (pos >= 0).sum(axis=1, dtype=jnp.int32))
 
     def _store(self, slots, k_hm, v_hm, bits):
@@ -350,14 +288,14 @@ class QuantKVCache(_Positioned):
             {}
             if sym
             else dict(
-                k_zero=_head_major_scatter(self.k_zero, slots, kz), v_zero=_head_major_scatter(self.v_zero, slots, vz)
+                k_zero=scatter_head_major(self.k_zero, slots, kz), v_zero=scatter_head_major(self.v_zero, slots, vz)
             )
         )
         return self.replace(
-            k_codes=_head_major_scatter(self.k_codes, slots, pack(kc, bits)),
-            v_codes=_head_major_scatter(self.v_codes, slots, pack(vc, bits)),
-            k_scale=_head_major_scatter(self.k_scale, slots, ks),
-            v_scale=_head_major_scatter(self.v_scale, slots, vs),
+            k_codes=scatter_head_major(self.k_codes, slots, pack(kc, bits)),
+            v_codes=scatter_head_major(self.v_codes, slots, pack(vc, bits)),
+            k_scale=scatter_head_major(self.k_scale, slots, ks),
+            v_scale=scatter_head_major(self.v_scale, slots, vs),
             **zeros,
         )
 
@@ -371,26 +309,18 @@ class QuantKVCache(_Positioned):
         # Work buffer: the residual's tokens, then the chunk's, contiguous; index i is token n_quant + i.
         at = n_res[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         at = jnp.where(jnp.arange(T)[None, :] < added[:, None], at, W)
-        work_k = _head_major_scatter(jnp.pad(self.k_res, ((0, 0), (0, 0), (0, W - R), (0, 0))), at, k_hm)
-        work_v = _head_major_scatter(jnp.pad(self.v_res, ((0, 0), (0, 0), (0, W - R), (0, 0))), at, v_hm)
+        work_k = scatter_head_major(jnp.pad(self.k_res, ((0, 0), (0, 0), (0, W - R), (0, 0))), at, k_hm)
+        work_v = scatter_head_major(jnp.pad(self.v_res, ((0, 0), (0, 0), (0, W - R), (0, 0))), at, v_hm)
         total = n_res + added
         flush = total // R * R
         i = jnp.arange(W, dtype=jnp.int32)[None, :]
         slots = jnp.where(i < flush[:, None], self.n_quant[:, None] + i, self.capacity)
-        dense_k, dense_v, extra = work_k, work_v, {}
-        n_out = spec.n_outliers(H)
-        if n_out:  # dense and sparse: each vector's outliers stay exact, out of the range
-            extremes = spec.scheme.outliers == "extremes"
-            (dense_k, k_out, k_idx), (dense_v, v_out, v_idx) = (
-                _split_outliers(work_k, n_out, extremes),
-                _split_outliers(work_v, n_out, extremes),
+        dense_k, dense_v, extra, chunk_outliers = work_k, work_v, {}, None
+        if spec.n_outliers(H):  # dense and sparse: each vector's outliers stay exact, out of the range
+            dense_k, dense_v, chunk_outliers = Outliers.taken_from(
+                work_k, work_v, spec.n_outliers(H), spec.scheme.outliers == "extremes"
             )
-            extra = dict(
-                k_out=_head_major_scatter(self.k_out, slots, k_out),
-                k_out_idx=_head_major_scatter(self.k_out_idx, slots, k_idx),
-                v_out=_head_major_scatter(self.v_out, slots, v_out),
-                v_out_idx=_head_major_scatter(self.v_out_idx, slots, v_idx),
-            )
+            extra["outliers"] = self.outliers.written(slots, chunk_outliers)
         # Keys: per channel over groups of G tokens; values: per token over groups of Gv channels.
         kc, ks, kz = quantize(dense_k.swapaxes(2, 3), spec.bits, G, symmetric=False)  # [B,K,H,W], [B,K,H,W/G]
         vc, vs, vz = quantize(dense_v, spec.bits, Gv, symmetric=False)
@@ -399,23 +329,17 @@ class QuantKVCache(_Positioned):
         keep = flush[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # what stays in the residual
         take = lambda w: jnp.take_along_axis(w, jnp.minimum(keep, W - 1)[:, None, :, None], axis=2)  # noqa: E731
         live = (jnp.arange(R)[None, :] < (total - flush)[:, None])[:, None, :, None]
-        if spec.rank:  # GEAR: a low-rank approximation of each flushed block's quantization error
+        if self.low_rank is not None:  # GEAR: a low-rank approximation of each flushed block's error
             recon_k = dequantize(kc, ks, kz, spec.bits, G).swapaxes(2, 3)
             recon_v = dequantize(vc, vs, vz, spec.bits, Gv)
-            if n_out:
-                recon_k, recon_v = _restore(recon_k, k_idx, k_out), _restore(recon_v, v_idx, v_out)
-            blocks = jnp.arange(-(-W // R), dtype=jnp.int32)[None, :]
-            bslots = jnp.where(
-                (blocks + 1) * R <= flush[:, None], self.n_quant[:, None] // R + blocks, self.k_lr_p.shape[2]
-            )
-            extra |= self._low_rank("k", work_k, recon_k, slots, bslots) | self._low_rank(
-                "v", work_v, recon_v, slots, bslots
-            )
+            if chunk_outliers is not None:
+                recon_k, recon_v = chunk_outliers.apply(recon_k, recon_v)
+            extra["low_rank"] = self.low_rank.write(work_k, work_v, recon_k, recon_v, slots, self.n_quant, flush)
         return self.replace(
-            k_codes=_head_major_scatter(self.k_codes, slots, pack(kc.swapaxes(2, 3), spec.bits)),
-            v_codes=_head_major_scatter(self.v_codes, slots, pack(vc, spec.bits)),
-            k_scale=_head_major_scatter(self.k_scale, gslots, ks.swapaxes(2, 3)),
-            k_zero=_head_major_scatter(self.k_zero, gslots, kz.swapaxes(2, 3)),
+            k_codes=scatter_head_major(self.k_codes, slots, pack(kc.swapaxes(2, 3), spec.bits)),
+            v_codes=scatter_head_major(self.v_codes, slots, pack(vc, spec.bits)),
+            k_scale=scatter_head_major(self.k_scale, gslots, ks.swapaxes(2, 3)),
+            k_zero=scatter_head_major(self.k_zero, gslots, kz.swapaxes(2, 3)),
             v_scale=_scatter_last(self.v_scale, slots, vs),
             v_zero=_scatter_last(self.v_zero, slots, vz),
             k_res=jnp.where(live, take(work_k), 0).astype(self.k_res.dtype),
@@ -423,27 +347,6 @@ class QuantKVCache(_Positioned):
             n_quant=self.n_quant + flush,
             **extra,
         )
-
-    def _low_rank(self, name, work, recon, slots, bslots) -> dict:
-        """GEAR: factors of (work - recon) per block of `residual` tokens, Q written to the tokens' slots,
-        P to the blocks' slots."""
-        R, (B, K, W, H) = self.spec.residual, work.shape
-        Wr = -(-W // R) * R
-        error = jnp.pad(work.astype(jnp.float32) - recon, ((0, 0), (0, 0), (0, Wr - W), (0, 0)))
-        q, p = low_rank(error.reshape(B, K, Wr // R, R, H), self.spec.rank)
-        q = q.reshape(B, K, Wr, -1)[:, :, :W]
-        return {
-            f"{name}_lr_q": _head_major_scatter(getattr(self, f"{name}_lr_q"), slots, q),
-            f"{name}_lr_p": _head_major_scatter(getattr(self, f"{name}_lr_p"), bslots, p),
-        }
-
-    def _error(self, q: jax.Array, p: jax.Array) -> jax.Array:
-        """GEAR's error approximation `[B,K,S,H]`: each slot's Q `[B,K,S,r]` times its block's P
-        `[B,K,S/residual,H,r]` (slots padded to whole blocks, never P repeated per slot)."""
-        (B, K, S, r), (n_blocks, H) = q.shape, p.shape[2:4]
-        R = self.spec.residual
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, n_blocks * R - S), (0, 0))).reshape(B, K, n_blocks, R, r)
-        return jnp.einsum("BKCRr,BKCHr->BKCRH", q, p).reshape(B, K, n_blocks * R, H)[:, :, :S]
 
     def dequantized(self) -> tuple[jax.Array, jax.Array]:
         """Full-precision K, V `[B,K,S,H]` (fp32): codes dequantized, the residual at its slots."""
@@ -460,18 +363,13 @@ class QuantKVCache(_Positioned):
         )
         k = k.swapaxes(2, 3)
         v = dequantize(vc, self.v_scale.swapaxes(2, 3), self.v_zero.swapaxes(2, 3), spec.bits, spec.value_group(H))
-        if spec.rank:  # GEAR's low-rank error terms, Q of each slot times P of its block
-            k, v = k + self._error(self.k_lr_q, self.k_lr_p), v + self._error(self.v_lr_q, self.v_lr_p)
-        if spec.n_outliers(H):
-            k, v = _restore(k, self.k_out_idx, self.k_out), _restore(v, self.v_out_idx, self.v_out)
-        if spec.scheme.exact_sinks:
-            n = min(spec.sinks, self.capacity)
-            k = k.at[:, :, :n].set(self.k_sink[:, :, :n].astype(k.dtype))
-            v = v.at[:, :, :n].set(self.v_sink[:, :, :n].astype(v.dtype))
+        for part in (self.low_rank, self.outliers, self.sinks):  # error terms, exact entries, exact tokens
+            if part is not None:
+                k, v = part.apply(k, v)
         R = spec.residual
         at = self.n_quant[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
         at = jnp.where(at < self.length[:, None], at, self.capacity)
-        k, v = _head_major_scatter(k, at, self.k_res), _head_major_scatter(v, at, self.v_res)
+        k, v = scatter_head_major(k, at, self.k_res), scatter_head_major(v, at, self.v_res)
         if spec.scheme.pre_rope_keys:  # RoPE at each slot's true position
             k = rotate_slots(k, self.pos, spec.rope_theta)
         return k, v

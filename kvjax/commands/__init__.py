@@ -16,6 +16,7 @@ from kvjax.commands import (
     evaluate,
     generate,
     memory,
+    ruler,
     serve_bench,
     train,
     uptrain,
@@ -28,7 +29,7 @@ from kvjax.training.gguf_import import GGUFError
 from kvjax.training.trainer import TrainingError, TrainingInterrupted
 
 DESCRIPTION = "Train, decode, compress and compare KV-cache-efficient language models (see docs/cli.md)."
-COMMANDS = (memory, train, evaluate, generate, uptrain, duo_train, compare, serve_bench)  # in --help order
+COMMANDS = (memory, train, evaluate, generate, uptrain, duo_train, compare, ruler, serve_bench)  # in --help order
 # Errors that are the user's to fix (bad configs, data, checkpoints, divergence): one line, no traceback.
 USER_ERRORS = (ConfigError, CheckpointError, DataError, GGUFError, TrainingError)
 

@@ -127,3 +127,33 @@ def test_bad_requests_are_one_line_errors():
         ruler.generate("niah_single_1", BYTES, 16, 1)
     with pytest.raises(ConfigError, match=r"length=400 leaves no room for a haystack: .* at least 8\d\d$"):
         ruler.generate("niah_multiquery", BYTES, 400, 1)
+
+
+def test_the_command_sweeps_resumes_and_writes_its_tables(tmp_path, capsys):
+    """`kvjax ruler` on a tiny run: every cell in the JSONL file, the tables and figures written; run again
+    with one more sample, only the new cells are computed, and the full cache's answers are what greedy
+    generation gives without the sweep."""
+    from kvjax import DecodingConfig, generate
+    from kvjax.commands import main
+    from kvjax.training.loading import load_model
+    from kvjax.training.ruler_eval import finished, prompt_ids
+    from tests.training.test_cli import TINY
+
+    run, out = str(tmp_path / "run"), tmp_path / "ruler"
+    assert main(["train", "gqa", *TINY, "--run-dir", run]) == 0
+    args = ["ruler", run, "--tasks", "niah_single_1", "fwe", "--lengths", "1024", "--policy", "streaming"]
+    args += ["--ratios", "0.5", "--allow-long-context", "--no-progress", "--out", str(out)]
+    assert main([*args, "--samples", "2"]) == 0
+    assert "8 cells computed, 0 read" in capsys.readouterr().out
+    assert main([*args, "--samples", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "4 cells computed, 8 read" in printed and "| streaming:0.5 |" in printed
+    for name in ("results.csv", "results.json", "results.md", "leaderboard.png", "tasks.png"):
+        assert (out / name).stat().st_size > 0
+    records = finished(out / "results.jsonl")
+    assert len(records) == 12 and {r["policy"] for r in records.values()} == {"full", "streaming:0.5"}
+    loaded = load_model(run)
+    sample = ruler.generate("fwe", loaded.tokenizer, 1024 - int(loaded.bos), 3)[2]
+    prompt = prompt_ids(sample, loaded.tokenizer, loaded.bos)
+    tokens = generate(loaded.model, [prompt], DecodingConfig(max_new_tokens=50)).tokens[0]
+    assert records[("fwe", 1024, "full", 2)]["answer"] == loaded.tokenizer.decode(np.asarray(tokens).tolist())

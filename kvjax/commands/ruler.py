@@ -1,0 +1,90 @@
+"""`kvjax ruler`: RULER's synthetic tasks under compressed caches, a score per task, length and policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvjax.commands.args import MODEL_HELP, OPEN_UNIT, POSITIVE
+from kvjax.commands.common import calibration_tokens, check_policies, resolve_duo
+from kvjax.compress import parse_policy
+from kvjax.config import ConfigError
+from kvjax.progress import progress
+from kvjax.training import ruler
+from kvjax.training import ruler_eval as re_
+from kvjax.training.loading import check_context, load_model
+
+DEFAULT_TASKS = tuple(ruler.TASKS)
+
+
+def run(args) -> None:
+    unknown = sorted(set(args.tasks) - set(ruler.TASKS))
+    if unknown:
+        raise ConfigError(f"--tasks {' '.join(unknown)}: unknown; RULER's tasks here: {' '.join(ruler.TASKS)}")
+    plan = re_.runs(args.policy or [], args.ratios)
+    for r in plan[1:]:
+        parse_policy(r.policy)  # every policy is checked before compute
+    loaded = load_model(args.model)
+    texts = resolve_duo([r.policy for r in plan[1:]], args.model, loaded)
+    plan = [plan[0], *(re_.Run(t, r.method, r.ratio) for t, r in zip(texts, plan[1:]))]
+    check_policies(texts, loaded)
+    for length in args.lengths:
+        check_context(loaded, length, f"--lengths {length}", args.allow_long_context)
+    out = Path(args.out or f"ruler-{loaded.config.model.name}")
+    out.mkdir(parents=True, exist_ok=True)
+    cells = [(t, n, r.name, i) for n in args.lengths for r in plan for t in args.tasks for i in range(args.samples)]
+    done = re_.finished(out / "results.jsonl")
+    bar = progress(len(cells), initial=sum(c in done for c in cells), unit="cell", enabled=not args.no_progress)
+    records, computed = re_.sweep(
+        loaded.model,
+        loaded.tokenizer,
+        bos=loaded.bos,
+        tasks=list(args.tasks),
+        lengths=list(args.lengths),
+        samples=args.samples,
+        runs_=plan,
+        results=out / "results.jsonl",
+        seed=args.seed,
+        calibration=calibration_tokens(loaded, [parse_policy(t) for t in texts], None),
+        on_cell=lambda record: bar.update(1),
+    )
+    bar.close()
+    rows = re_.summarize(records)
+    title = f"RULER on {loaded.config.model.name}"
+    written = re_.write_outputs(rows, out, title)
+    print(re_.markdown(rows, title))
+    print(
+        f"{computed} cells computed, {len(records) - computed} read from {out / 'results.jsonl'}; wrote "
+        + ", ".join(str(p) for p in written)
+    )
+
+
+def register(sub) -> None:
+    p = sub.add_parser("ruler", help="RULER's synthetic long-context tasks under compressed caches")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help="default: all 11 synthetic tasks")
+    p.add_argument(
+        "--lengths",
+        type=POSITIVE,
+        nargs="+",
+        default=[2048, 4096],
+        help="in the model's tokens, answer included (default: 2048 4096)",
+    )
+    p.add_argument("--samples", type=POSITIVE, default=10, help="samples per task and length (default: 10)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        help="a method run at every --ratios (snapkv, streaming) or a whole policy run as given (kivi:2); repeatable",
+    )
+    p.add_argument(
+        "--ratios",
+        type=OPEN_UNIT,
+        nargs="+",
+        default=[0.5, 0.75],
+        help="compression ratios as kvpress counts them, the fraction of the cache removed (default: 0.5 0.75, "
+        "i.e. 50%% and 25%% kept)",
+    )
+    p.add_argument("--seed", type=int, default=42, help="task generation seed (default: 42, RULER's)")
+    p.add_argument("--out", help="output directory (default: ruler-MODELNAME); its results.jsonl resumes a sweep")
+    p.add_argument("--allow-long-context", action="store_true", help="run lengths past the model's trained context")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)

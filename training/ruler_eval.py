@@ -1,0 +1,257 @@
+"""A RULER sweep: every (task, length, policy, sample) cell answered greedily through the policy's cache
+and scored with RULER's string match, each cell appended to a JSONL file as soon as it is done, so an
+interrupted sweep resumes where it stopped and a finished cell is never computed again. Then the
+per-cell averages with 95% intervals, as CSV, JSON, a markdown table and kvpress-style figures."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from kvjax import DecodingConfig, Generator
+from kvjax.compress import parse_policy
+from kvjax.training import ruler
+from kvjax.training.compression_eval import has_budget, stored_bytes_per_token, with_budget
+
+FULL = "full"  # the policy column of the uncompressed reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One policy of the sweep: its text (None: the full cache), the method it came from and the
+    compression ratio it was asked at (kvpress's: the fraction of the cache removed; None: as given)."""
+
+    policy: str | None
+    method: str
+    ratio: float | None
+
+    @property
+    def name(self) -> str:
+        return self.policy or FULL
+
+
+def runs(entries: list[str], ratios: list[float]) -> list[Run]:
+    """The full cache, then each method at every ratio (`snapkv` -> snapkv:0.75 at ratio 0.25) and each
+    whole policy (`kivi:2`, `snapkv:0.5+kivi:4`) as given."""
+    out = [Run(None, FULL, 0.0)]
+    for entry in entries:
+        method = entry.split(":")[0]
+        if has_budget(entry):
+            out.append(Run(entry, method, None))
+        else:
+            out += [Run(with_budget(entry, 1 - r), method, r) for r in ratios]
+    return out
+
+
+def prompt_ids(sample: ruler.Sample, tokenizer, bos: bool) -> list[int]:
+    """The model's input: RULER's plain template for a base model (input, then the answer prefix), the
+    user turn of its chat template around the input for a chat model, the answer prefix after it."""
+    chat = getattr(tokenizer, "chat_turn", lambda: None)()
+    text = (
+        sample.input + sample.answer_prefix if chat is None else chat[0] + sample.input + chat[1] + sample.answer_prefix
+    )
+    return ([tokenizer.bos_id] if bos else []) + tokenizer.encode(text)
+
+
+def template_tokens(tokenizer, bos: bool) -> int:
+    """Tokens the chat template and BOS add around a sample (RULER's `model_template_token`)."""
+    chat = getattr(tokenizer, "chat_turn", lambda: None)()
+    return int(bos) + (0 if chat is None else len(tokenizer.encode(chat[0] + chat[1])))
+
+
+def sweep(
+    model,
+    tokenizer,
+    *,
+    bos: bool,
+    tasks: list[str],
+    lengths: list[int],
+    samples: int,
+    runs_: list[Run],
+    results: Path,
+    seed: int = 42,
+    calibration=None,
+    on_cell: Callable[[dict], None] | None = None,
+) -> tuple[list[dict], int]:
+    """Every cell's record (read back from `results`, a JSONL file, or computed and appended to it) and
+    how many were computed now. Samples are generated once per (task, length) and shared by the runs."""
+    done = finished(results)
+    records, computed = [], 0
+    with results.open("a") as log:
+        for length in lengths:
+            cases = {
+                t: ruler.generate(t, tokenizer, length - template_tokens(tokenizer, bos), samples, seed) for t in tasks
+            }
+            for run in runs_:
+                gen = None
+                for task in tasks:
+                    for sample in cases[task]:
+                        key = (task, length, run.name, sample.index)
+                        if key in done:
+                            records.append(done[key])
+                            continue
+                        if gen is None:
+                            policy = parse_policy(run.policy) if run.policy else None
+                            gen = Generator(model, capacity=length, policy=policy, calibration=calibration)
+                        record = _answer(gen, model, tokenizer, bos, sample, run, length)
+                        log.write(json.dumps(record) + "\n")
+                        log.flush()
+                        records.append(record)
+                        computed += 1
+                        if on_cell is not None:
+                            on_cell(record)
+    return records, computed
+
+
+def finished(results: Path) -> dict[tuple, dict]:
+    """The cells a sweep's JSONL file holds, by (task, length, policy, sample index). A line cut short by
+    an interrupted write is the last one, and is computed again."""
+    done = {}
+    if results.is_file():
+        for line in results.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[_key(record)] = record
+    return done
+
+
+def _key(record: dict) -> tuple:
+    return record["task"], record["length"], record["policy"], record["index"]
+
+
+def _answer(gen: Generator, model, tokenizer, bos: bool, sample: ruler.Sample, run: Run, length: int) -> dict:
+    prompt = prompt_ids(sample, tokenizer, bos)
+    new = ruler.TASKS[sample.task].tokens_to_generate
+    out = gen([prompt], DecodingConfig(max_new_tokens=new))
+    answer = tokenizer.decode(np.asarray(out.tokens[0, : out.lengths[0]]).tolist())
+    policy = parse_policy(run.policy) if run.policy else None
+    return {
+        "task": sample.task,
+        "length": length,
+        "policy": run.name,
+        "method": run.method,
+        "ratio": run.ratio,
+        "index": sample.index,
+        "answer": answer,
+        "outputs": list(sample.outputs),
+        "score": ruler.score(answer, sample.outputs, sample.metric),
+        "bytes_per_token": stored_bytes_per_token(model, policy, len(prompt)),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables and figures
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (policy, task, length): the mean score in percent, the samples and a 95% interval
+    (normal approximation, half-width; NaN for one sample), the policy's cache bytes per token."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in records:
+        cells.setdefault((r["policy"], r["task"], r["length"]), []).append(r)
+    rows = []
+    for (policy, task, length), group in cells.items():
+        scores = 100 * np.array([r["score"] for r in group])
+        half = 1.96 * scores.std(ddof=1) / math.sqrt(len(scores)) if len(scores) > 1 else float("nan")
+        first = group[0]
+        rows.append(
+            dict(
+                policy=policy,
+                method=first["method"],
+                ratio=first["ratio"],
+                task=task,
+                length=length,
+                samples=len(group),
+                score=float(scores.mean()),
+                ci95=float(half),
+                bytes_per_token=float(np.mean([r["bytes_per_token"] for r in group])),
+            )
+        )
+    return rows
+
+
+def write_outputs(rows: list[dict], out: Path, title: str) -> list[Path]:
+    """results.csv, results.json, results.md, leaderboard.png and tasks.png under `out`."""
+    import csv
+
+    out.mkdir(parents=True, exist_ok=True)
+    fields = list(rows[0])
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    (out / "results.md").write_text(markdown(rows, title))
+    _figures(rows, out, title)
+    return [out / name for name in ("results.csv", "results.json", "results.md", "leaderboard.png", "tasks.png")]
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    """Per length, one row per policy: each task's score and the average over tasks (+- its interval)."""
+    from kvjax.report import format_table
+
+    lines = [f"# {title}", ""]
+    for length in sorted({r["length"] for r in rows}):
+        at = [r for r in rows if r["length"] == length]
+        tasks = sorted({r["task"] for r in at})
+        body = []
+        for policy in dict.fromkeys(r["policy"] for r in at):
+            cell = {r["task"]: r for r in at if r["policy"] == policy}
+            mean = np.mean([cell[t]["score"] for t in tasks])
+            per_task = [f"{cell[t]['score']:.1f}" if t in cell else "" for t in tasks]
+            body.append([policy, f"{next(iter(cell.values()))['bytes_per_token']:,.0f}", *per_task, f"{mean:.1f}"])
+        samples = sorted({r["samples"] for r in at})
+        lines += [f"## {length} tokens ({'/'.join(map(str, samples))} samples per cell)", ""]
+        lines += [format_table(["policy", "B/token", *tasks, "average"], body), ""]
+    return "\n".join(lines)
+
+
+def _figures(rows: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    averages: dict[tuple, list[float]] = {}
+    for r in rows:
+        averages.setdefault((r["method"], r["ratio"], r["policy"]), []).append(r["score"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    full = [np.mean(v) for (m, _, _), v in averages.items() if m == FULL]
+    if full:
+        ax.axhline(full[0], color="black", linestyle="--", label="full cache")
+    for method in sorted({m for m, _, _ in averages if m != FULL}):
+        points = sorted(
+            (ratio, np.mean(v)) for (m, ratio, _), v in averages.items() if m == method and ratio is not None
+        )
+        if points:
+            ax.plot(*zip(*points), marker="o", label=method)
+    ax.set(xlabel="compression ratio (fraction of the cache removed)", ylabel="average score (%)", title=title)
+    ax.set_ylim(-2, 102)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "leaderboard.png", dpi=120)
+    plt.close(fig)
+
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    tasks = sorted({r["task"] for r in rows})
+    grid = np.full((len(policies), len(tasks)), np.nan)
+    for i, policy in enumerate(policies):  # averaged over lengths
+        for j, task in enumerate(tasks):
+            scores = [r["score"] for r in rows if r["policy"] == policy and r["task"] == task]
+            grid[i, j] = np.mean(scores) if scores else np.nan
+    fig, ax = plt.subplots(figsize=(1 + 0.6 * len(tasks), 1 + 0.35 * len(policies)))
+    image = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(tasks)), tasks, rotation=60, ha="right", fontsize=7)
+    ax.set_yticks(range(len(policies)), policies, fontsize=7)
+    fig.colorbar(image, label="score (%)")
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "tasks.png", dpi=120)
+    plt.close(fig)

@@ -120,6 +120,13 @@ def _prefill_compressed(graphdef, params, tokens, lengths, obs_index, arrays, *,
     return _last_logits(model, hidden, lengths), caches, stats
 
 
+def _prefill_observed(graphdef, params, tokens, lengths, obs_index, *, capacity, stages):
+    """An observed prefill left uncompressed: (logits, caches, per cache each stage's statistic)."""
+    model = nnx.merge(graphdef, params)
+    hidden, caches, observed = _observe_prompt(model, tokens, lengths, obs_index, stages, capacity)
+    return _last_logits(model, hidden, lengths), caches, observed
+
+
 def _prefill_densities(graphdef, params, tokens, lengths, obs_index, *, capacity, stages, slots):
     """The first half of a method that plans layer budgets at the prefill (D2O): the observed prefill
     and each compressible layer's density `[n, B]` (`Method.layer_density`), which the host turns into
@@ -242,6 +249,7 @@ def _programs(graphdef) -> SimpleNamespace:
         prefill_compressed=jax.jit(
             partial(_prefill_compressed, graphdef), static_argnames=("capacity", "statics", "slots")
         ),
+        prefill_observed=jax.jit(partial(_prefill_observed, graphdef), static_argnames=("capacity", "stages")),
         prefill_densities=jax.jit(
             partial(_prefill_densities, graphdef), static_argnames=("capacity", "stages", "slots")
         ),
@@ -283,6 +291,7 @@ class Generator:
             check_policy(policy, self.config)
             self._prepared = prepare_policy(policy, model, calibration)
         graphdef, self.params = nnx.split(model)
+        self._graphdef = graphdef
         programs = _programs(graphdef)
         self._prefill, self._prefill_chunk, self._logits = programs.prefill, programs.prefill_chunk, programs.logits
         self._prefill_compressed, self._prefill_densities = programs.prefill_compressed, programs.prefill_densities
@@ -491,6 +500,40 @@ class Generator:
         rng = jax.random.key(decoding.seed) if rng is None else rng
         lengths, logits, caches, stats = self.start(prompts, decoding.max_new_tokens)
         return self.decode(caches, logits, lengths, decoding, rng, stats)
+
+
+def shareable(gen: Generator) -> bool:
+    """Whether a Generator's policy compresses once, right after the prefill, with nothing planned from
+    it first: then one observed prefill can serve it beside others (`prefill_shared`)."""
+    return gen.policy is not None and not gen._holds_budget and not gen._budgets_at_prefill
+
+
+def prefill_shared(gens: Sequence[Generator], tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int) -> list:
+    """One observed prefill for several Generators of one model and capacity, then each policy's own
+    compression of it: per Generator (logits, caches, stats), what its `prefill_compressed` returns. The
+    prefill observes the widest window any policy needs and every stage's statistic; each method reads
+    only its own queries of the window (`voters`), so its cache is the one its own prefill would give."""
+    first = gens[0]
+    if any(g.config != first.config or g.capacity != first.capacity for g in gens) or not all(map(shareable, gens)):
+        raise ValueError("prefill_shared takes Generators of one model and capacity whose policies compress once")
+    stages = tuple(st for g in gens for st in g.policy.stages)
+    window = max(1, *(observed_queries(st, tokens.shape[1]) for st in stages))
+    obs_index = np.asarray(lengths)[:, None] - window + np.arange(window)[None, :]
+    obs_index = np.where(obs_index >= 0, obs_index, -1).astype(np.int32)
+    logits, caches, observed = _programs(first._graphdef).prefill_observed(
+        first.params, tokens, lengths, obs_index, capacity=first.capacity, stages=stages
+    )
+    slots, out, start = compressible(first.config), [], 0
+    for g in gens:
+        n = len(g.policy.stages)
+        mine = tuple(None if o is None else tuple(o[start : start + n]) for o in observed)
+        start += n
+        plans = g.compression_plan(lengths, max_new_tokens)
+        fresh = jax.tree.map(jnp.copy, caches)  # its decode consumes them; the next policy needs the originals
+        statics, arrays = tuple(p.static for p in plans), tuple(p.arrays for p in plans)
+        compressed, stats = g._compress(fresh, mine, statics, arrays, jnp.asarray(lengths) - 1, slots=slots)
+        out.append((logits, compressed, stats))
+    return out
 
 
 def default_capacity(prompts: Sequence[Sequence[int]], max_new_tokens: int, multiple: int = 64) -> int:

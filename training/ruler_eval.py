@@ -1,5 +1,6 @@
 """A RULER sweep: every (task, length, policy, sample) cell answered greedily through the policy's cache
-and scored with RULER's string match, each cell appended to a JSONL file as soon as it is done, so an
+(the policies that compress right after the prefill share one observed prefill per sample) and scored
+with RULER's string match, each cell appended to a JSONL file as soon as it is done, so an
 interrupted sweep resumes where it stopped and a finished cell is never computed again. Then the
 per-cell averages with 95% intervals, as CSV, JSON, a markdown table and kvpress-style figures."""
 
@@ -11,10 +12,12 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
+from kvjax.generate import prefill_shared, shareable
 from kvjax.training import ruler
 from kvjax.training.compression_eval import has_budget, stored_bytes_per_token, with_budget
 
@@ -76,29 +79,34 @@ def sweep(
     results: Path,
     seed: int = 42,
     calibration=None,
+    share: bool = True,
     on_cell: Callable[[dict], None] | None = None,
 ) -> tuple[list[dict], int]:
     """Every cell's record (read back from `results`, a JSONL file, or computed and appended to it) and
-    how many were computed now. Samples are generated once per (task, length) and shared by the runs."""
+    how many were computed now. Samples are generated once per (task, length) and shared by the runs;
+    with `share`, the policies that compress once after the prefill (every scorer, allocator and
+    quantizer) compress one observed prefill per sample (`prefill_shared`) instead of each its own."""
     done = finished(results)
     records, computed = [], 0
     with results.open("a") as log:
         for length in lengths:
-            cases = {
-                t: ruler.generate(t, tokenizer, length - template_tokens(tokenizer, bos), samples, seed) for t in tasks
-            }
-            for run in runs_:
-                gen = None
-                for task in tasks:
-                    for sample in cases[task]:
-                        key = (task, length, run.name, sample.index)
-                        if key in done:
-                            records.append(done[key])
-                            continue
-                        if gen is None:
-                            policy = parse_policy(run.policy) if run.policy else None
-                            gen = Generator(model, capacity=length, policy=policy, calibration=calibration)
-                        record = _answer(gen, model, tokenizer, bos, sample, run, length)
+            fitted = length - template_tokens(tokenizer, bos)
+            cases = {t: ruler.generate(t, tokenizer, fitted, samples, seed) for t in tasks}
+            gens: dict[str, Generator] = {}
+
+            def generator(run: Run) -> Generator:
+                if run.name not in gens:
+                    policy = parse_policy(run.policy) if run.policy else None
+                    gens[run.name] = Generator(model, capacity=length, policy=policy, calibration=calibration)
+                return gens[run.name]
+
+            for task in tasks:
+                for sample in cases[task]:
+                    keys = {run.name: (task, length, run.name, sample.index) for run in runs_}
+                    records += [done[k] for k in keys.values() if k in done]
+                    pending = [run for run in runs_ if keys[run.name] not in done]
+                    for run, answer in _answers(pending, generator, sample, tokenizer, bos, share).items():
+                        record = _record(model, sample, run, length, answer, len(prompt_ids(sample, tokenizer, bos)))
                         log.write(json.dumps(record) + "\n")
                         log.flush()
                         records.append(record)
@@ -106,6 +114,27 @@ def sweep(
                         if on_cell is not None:
                             on_cell(record)
     return records, computed
+
+
+def _answers(pending: list[Run], generator, sample: ruler.Sample, tokenizer, bos: bool, share: bool) -> dict:
+    """Each pending run's greedy answer (text) to the sample."""
+    if not pending:
+        return {}
+    prompt = prompt_ids(sample, tokenizer, bos)
+    decoding = DecodingConfig(max_new_tokens=ruler.TASKS[sample.task].tokens_to_generate)
+    shared = [run for run in pending if share and shareable(generator(run))]
+    outs = {}
+    if len(shared) > 1:
+        tokens, lengths = generator(shared[0]).pad([prompt], decoding.max_new_tokens)
+        prefilled = prefill_shared([generator(r) for r in shared], tokens, lengths, decoding.max_new_tokens)
+        for run, (logits, caches, stats) in zip(shared, prefilled):
+            key = jax.random.key(decoding.seed)
+            outs[run.name] = generator(run).decode(caches, logits, lengths, decoding, key, stats)
+    answers = {}
+    for run in pending:
+        out = outs[run.name] if run.name in outs else generator(run)([prompt], decoding)
+        answers[run] = tokenizer.decode(np.asarray(out.tokens[0, : out.lengths[0]]).tolist())
+    return answers
 
 
 def finished(results: Path) -> dict[tuple, dict]:
@@ -126,11 +155,7 @@ def _key(record: dict) -> tuple:
     return record["task"], record["length"], record["policy"], record["index"]
 
 
-def _answer(gen: Generator, model, tokenizer, bos: bool, sample: ruler.Sample, run: Run, length: int) -> dict:
-    prompt = prompt_ids(sample, tokenizer, bos)
-    new = ruler.TASKS[sample.task].tokens_to_generate
-    out = gen([prompt], DecodingConfig(max_new_tokens=new))
-    answer = tokenizer.decode(np.asarray(out.tokens[0, : out.lengths[0]]).tolist())
+def _record(model, sample: ruler.Sample, run: Run, length: int, answer: str, prompt_tokens: int) -> dict:
     policy = parse_policy(run.policy) if run.policy else None
     return {
         "task": sample.task,
@@ -142,7 +167,7 @@ def _answer(gen: Generator, model, tokenizer, bos: bool, sample: ruler.Sample, r
         "answer": answer,
         "outputs": list(sample.outputs),
         "score": ruler.score(answer, sample.outputs, sample.metric),
-        "bytes_per_token": stored_bytes_per_token(model, policy, len(prompt)),
+        "bytes_per_token": stored_bytes_per_token(model, policy, prompt_tokens),
     }
 
 

@@ -157,3 +157,31 @@ def test_the_command_sweeps_resumes_and_writes_its_tables(tmp_path, capsys):
     prompt = prompt_ids(sample, loaded.tokenizer, loaded.bos)
     tokens = generate(loaded.model, [prompt], DecodingConfig(max_new_tokens=50)).tokens[0]
     assert records[("fwe", 1024, "full", 2)]["answer"] == loaded.tokenizer.decode(np.asarray(tokens).tolist())
+
+
+def test_one_prefill_for_many_policies_answers_as_separate_prefills(make_model, tmp_path):
+    """The sweep's shared observed prefill (every policy compressing the same one) against each policy
+    prefilling on its own, on a random model with peaked attention: the same answers cell for cell, for
+    scorers of different windows, a quantizer and a chain; decode-time H2O runs on its own."""
+    from kvjax.training import ruler_eval
+
+    model = make_model("gqa", "model.n_layers=2", "model.init_std=0.2")[1]
+    entries = ["snapkv:obs_window=8", "tova", "kivi:2", "streaming:0.5+int:8", "h2o:0.5:every=4"]
+    plan = ruler_eval.runs(entries, [0.5])
+    answers = []
+    for share in (True, False):
+        records, computed = ruler_eval.sweep(
+            model,
+            BYTES,
+            bos=False,
+            tasks=["niah_single_1", "fwe"],
+            lengths=[640],
+            samples=1,
+            runs_=plan,
+            results=tmp_path / f"{share}.jsonl",
+            share=share,
+        )
+        assert computed == 2 * len(plan)
+        answers.append({(r["task"], r["policy"], r["index"]): r["answer"] for r in records})
+    assert answers[0] == answers[1]
+    assert len(set(answers[0].values())) > len(answers[0]) // 2  # the answers differ: a test that can fail

@@ -26,8 +26,9 @@ FULL = "full"  # the policy column of the uncompressed reference
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One policy of the sweep: its text (None: the full cache), the method it came from and the
-    compression ratio it was asked at (kvpress's: the fraction of the cache removed; None: as given)."""
+    """One policy of the sweep: its text (None: the full cache), the `--policy` entry it came from and
+    the compression ratio it was asked at (kvpress's: the fraction of tokens removed; None: a whole
+    policy run as given)."""
 
     policy: str | None
     method: str
@@ -39,15 +40,15 @@ class Run:
 
 
 def runs(entries: list[str], ratios: list[float]) -> list[Run]:
-    """The full cache, then each method at every ratio (`snapkv` -> snapkv:0.75 at ratio 0.25) and each
-    whole policy (`kivi:2`, `snapkv:0.5+kivi:4`) as given."""
+    """The full cache, then each method at every ratio (`snapkv` -> snapkv:0.75 at ratio 0.75, a
+    policy's budget below 1 being the same fraction removed) and each whole policy (`kivi:2`,
+    `snapkv:0.5+kivi:4`) as given."""
     out = [Run(None, FULL, 0.0)]
-    for entry in entries:
-        method = entry.split(":")[0]
+    for entry in entries:  # the entry names its line in the figure: snapkv:allocator=pyramid is not snapkv
         if has_budget(entry):
-            out.append(Run(entry, method, None))
+            out.append(Run(entry, entry, None))
         else:
-            out += [Run(with_budget(entry, 1 - r), method, r) for r in ratios]
+            out += [Run(with_budget(entry, r), entry, r) for r in ratios]
     return out
 
 
@@ -121,7 +122,8 @@ def _answers(pending: list[Run], generator, sample: ruler.Sample, tokenizer, bos
     if not pending:
         return {}
     prompt = prompt_ids(sample, tokenizer, bos)
-    decoding = DecodingConfig(max_new_tokens=ruler.TASKS[sample.task].tokens_to_generate)
+    # RULER's budget of new tokens per task; a model that ends its text (EOS) stops there, as HF's generate does
+    decoding = DecodingConfig(max_new_tokens=ruler.TASKS[sample.task].tokens_to_generate, eos_id=tokenizer.eos_id)
     shared = [run for run in pending if share and shareable(generator(run))]
     outs = {}
     if len(shared) > 1:
@@ -133,7 +135,8 @@ def _answers(pending: list[Run], generator, sample: ruler.Sample, tokenizer, bos
     answers = {}
     for run in pending:
         out = outs[run.name] if run.name in outs else generator(run)([prompt], decoding)
-        answers[run] = tokenizer.decode(np.asarray(out.tokens[0, : out.lengths[0]]).tolist())
+        ids = np.asarray(out.tokens[0, : out.lengths[0]]).tolist()
+        answers[run] = tokenizer.decode(ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids)
     return answers
 
 
@@ -251,13 +254,18 @@ def _figures(rows: list[dict], out: Path, title: str) -> None:
     full = [np.mean(v) for (m, _, _), v in averages.items() if m == FULL]
     if full:
         ax.axhline(full[0], color="black", linestyle="--", label="full cache")
+    full_bytes = next((r["bytes_per_token"] for r in rows if r["method"] == FULL), None)
     for method in sorted({m for m, _, _ in averages if m != FULL}):
         points = sorted(
             (ratio, np.mean(v)) for (m, ratio, _), v in averages.items() if m == method and ratio is not None
         )
         if points:
             ax.plot(*zip(*points), marker="o", label=method)
-    ax.set(xlabel="compression ratio (fraction of the cache removed)", ylabel="average score (%)", title=title)
+        elif full_bytes:  # a whole policy (kivi:2): one point at the fraction of the cache's bytes it saves
+            saved = 1 - np.mean([r["bytes_per_token"] for r in rows if r["method"] == method]) / full_bytes
+            ax.plot([saved], [np.mean(averages[next(k for k in averages if k[0] == method)])], "s", label=method)
+    ax.set(xlabel="compression ratio (fraction of tokens removed; squares: of bytes)", ylabel="average score (%)")
+    ax.set_title(title)
     ax.set_ylim(-2, 102)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from kvjax.commands.args import MODEL_HELP, OPEN_UNIT, POSITIVE
@@ -33,6 +34,7 @@ def run(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cells = [(t, n, r.name, i) for n in args.lengths for r in plan for t in args.tasks for i in range(args.samples)]
     done = re_.finished(out / "results.jsonl")
+    start = time.perf_counter()
     bar = progress(len(cells), initial=sum(c in done for c in cells), unit="cell", enabled=not args.no_progress)
     records, computed = re_.sweep(
         loaded.model,
@@ -45,16 +47,18 @@ def run(args) -> None:
         results=out / "results.jsonl",
         seed=args.seed,
         calibration=calibration_tokens(loaded, [parse_policy(t) for t in texts], None),
+        share=not args.separate_prefills,
         on_cell=lambda record: bar.update(1),
     )
     bar.close()
+    seconds = time.perf_counter() - start
     rows = re_.summarize(records)
     title = f"RULER on {loaded.config.model.name}"
     written = re_.write_outputs(rows, out, title)
     print(re_.markdown(rows, title))
     print(
-        f"{computed} cells computed, {len(records) - computed} read from {out / 'results.jsonl'}; wrote "
-        + ", ".join(str(p) for p in written)
+        f"{computed} cells computed in {seconds:.1f} s, {len(records) - computed} read from "
+        f"{out / 'results.jsonl'}; wrote " + ", ".join(str(p) for p in written)
     )
 
 
@@ -86,5 +90,11 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=42, help="task generation seed (default: 42, RULER's)")
     p.add_argument("--out", help="output directory (default: ruler-MODELNAME); its results.jsonl resumes a sweep")
     p.add_argument("--allow-long-context", action="store_true", help="run lengths past the model's trained context")
+    p.add_argument(
+        "--separate-prefills",
+        action="store_true",
+        help="each policy its own prefill instead of one shared observed prefill per sample (same answers; "
+        "for timing what sharing saves)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)

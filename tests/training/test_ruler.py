@@ -142,21 +142,25 @@ def test_the_command_sweeps_resumes_and_writes_its_tables(tmp_path, capsys):
     run, out = str(tmp_path / "run"), tmp_path / "ruler"
     assert main(["train", "gqa", *TINY, "--run-dir", run]) == 0
     args = ["ruler", run, "--tasks", "niah_single_1", "fwe", "--lengths", "1024", "--policy", "streaming"]
-    args += ["--ratios", "0.5", "--allow-long-context", "--no-progress", "--out", str(out)]
+    args += ["--ratios", "0.75", "--allow-long-context", "--no-progress", "--out", str(out)]
     assert main([*args, "--samples", "2"]) == 0
-    assert "8 cells computed, 0 read" in capsys.readouterr().out
+    assert re.search(r"\b8 cells computed in [\d.]+ s, 0 read", capsys.readouterr().out)
     assert main([*args, "--samples", "3"]) == 0
     printed = capsys.readouterr().out
-    assert "4 cells computed, 8 read" in printed and "| streaming:0.5 |" in printed
+    assert re.search(r"\b4 cells computed in [\d.]+ s, 8 read", printed) and "| streaming:0.75 |" in printed
     for name in ("results.csv", "results.json", "results.md", "leaderboard.png", "tasks.png"):
         assert (out / name).stat().st_size > 0
     records = finished(out / "results.jsonl")
-    assert len(records) == 12 and {r["policy"] for r in records.values()} == {"full", "streaming:0.5"}
+    assert len(records) == 12 and {r["policy"] for r in records.values()} == {"full", "streaming:0.75"}
+    full, kept = (records[("fwe", 1024, p, 0)]["bytes_per_token"] for p in ("full", "streaming:0.75"))
+    assert 0.24 < kept / full < 0.26  # ratio 0.75 removes three quarters (kvpress's compression_ratio)
     loaded = load_model(run)
     sample = ruler.generate("fwe", loaded.tokenizer, 1024 - int(loaded.bos), 3)[2]
     prompt = prompt_ids(sample, loaded.tokenizer, loaded.bos)
-    tokens = generate(loaded.model, [prompt], DecodingConfig(max_new_tokens=50)).tokens[0]
-    assert records[("fwe", 1024, "full", 2)]["answer"] == loaded.tokenizer.decode(np.asarray(tokens).tolist())
+    out = generate(loaded.model, [prompt], DecodingConfig(max_new_tokens=50, eos_id=loaded.tokenizer.eos_id))
+    ids = np.asarray(out.tokens[0, : out.lengths[0]]).tolist()
+    ids = ids[:-1] if ids[-1] == loaded.tokenizer.eos_id else ids
+    assert records[("fwe", 1024, "full", 2)]["answer"] == loaded.tokenizer.decode(ids)
 
 
 def test_one_prefill_for_many_policies_answers_as_separate_prefills(make_model, tmp_path):

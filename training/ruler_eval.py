@@ -80,19 +80,22 @@ def sweep(
     results: Path,
     seed: int = 42,
     calibration=None,
+    qa_files: dict | None = None,
     share: bool = True,
     on_cell: Callable[[dict], None] | None = None,
 ) -> tuple[list[dict], int]:
     """Every cell's record (read back from `results`, a JSONL file, or computed and appended to it) and
     how many were computed now. Samples are generated once per (task, length) and shared by the runs;
     with `share`, the policies that compress once after the prefill (every scorer, allocator and
-    quantizer) compress one observed prefill per sample (`prefill_shared`) instead of each its own."""
+    quantizer) compress one observed prefill per sample (`prefill_shared`) instead of each its own.
+    `qa_files`: the data file of each QA task asked for (`ruler.qa_tasks`)."""
     done = finished(results)
     records, computed = [], 0
     with results.open("a") as log:
         for length in lengths:
             fitted = length - template_tokens(tokenizer, bos)
-            cases = {t: ruler.generate(t, tokenizer, fitted, samples, seed) for t in tasks}
+            files = qa_files or {}
+            cases = {t: ruler.generate(t, tokenizer, fitted, samples, seed, qa_file=files.get(t)) for t in tasks}
             gens: dict[str, Generator] = {}
 
             def generator(run: Run) -> Generator:

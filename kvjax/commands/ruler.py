@@ -14,13 +14,19 @@ from kvjax.training import ruler
 from kvjax.training import ruler_eval as re_
 from kvjax.training.loading import check_context, load_model
 
-DEFAULT_TASKS = tuple(ruler.TASKS)
-
 
 def run(args) -> None:
-    unknown = sorted(set(args.tasks) - set(ruler.TASKS))
+    qa_files = ruler.qa_tasks(args.qa_file or [])
+    tasks = args.tasks or [*ruler.SYNTHETIC, *qa_files]
+    unknown = sorted(set(tasks) - set(ruler.TASKS))
     if unknown:
         raise ConfigError(f"--tasks {' '.join(unknown)}: unknown; RULER's tasks here: {' '.join(ruler.TASKS)}")
+    missing = [t for t in tasks if t not in ruler.SYNTHETIC and t not in qa_files]
+    if missing:
+        raise ConfigError(f"--tasks {missing[0]} needs --qa-file with {ruler.TASKS[missing[0]].dataset} records")
+    skipped = [t for t in ruler.TASKS if t not in tasks and t not in ruler.SYNTHETIC]
+    if not args.tasks and skipped:
+        print(f"skipped: {', '.join(f'{t} ({ruler.TASKS[t].dataset})' for t in skipped)}: no --qa-file for them")
     plan = re_.runs(args.policy or [], args.ratios)
     for r in plan[1:]:
         parse_policy(r.policy)  # every policy is checked before compute
@@ -32,7 +38,7 @@ def run(args) -> None:
         check_context(loaded, length, f"--lengths {length}", args.allow_long_context)
     out = Path(args.out or f"ruler-{loaded.config.model.name}")
     out.mkdir(parents=True, exist_ok=True)
-    cells = [(t, n, r.name, i) for n in args.lengths for r in plan for t in args.tasks for i in range(args.samples)]
+    cells = [(t, n, r.name, i) for n in args.lengths for r in plan for t in tasks for i in range(args.samples)]
     done = re_.finished(out / "results.jsonl")
     start = time.perf_counter()
     bar = progress(len(cells), initial=sum(c in done for c in cells), unit="cell", enabled=not args.no_progress)
@@ -40,12 +46,13 @@ def run(args) -> None:
         loaded.model,
         loaded.tokenizer,
         bos=loaded.bos,
-        tasks=list(args.tasks),
+        tasks=list(tasks),
         lengths=list(args.lengths),
         samples=args.samples,
         runs_=plan,
         results=out / "results.jsonl",
         seed=args.seed,
+        qa_files=qa_files,
         calibration=calibration_tokens(loaded, [parse_policy(t) for t in texts], None),
         share=not args.separate_prefills,
         on_cell=lambda record: bar.update(1),
@@ -65,7 +72,14 @@ def run(args) -> None:
 def register(sub) -> None:
     p = sub.add_parser("ruler", help="RULER's synthetic long-context tasks under compressed caches")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help="default: all 11 synthetic tasks")
+    p.add_argument(
+        "--tasks", nargs="+", help="default: the 11 synthetic tasks, and qa_1 / qa_2 where --qa-file gives their data"
+    )
+    p.add_argument(
+        "--qa-file",
+        action="append",
+        help="a local SQuAD (qa_1) or HotpotQA (qa_2) JSON file, as RULER reads them (their dev sets); repeatable",
+    )
     p.add_argument(
         "--lengths",
         type=POSITIVE,

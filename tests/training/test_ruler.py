@@ -3,6 +3,7 @@ none), samples are a function of the seed, inputs fill their length in the model
 metric is RULER's string match."""
 
 import collections
+import json
 import random
 import re
 import string
@@ -55,7 +56,7 @@ def guess(sample: ruler.Sample, rng: random.Random) -> str:
 @pytest.mark.parametrize("length", [2048, 3072])
 def test_a_rule_based_reader_scores_1_and_a_guesser_0_on_every_task(length):
     rng = random.Random(0)
-    for task in ruler.TASKS:
+    for task in ruler.SYNTHETIC:
         samples = ruler.generate(task, BYTES, length, samples=3)
         assert np.mean([ruler.score(oracle(s), s.outputs, s.metric) for s in samples]) == 1.0, task
         assert np.mean([ruler.score(guess(s, rng), s.outputs, s.metric) for s in samples]) == 0.0, task
@@ -94,7 +95,8 @@ def test_needles_sit_at_many_depths():
 def test_inputs_fill_their_length_in_the_models_tokens():
     """Within 2% below the length (RULER's count: input, answer prefix and the tokens to generate), and never
     above; a haystack of distractor needles can only stop a whole needle short (~110 bytes with UUID keys)."""
-    for task, spec in ruler.TASKS.items():
+    for task in ruler.SYNTHETIC:
+        spec = ruler.TASKS[task]
         for s in ruler.generate(task, BYTES, 2048, 2):
             room = 120 if getattr(spec, "haystack", None) == "needle" else 0.02 * 2048
             assert 2048 - room <= s.length <= 2048, (task, s.length)
@@ -107,9 +109,94 @@ def test_inputs_fill_their_length_in_a_bpe_tokenizers_tokens():
     from kvjax.training.gguf_import import load_gguf_tokenizer
 
     bpe = load_gguf_tokenizer("smollm2")
-    for task in ruler.TASKS:
+    for task in ruler.SYNTHETIC:
         for s in ruler.generate(task, bpe, 4096, 2):
             assert 0.98 * 4096 <= s.length <= 4096, (task, s.length)
+
+
+def _name(rng: random.Random) -> str:
+    return "".join(rng.choices(string.ascii_uppercase, k=1) + rng.choices(string.ascii_lowercase, k=7))
+
+
+def _filler(rng: random.Random) -> str:
+    return " ".join(f"The {_name(rng).lower()} of the valley was {rng.randint(2, 99)} miles long." for _ in range(3))
+
+
+@pytest.fixture(scope="module")
+def qa_data(tmp_path_factory):
+    """A SQuAD-format file (8 articles of 4 paragraphs, one fact and one question each, plus one
+    unanswerable question) and a HotpotQA-format file (10 two-hop records of 3 paragraphs)."""
+    rng, root = random.Random(1), tmp_path_factory.mktemp("qa")
+    articles = []
+    for _ in range(8):
+        paragraphs = []
+        for _ in range(4):
+            land, city = _name(rng), _name(rng)
+            qas = [{"question": f"What is the capital of {land}?", "answers": [{"text": city}], "is_impossible": False}]
+            qas.append({"question": f"Who founded {land}?", "answers": [], "is_impossible": True})
+            paragraphs.append({"context": f"The capital of {land} is {city}. {_filler(rng)}", "qas": qas})
+        articles.append({"title": _name(rng), "paragraphs": paragraphs})
+    records = []
+    for _ in range(10):
+        land, near, city = _name(rng), _name(rng), _name(rng)
+        context = [
+            [land, [f"{land} lies next to {near}. ", _filler(rng)]],
+            [near, [f"The capital of {near} is {city}."]],
+        ]
+        context.append([_name(rng), [_filler(rng)]])
+        records.append(
+            {"question": f"What is the capital of the land next to {land}?", "answer": city, "context": context}
+        )
+    (root / "squad.json").write_text(json.dumps({"version": "v2.0", "data": articles}))
+    (root / "hotpot.json").write_text(json.dumps(records))
+    return {"qa_1": root / "squad.json", "qa_2": root / "hotpot.json"}
+
+
+def qa_oracle(sample: ruler.Sample) -> str:
+    """The capital asked for, read from the documents (through the neighbour for the two-hop question)."""
+    land = re.search(r"capital of (?:the land next to )?(\w+)\?$", sample.input).group(1)
+    if "next to" in sample.input[sample.input.rindex("Question:") :]:
+        land = re.search(rf"{land} lies next to (\w+)\.", sample.input).group(1)
+    return re.search(rf"The capital of {land} is (\w+)\.", sample.input).group(1)
+
+
+def test_qa_tasks_answer_from_their_gold_documents_among_distractors(qa_data):
+    """RULER's qa_1 / qa_2 from local files: the oracle reads every answer, a guesser none; inputs fill the
+    length to within one document; the gold documents move between samples; the metric is `part`."""
+    rng = random.Random(0)
+    assert ruler.qa_tasks(qa_data.values()) == qa_data
+    assert len(ruler.read_qa(qa_data["qa_1"])[1]) == 32  # the unanswerable questions skipped
+    for task, path in qa_data.items():
+        samples = ruler.generate(task, BYTES, 2048, 12, qa_file=path)
+        assert samples == ruler.generate(task, BYTES, 2048, 12, qa_file=path)
+        assert [ruler.score(qa_oracle(s), s.outputs, s.metric) for s in samples] == [1.0] * 12, task
+        assert all(ruler.score(_name(rng), s.outputs, s.metric) == 0.0 for s in samples), task
+        assert all(s.metric == "part" and s.answer_prefix == " Answer:" for s in samples)
+        assert all(s.input.count("Document ") > 8 and s.input.endswith("?") for s in samples)
+        longest = max(map(len, ruler.read_qa(path)[2])) + len("Document 99:\n\n\n")
+        assert all(2048 - longest <= s.length <= 2048 for s in samples), [s.length for s in samples]
+        places = [
+            s.input[: s.input.index(s.outputs[0])].count("Document ") / s.input.count("Document ") for s in samples
+        ]
+        assert min(places) < 0.3 and max(places) > 0.7, places  # gold among the first and the last documents
+    _, questions, docs = ruler.read_qa(qa_data["qa_1"])
+    for s in ruler.generate("qa_1", BYTES, 2048, 4, qa_file=qa_data["qa_1"]):  # its article's paragraphs first
+        assert all(docs[d] in s.input for d in questions[s.index].near)
+
+
+def test_qa_files_are_checked_before_compute(qa_data, tmp_path):
+    from kvjax.commands import main
+
+    with pytest.raises(ConfigError, match="qa_1 needs a squad file"):
+        ruler.generate("qa_1", BYTES, 2048, 1)
+    with pytest.raises(ConfigError, match="qa_1 is squad's task; qa_file=.*hotpot.json' holds hotpotqa records"):
+        ruler.generate("qa_1", BYTES, 2048, 1, qa_file=qa_data["qa_2"])
+    (tmp_path / "bad.json").write_text('{"rows": []}')
+    with pytest.raises(ConfigError, match="neither SQuAD's format"):
+        ruler.read_qa(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="both squad files"):
+        ruler.qa_tasks([qa_data["qa_1"], qa_data["qa_1"]])
+    assert main(["ruler", "gqa", "--tasks", "qa_2", "--no-progress"]) == 2
 
 
 def test_the_metric_is_rulers_string_match():

@@ -11,7 +11,7 @@ from kvjax.architectures import mamba, mla, retention, rwkv  # noqa: F401
 from kvjax.architectures.attention import Attention
 from kvjax.architectures.layers import GatedMLP, RMSNorm, dense
 from kvjax.architectures.mixers import MIXERS
-from kvjax.cache import KVCache, LatentCache, LayerCache, PooledKVCache
+from kvjax.cache import KVCache, LatentCache, LayerCache, PooledKVCache, RingKVCache
 from kvjax.config import ModelConfig
 from kvjax.plan import LayerPlan, sharable_kinds
 
@@ -119,21 +119,21 @@ class Decoder(nnx.Module):
         x, caches, _ = self._run(x, positions, caches, self.plan.n_layers)
         return self.final_norm(x), caches
 
-    def observe(self, tokens, positions, caches, obs_index, reduce):
+    def observe(self, tokens, positions, caches, obs_index, reduce, rings: bool = False):
         """`hidden` that also observes attention for KV compressors (kvjax.compress): for each producer
-        whose cache keeps tokens (KVCache, PooledKVCache, LatentCache), `reduce(probs, obs_pos, view, q)`
-        of the probabilities `[B,K,W,G,S]` of the queries at token indices obs_index `[B,W]` (-1: none)
-        over its updated cache, and of those queries q `[B,W,N,H]` (None for MLA). Returns (hidden, caches,
-        one reduction per producer or None)."""
+        whose cache keeps tokens (KVCache, PooledKVCache, LatentCache; with `rings`, sliding-window rings
+        too), `reduce(probs, obs_pos, view, q)` of the probabilities `[B,K,W,G,S]` of the queries at token
+        indices obs_index `[B,W]` (-1: none) over the view it attended to, and of those queries q
+        `[B,W,N,H]` (None for MLA). Returns (hidden, caches, one reduction per producer or None)."""
         x, caches, observed = self._run(
-            self.embed_tokens(tokens), positions, caches, self.plan.n_layers, (obs_index, reduce)
+            self.embed_tokens(tokens), positions, caches, self.plan.n_layers, (obs_index, reduce, rings)
         )
         return self.final_norm(x), caches, observed
 
     def _run(self, x, positions, caches, stop: int, observe=None):
         """Blocks 0..stop-1: producers write their cache (one per producer, in plan order); a consumer
         attends to the K/V view its producer attended to in this same call. With `observe`
-        (obs_index, reduce), see `observe`."""
+        (obs_index, reduce, rings), see `observe`."""
         plan = self.plan
         new_caches = None if caches is None else list(caches)
         observed = [None] * len(plan.producers)
@@ -152,8 +152,11 @@ class Decoder(nnx.Module):
             x, cache, views[i] = block(x, positions, cache)
             if new_caches is not None:
                 new_caches[slot] = cache.replace(merged=None) if joined else cache
-            if observe is not None and isinstance(cache, KVCache | PooledKVCache | LatentCache):
-                obs_index, reduce = observe
+            if observe is not None and (
+                isinstance(cache, KVCache | PooledKVCache | LatentCache)
+                or (observe[2] and isinstance(cache, RingKVCache))
+            ):
+                obs_index, reduce, _ = observe
                 x_obs = jnp.take_along_axis(x_in, jnp.maximum(obs_index, 0)[:, :, None], axis=1)
                 obs_pos = jnp.where(
                     obs_index >= 0, jnp.take_along_axis(positions, jnp.maximum(obs_index, 0), axis=1), -1

@@ -104,7 +104,8 @@ def _observe_prompt(model, tokens, lengths, obs_index, stages, capacity):
     idx = jnp.arange(T, dtype=jnp.int32)[None, :]
     positions = jnp.where(idx < lengths[:, None], idx, -1)
     caches = init_caches(model.config, B, capacity, fresh=True)
-    return model.observe(tokens, positions, caches, obs_index, observe_fn(stages))
+    rings = any(st.local for st in stages)  # a policy that compresses sliding-window rings scores them too
+    return model.observe(tokens, positions, caches, obs_index, observe_fn(stages), rings=rings)
 
 
 def _last_logits(model, hidden, lengths):
@@ -387,7 +388,7 @@ class Generator:
         window = max(observed_queries(st, tokens.shape[1]) for st in self.policy.stages)
         obs_index = np.asarray(lengths)[:, None] - max(window, 1) + np.arange(max(window, 1))[None, :]
         obs_index = np.where(obs_index >= 0, obs_index, -1).astype(np.int32)
-        slots = compressible(self.config)
+        slots = compressible(self.config, self.policy.local)
         if self._budgets_at_prefill:  # layer budgets from the prefill's attention, then compress
             logits, caches, observed, sigma = self._prefill_densities(
                 self.params, tokens, lengths, obs_index, capacity=self.capacity, stages=self.policy.stages, slots=slots
@@ -423,7 +424,7 @@ class Generator:
         if not self._holds_budget:
             return None, None
         last = self.compression_plan(lengths, max_new_tokens)[-1]
-        return (last.static, compressible(self.config)), last.arrays
+        return (last.static, compressible(self.config, self.policy.local)), last.arrays
 
     def start(self, prompts, max_new_tokens: int):
         """Pad, prefill (compressing with the policy, if any): (lengths, logits, caches, stats)."""
@@ -523,8 +524,9 @@ def prefill_shared(gens: Sequence[Generator], tokens: np.ndarray, lengths: np.nd
     logits, caches, observed = _programs(first._graphdef).prefill_observed(
         first.params, tokens, lengths, obs_index, capacity=first.capacity, stages=stages
     )
-    slots, out, start = compressible(first.config), [], 0
+    out, start = [], 0
     for g in gens:
+        slots = compressible(g.config, g.policy.local)
         n = len(g.policy.stages)
         mine = tuple(None if o is None else tuple(o[start : start + n]) for o in observed)
         start += n

@@ -56,10 +56,18 @@ class LayerPlan:
         return self.producers.index(self.kv_source[layer])
 
 
-def compressible(cfg: ModelConfig) -> tuple[int, ...]:
-    """Cache indices (positions in the model's cache tuple) of the caches a policy compresses."""
+def compressible(cfg: ModelConfig, local: bool = False) -> tuple[int, ...]:
+    """Cache indices (positions in the model's cache tuple) of the caches a policy compresses: those that
+    grow with the sequence, and with `local` (a policy's `local=true`) the sliding-window rings too."""
     plan = LayerPlan.from_config(cfg)
-    return tuple(slot for slot, layer in enumerate(plan.producers) if KINDS[plan.mixers[layer]].compressible(cfg))
+    kinds = [KINDS[plan.mixers[layer]] for layer in plan.producers]
+    return tuple(slot for slot, k in enumerate(kinds) if k.compressible(cfg) or (local and k.window(cfg) is not None))
+
+
+def ring_window(cfg: ModelConfig, slot: int) -> int | None:
+    """The sliding window of cache `slot` when it is a ring, else None."""
+    plan = LayerPlan.from_config(cfg)
+    return KINDS[plan.mixers[plan.producers[slot]]].window(cfg)
 
 
 def kv_heads(cfg: ModelConfig, slot: int) -> int:

@@ -3,7 +3,8 @@ the pure, jit-able compression of every compressible cache.
 
 Compressible caches are those that grow with the sequence: attention producers without a window
 (the GQA family, CLA / MLKV producers, YOCO's global cache) and MLA's latent cache. Sliding-window
-rings, gated retention, Mamba and RWKV states are left as they are (already bounded). MLA has one
+rings are left whole (already bounded) unless the policy says `local` (`kvjax.compress.policy`); gated
+retention, Mamba and RWKV states always are. MLA has one
 latent per token shared by all heads, so head-wise methods (AdaKV) do not apply, key norm has no keys
 to measure and CaM has no separate values to merge: those raise a clear error.
 """
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, LatentCache
+from kvjax.cache import KVCache, LatentCache, RingKVCache
 from kvjax.compress import reducers, scorers
 from kvjax.compress.methods.base import Target
 from kvjax.compress.policy import Policy, Stage, stage_counts
@@ -23,7 +25,7 @@ from kvjax.config import ConfigError, ModelConfig
 from kvjax.kinds import INT32
 from kvjax.memory import layer_memory
 from kvjax.ops import grouped_mask
-from kvjax.plan import compressible, kv_heads
+from kvjax.plan import compressible, kv_heads, ring_window
 from kvjax.quant import QuantKVCache, QuantSpec
 from kvjax.quant.packing import packed_width
 from kvjax.quant.parts import LowRankError, Outliers, Sinks
@@ -31,12 +33,21 @@ from kvjax.quant.parts import LowRankError, Outliers, Sinks
 
 def check_policy(policy: Policy, cfg: ModelConfig) -> None:
     """Errors for a policy this model cannot run, before any compute."""
-    slots = compressible(cfg)
+    slots = compressible(cfg, policy.local)
     if not slots:
         raise ConfigError(
             f"model {cfg.name!r} has no cache that grows with the sequence (layers: {sorted(set(cfg.mixers))}); "
-            "there is nothing for a token-level policy to compress"
+            "there is nothing for a token-level policy to compress (local=true compresses sliding-window rings)"
         )
+    if policy.local:
+        if slots == compressible(cfg):
+            raise ConfigError(f"policy: local=true compresses sliding-window rings, and {cfg.name!r} has none")
+        for stage in policy.stages:
+            if not (stage.hooks and stage.hooks.kind == "scorer"):
+                raise ConfigError(
+                    f"policy stage {stage.method!r}: local=true runs token scorers (streaming, h2o, snapkv, tova, "
+                    "keynorm, ...) with their allocators and reducers; not this stage"
+                )
     mla = "mla" in cfg.mixers
     for i, stage in enumerate(policy.stages):
         where = f"policy stage {stage.method!r}"
@@ -87,11 +98,21 @@ class StagePlan:
     rope_theta: float = 10_000.0
     bases: tuple | None = None  # Palu: (k_basis, v_basis) per compressible cache, from calibration
     streaming: tuple | None = None  # DuoAttention: the streaming KV heads of each compressible cache
+    rings: tuple = ()  # per compressible cache, its sliding window when it is a ring (local=true), else None
 
     @property
     def static(self):
         """The hashable part, a static argument of the jitted compression."""
-        return (self.stage, self.keep_caps, self.capacities, self.heads, self.quant, self.rope_theta, self.streaming)
+        return (
+            self.stage,
+            self.keep_caps,
+            self.capacities,
+            self.heads,
+            self.quant,
+            self.rope_theta,
+            self.streaming,
+            self.rings,
+        )
 
     @property
     def arrays(self):
@@ -129,13 +150,24 @@ def plan_stages(
     slots per head for the tokens that follow. `bases`: Palu's calibrated bases (`calibrate`);
     `streaming`: DuoAttention's streaming heads per compressible cache (`kvjax.duo.streaming_heads`);
     `layer_counts`: D2O's tokens kept per cache and row `[n, B]` (`d2o.layer_counts`, from the prefill).
-    Raises ConfigError for impossible budgets."""
-    slots = compressible(cfg)
-    current = np.broadcast_to(np.asarray(lengths, np.int64), (len(slots), len(lengths)))
+    Raises ConfigError for impossible budgets. A ring's (local=true) budget is taken of the tokens still
+    in its window, min(L, W - 1); a size above them keeps them all."""
+    slots = compressible(cfg, stages[0].local)
+    rings = tuple(ring_window(cfg, s) for s in slots) if stages[0].local else (None,) * len(slots)
+    current = np.stack([np.minimum(np.asarray(lengths, np.int64), (w or 1 << 62) - 1) for w in rings]).reshape(
+        len(slots), len(lengths)
+    )
     plans = []
     for i, stage in enumerate(stages):
         last = i == len(stages) - 1
-        counts = np.stack([stage_counts(stage, current[j], len(slots))[j] for j in range(len(slots))])
+        counts = np.stack(
+            [
+                np.minimum(stage.size, current[j])
+                if rings[j] and stage.size is not None and stage.size >= current[j].min()
+                else stage_counts(stage, current[j], len(slots))[j]
+                for j in range(len(slots))
+            ]
+        )
         if stage.hooks and stage.hooks.budgets_at_prefill:
             if layer_counts is None:
                 raise ConfigError(f"policy stage {stage.method!r} needs its layer budgets from the prefill's attention")
@@ -173,6 +205,7 @@ def plan_stages(
                 theta,
                 bases if "bases" in needs else None,
                 streaming if "streaming" in needs else None,
+                rings,
             )
         )
         current = counts
@@ -202,11 +235,14 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
     merged = stage.hooks.merge_layers(stage, caches, slots, keep_caps, capacities) if stage.hooks else None
     if merged is not None:  # layers compressed together (MiniCache's pairs), not one cache at a time
         return tuple(merged), tuple(last_stats)
+    rings = statics[0][7]
     for j, slot in enumerate(slots):
         cache = caches[slot]
         stats = list(observed[slot]) if observed[slot] is not None else [None] * len(statics)
+        if rings[j]:  # a sliding-window layer (local=true): only the tokens a next query still sees
+            cache, stats = _in_window(cache, stats, last_pos, rings[j])
         for static, (counts, windows, floors, bases) in zip(statics, arrays):
-            stage, keep_caps, capacities, heads, quant, theta, streaming = static
+            stage, keep_caps, capacities, heads, quant, theta, streaming, _ = static
             target = Target.of(j, keep_caps, capacities, theta, bases, streaming)
             cache, stats = reduce_cache(
                 stage, cache, stats, counts[j], windows[j], floors[j], last_pos, target, heads[j], quant
@@ -214,6 +250,31 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
             stats = stats[1:] or stats  # the next stage's statistic comes first; the last one is kept
         caches[slot], last_stats[slot] = cache, stats[0]
     return tuple(caches), tuple(last_stats)
+
+
+def _in_window(cache, stats, last_pos, window: int):
+    """A sliding-window layer's cache as a position-masked KVCache of the tokens that the query after
+    `last_pos` still sees (positions > last_pos + 1 - window; the others marked empty), and its per-slot
+    statistics with it. A ring (after the prefill) is laid out in position order, as a prompt's cache
+    is (scorers that pool neighbouring slots, SnapKV's, must not pool across the ring's wrap), its
+    statistics gathered from the prompt positions they were observed over; a cache already compressed
+    keeps its layout."""
+    live = cache.pos > (last_pos + 1 - window).reshape((-1,) + (1,) * (cache.pos.ndim - 1))
+    pos = jnp.where(live, cache.pos, -1)
+    if not isinstance(cache, RingKVCache):
+        return cache.replace(pos=pos), stats
+    order = jnp.argsort(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max), axis=1)  # [B,W], empty last
+    pos = jnp.take_along_axis(pos, order, axis=1)
+    k, v = (jnp.take_along_axis(x, order[:, None, :, None], axis=2) for x in (cache.k, cache.v))
+    linear = KVCache(k=k, v=v, pos=pos, length=(pos >= 0).sum(axis=1, dtype=jnp.int32))
+
+    def at_slots(stat):  # [B,Kh,T] over the prompt's positions -> [B,Kh,W] over the new slots
+        if not isinstance(stat, jax.Array):
+            return stat
+        idx = jnp.broadcast_to(jnp.clip(pos, 0, stat.shape[-1] - 1)[:, None], (*stat.shape[:2], pos.shape[1]))
+        return jnp.where(pos[:, None] >= 0, jnp.take_along_axis(stat, idx, axis=2), 0)
+
+    return linear, [at_slots(s) for s in stats]
 
 
 def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, target: Target, heads: int, quant=None):
@@ -261,7 +322,7 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
     per_head = any(p.stage.per_head for p in plans)
     last = plans[-1]
     total = 0
-    slots = compressible(cfg)
+    slots = compressible(cfg, plans[0].stage.local)
     method = last.stage.hooks
     merged = method.layers_bytes(last.stage, cfg, last.keep_caps, last.capacities) if method is not None else None
     for slot, mem in enumerate(layer_memory(cfg)):

@@ -15,7 +15,7 @@ tokens removed (kvpress's `compression_ratio`; a row of L tokens keeps int(L * (
 integer >= 1 is a **size**, the tokens kept per sequence. A chain applies its stages in order, each
 to what the previous one kept, so keep fractions multiply (0.5 then 0.5 keeps a quarter).
 
-Options: `sinks`, `window`, `allocator`, `reducer` and `every` are any stage's; the chosen allocator's
+Options: `sinks`, `window`, `allocator`, `reducer`, `every` and `local` are any stage's; the chosen allocator's
 and reducer's own options (`beta` of `pyramid`, `floor` of `adakv`, `sigma` of `kvmerger`;
 `kvjax.compress.allocators`, `kvjax.compress.reducers`) are the stage's when it chooses them; every
 other option belongs to its method (its `Options` dataclass, `kvjax.compress.methods`) or quantizer
@@ -23,6 +23,13 @@ other option belongs to its method (its `Options` dataclass, `kvjax.compress.met
 
 When it runs: every stage compresses once after the prefill; `every=n` on the last stage also holds its
 budget during decoding, evicting back to it every n steps (the cache holds budget + n slots).
+
+What it compresses: the caches that grow with the sequence. Sliding-window rings (Gemma's local layers)
+are left whole, their memory being capped already, unless the first stage says `local` (`snapkv:0.5:local`):
+then each ring's budget is taken of the tokens still inside its window (min(L, W - 1) of them; a size
+above that keeps them all), and the layer decodes from a position-masked cache of its kept tokens plus
+the new ones, the window still masking what falls out of it (so it holds less than its W-slot ring
+while kept + new tokens < W; with `every=n`, kept + n).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from kvjax.errors import ConfigError, Note
 from kvjax.quant import QuantSpec
 from kvjax.quant.schemes import SCHEMES
 
-COMMON = ("sinks", "window", "allocator", "reducer", "every")  # options of any stage
+COMMON = ("sinks", "window", "allocator", "reducer", "every", "local")  # options of any stage
 
 
 def registered(kind: str) -> tuple[str, ...]:
@@ -75,6 +82,7 @@ class Stage:
     allocator: str = "uniform"  # how the budget is spread over layers and heads
     reducer: str = "select"  # what happens to the evicted tokens
     every: int = 0  # the last stage holds its budget while decoding, evicting every n steps
+    local: bool = False  # (first stage) compress the sliding-window rings too, not only the growing caches
     options: object = None  # the method's own
     allocator_options: object = None
     reducer_options: object = None
@@ -228,6 +236,17 @@ class Policy:
         for stage in self.stages[:-1]:
             if stage.every:
                 raise ConfigError(f"policy stage {stage.method!r}: every= is allowed on the last stage only")
+        for stage in self.stages[1:]:
+            if stage.local:
+                raise ConfigError(
+                    f"policy stage {stage.method!r}: local= goes on the first stage (the whole chain compresses "
+                    "the same caches)"
+                )
+
+    @property
+    def local(self) -> bool:
+        """Whether the policy compresses the sliding-window rings (Gemma's local layers) too."""
+        return self.stages[0].local
 
     @property
     def decode_stage(self) -> Stage | None:

@@ -45,6 +45,9 @@ class _Attention(Kind):
     def compressible(self, cfg):
         return cfg.attention_for(self.name).window is None  # a ring's memory is capped already
 
+    def window(self, cfg):
+        return cfg.attention_for(self.name).window
+
     def kv_heads(self, cfg):
         return cfg.attention_for(self.name).n_kv_heads
 

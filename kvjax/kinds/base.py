@@ -58,6 +58,11 @@ class Kind:
         """Whether a token-level policy compresses this layer's cache (it grows with the sequence)."""
         return False
 
+    def window(self, cfg) -> int | None:
+        """The sliding window of a layer whose cache is a ring of that many tokens (a policy compresses it
+        only with `local=true`), else None."""
+        return None
+
     def kv_heads(self, cfg) -> int:
         """KV heads of its cache, for a compressible kind (1 when one entry serves every head)."""
         raise NotImplementedError(f"layer kind {self.name!r} caches no K/V heads")

@@ -22,6 +22,7 @@ from kvjax.compress.reducers import protected, top_slots
 from kvjax.compress.scorers import observe, score
 from kvjax.config import ConfigError
 from kvjax.ops import attend, attention, attention_probs, grouped_mask
+from kvjax.plan import init_caches
 from tests.conftest import GEMMA_LIKE
 
 PROMPTS = [list(range(3, 43)), [7, 1, 9, 4] * 7 + [2]]  # 40 and 29 tokens
@@ -219,7 +220,6 @@ def test_h2o_accumulates_attention_of_every_prompt_and_decode_query(gqa):
         seq = np.asarray([prompt + out.tokens[b, : NEW - 1].tolist()])
         T = seq.shape[1]
         graphdef, params = nnx.split(model)
-        from kvjax.plan import init_caches
 
         _, _, observed = nnx.merge(graphdef, params).observe(
             jnp.asarray(seq), jnp.arange(T)[None], init_caches(cfg, 1, T), jnp.arange(T)[None], observe_fn((stage,))
@@ -777,7 +777,6 @@ def test_compressed_bytes_and_protected_tokens_over_random_shapes(K, lengths, ke
     budget, and the sinks and windows of the last stage survive."""
     from kvjax.compress import compress_caches, compressible
     from kvjax.config import load_config
-    from kvjax.plan import init_caches
 
     cfg = load_config("gqa", ["model.n_layers=2", f"model.attention.n_kv_heads={K}"]).model
     L = np.array(lengths)
@@ -842,3 +841,60 @@ def test_on_local_and_global_layers_policies_compress_the_global_ones_with_exact
             jax.tree.map(np.testing.assert_array_equal, got, want)
         else:
             assert caches_nbytes([got]) < caches_nbytes([want])
+
+
+def test_local_true_compresses_the_rings_to_tokens_inside_their_window(make_model):
+    """`local` on the first stage: a budget that keeps every token still in the window decodes as the
+    uncompressed model does (rings become position-masked caches, the window masks what ages out); a
+    real budget keeps that many of the in-window tokens in each local layer, with exact bytes, and greedy
+    decoding through it scores its own tokens as teacher forcing through the same cache does."""
+    cfg, model = make_model("gqa", *GEMMA_LIKE)  # windows of 8 tokens; prompts of 40 and 29
+    continuation = [[3, 8, 1, 7, 7, 2]] * 2
+    full = Generator(model, capacity=CAPACITY).score(PROMPTS, continuation)[0]
+    whole = Generator(model, capacity=CAPACITY, policy=parse_policy("snapkv:0:local,obs_window=4"))
+    np.testing.assert_allclose(whole.score(PROMPTS, continuation)[0], full, atol=2e-5)
+
+    gen = Generator(model, capacity=CAPACITY, policy=parse_policy("snapkv:0.3:local,obs_window=2"))
+    padded, lengths = gen.pad(PROMPTS, NEW)
+    _, caches, _ = gen.prefill_compressed(padded, lengths, NEW)
+    assert caches_nbytes(caches) == compressed_cache_bytes(cfg, gen.compression_plan(lengths, NEW), 2, CAPACITY)
+    for kind, cache in zip(cfg.mixers, caches):
+        for (b, _), kept in _positions_by_head(cache).items():
+            L = int(lengths[b])
+            assert len(kept) == int(0.7 * min(L, 7) if kind == "local" else 0.7 * L + 1e-9), (kind, b, kept)
+            assert kind != "local" or min(kept) > L - 8  # only what the next query still sees
+    # SnapKV's choice in a ring: the window, then the best pooled scores of the observed attention over
+    # the positions still in the window, pooled in position order (not across the ring's wrap)
+    positions = jnp.where(np.arange(padded.shape[1])[None] < lengths[:, None], np.arange(padded.shape[1])[None], -1)
+    obs = jnp.asarray(lengths[:, None] - 2 + np.arange(2)[None], jnp.int32)
+    stages = gen.policy.stages
+    _, _, observed = model.observe(
+        jnp.asarray(padded), positions, init_caches(cfg, 2, CAPACITY, fresh=True), obs, observe_fn(stages), rings=True
+    )
+    for j, kind in enumerate(cfg.mixers):
+        for b in range(2 if kind == "local" else 0):
+            L, stat = int(lengths[b]), np.asarray(observed[j][0][b])  # [K, T]
+            live = (np.arange(stat.shape[-1]) > L - 8) & (np.arange(stat.shape[-1]) < L - 2)
+            scores = np.asarray(pool(jnp.asarray(np.where(live, stat, 0))[None], 5, "avg"))[0]
+            for h, kept in enumerate(_positions_by_head(caches[j])[b, h] for h in range(stat.shape[0])):
+                best = np.argsort(np.where(live, scores[h], -np.inf))[-2:].tolist()  # 4 kept: 2 + the window
+                assert kept == sorted([*best, L - 2, L - 1]), (j, b, h, kept, best)
+    out = gen(PROMPTS, GREEDY)
+    forced = gen.score(PROMPTS, out.tokens.tolist())[0]
+    np.testing.assert_allclose(forced, out.logprobs, atol=2e-5)
+    uncompressed = Generator(model, capacity=CAPACITY).score(PROMPTS, out.tokens.tolist())[0]
+    assert np.abs(forced - uncompressed).max() > 1e-3  # the budget did cut something that mattered
+
+
+@pytest.mark.parametrize(
+    "model, policy, error",
+    [
+        ((), "snapkv:0.5:local", "local=true compresses sliding-window rings, and 'gqa' has none"),
+        (GEMMA_LIKE, "snapkv:0.5+streaming:0.5:local", "local= goes on the first stage"),
+        (GEMMA_LIKE, "kivi:2:local", "local=true runs token scorers"),
+    ],
+)
+def test_local_true_is_refused_where_it_cannot_apply(make_model, model, policy, error):
+    cfg, m = make_model("gqa", *model)
+    with pytest.raises(ConfigError, match=error):
+        Generator(m, capacity=CAPACITY, policy=parse_policy(policy))

@@ -513,7 +513,9 @@ def prefill_shared(gens: Sequence[Generator], tokens: np.ndarray, lengths: np.nd
     """One observed prefill for several Generators of one model and capacity, then each policy's own
     compression of it: per Generator (logits, caches, stats), what its `prefill_compressed` returns. The
     prefill observes the widest window any policy needs and every stage's statistic; each method reads
-    only its own queries of the window (`voters`), so its cache is the one its own prefill would give."""
+    only its own queries of the window (`voters`), so its cache is the one its own prefill would give,
+    with its slots sized for the prompts' bucket (`compression_plan(sized_for=)`: prompts of one bucket
+    share every compile)."""
     first = gens[0]
     if any(g.config != first.config or g.capacity != first.capacity for g in gens) or not all(map(shareable, gens)):
         raise ValueError("prefill_shared takes Generators of one model and capacity whose policies compress once")
@@ -530,7 +532,7 @@ def prefill_shared(gens: Sequence[Generator], tokens: np.ndarray, lengths: np.nd
         n = len(g.policy.stages)
         mine = tuple(None if o is None else tuple(o[start : start + n]) for o in observed)
         start += n
-        plans = g.compression_plan(lengths, max_new_tokens)
+        plans = g.compression_plan(lengths, max_new_tokens, sized_for=tokens.shape[1])
         fresh = jax.tree.map(jnp.copy, caches)  # its decode consumes them; the next policy needs the originals
         statics, arrays = tuple(p.static for p in plans), tuple(p.arrays for p in plans)
         compressed, stats = g._compress(fresh, mine, statics, arrays, jnp.asarray(lengths) - 1, slots=slots)

@@ -128,16 +128,19 @@ def _answers(pending: list[Run], generator, sample: ruler.Sample, tokenizer, bos
     # RULER's budget of new tokens per task; a model that ends its text (EOS) stops there, as HF's generate does
     decoding = DecodingConfig(max_new_tokens=ruler.TASKS[sample.task].tokens_to_generate, eos_id=tokenizer.eos_id)
     shared = [run for run in pending if share and shareable(generator(run))]
-    outs = {}
+    n, key, outs = decoding.max_new_tokens, jax.random.key(decoding.seed), {}
+    tokens, lengths = generator(pending[0]).pad([prompt], n)
     if len(shared) > 1:
-        tokens, lengths = generator(shared[0]).pad([prompt], decoding.max_new_tokens)
-        prefilled = prefill_shared([generator(r) for r in shared], tokens, lengths, decoding.max_new_tokens)
+        prefilled = prefill_shared([generator(r) for r in shared], tokens, lengths, n)
         for run, (logits, caches, stats) in zip(shared, prefilled):
-            key = jax.random.key(decoding.seed)
             outs[run.name] = generator(run).decode(caches, logits, lengths, decoding, key, stats)
     answers = {}
     for run in pending:
-        out = outs[run.name] if run.name in outs else generator(run)([prompt], decoding)
+        g = generator(run)
+        if run.name not in outs and shareable(g):  # caches sized for the bucket: samples share compiles
+            logits, caches, stats = g.prefill_compressed(tokens, lengths, n, sized_for=tokens.shape[1])
+            outs[run.name] = g.decode(caches, logits, lengths, decoding, key, stats)
+        out = outs[run.name] if run.name in outs else g([prompt], decoding)
         ids = np.asarray(out.tokens[0, : out.lengths[0]]).tolist()
         answers[run] = tokenizer.decode(ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids)
     return answers

@@ -18,6 +18,7 @@ import numpy as np
 from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
 from kvjax.generate import prefill_shared, shareable
+from kvjax.mappings import release_if_crowded
 from kvjax.training import ruler
 from kvjax.training.compression_eval import has_budget, stored_bytes_per_token, with_budget
 
@@ -109,6 +110,7 @@ def sweep(
                     keys = {run.name: (task, length, run.name, sample.index) for run in runs_}
                     records += [done[k] for k in keys.values() if k in done]
                     pending = [run for run in runs_ if keys[run.name] not in done]
+                    release_if_crowded()  # hours of compiles would exhaust the process's memory mappings
                     for run, answer in _answers(pending, generator, sample, tokenizer, bos, share).items():
                         record = _record(model, sample, run, length, answer, len(prompt_ids(sample, tokenizer, bos)))
                         log.write(json.dumps(record) + "\n")

@@ -276,3 +276,16 @@ def test_one_prefill_for_many_policies_answers_as_separate_prefills(make_model, 
         answers.append({(r["task"], r["policy"], r["index"]): r["answer"] for r in records})
     assert answers[0] == answers[1]
     assert len(set(answers[0].values())) > len(answers[0]) // 2  # the answers differ: a test that can fail
+
+
+def test_a_long_sweep_drops_its_compiled_programs_near_the_mapping_limit():
+    """What keeps a sweep of hours alive (`kvjax.mappings`): compiled programs are dropped only once the
+    process holds the given share of the kernel's memory mappings."""
+    import jax
+
+    from kvjax.mappings import mapped, release_if_crowded
+
+    add = jax.jit(lambda x: x + 1)
+    add(1)
+    assert mapped() > 0 and not release_if_crowded(1.0) and add._cache_size() == 1
+    assert release_if_crowded(0.0) and add._cache_size() == 0

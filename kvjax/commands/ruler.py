@@ -16,6 +16,8 @@ from kvjax.training.loading import check_context, load_model
 
 
 def run(args) -> None:
+    if max(args.ratios) >= 1:  # a policy's budget of 1 or more is a size in tokens, not a ratio
+        raise ConfigError(f"--ratios {max(args.ratios)}: a ratio is the fraction of tokens removed, in (0, 1)")
     qa_files = ruler.qa_tasks(args.qa_file or [])
     tasks = args.tasks or [*ruler.SYNTHETIC, *qa_files]
     unknown = sorted(set(tasks) - set(ruler.TASKS))

@@ -111,8 +111,10 @@ def sweep(
                     records += [done[k] for k in keys.values() if k in done]
                     pending = [run for run in runs_ if keys[run.name] not in done]
                     release_if_crowded()  # hours of compiles would exhaust the process's memory mappings
-                    for run, answer in _answers(pending, generator, sample, tokenizer, bos, share).items():
-                        record = _record(model, sample, run, length, answer, len(prompt_ids(sample, tokenizer, bos)))
+                    answers = _answers(pending, generator, sample, tokenizer, bos, share)
+                    prompt_tokens = len(prompt_ids(sample, tokenizer, bos)) if answers else 0
+                    for run, answer in answers.items():
+                        record = _record(model, sample, run, length, answer, prompt_tokens)
                         log.write(json.dumps(record) + "\n")
                         log.flush()
                         records.append(record)

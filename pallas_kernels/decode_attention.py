@@ -84,11 +84,11 @@ def decode_partials(
     block = block_size(S) if block is None else block
     S_pad = -(-S // block) * block
     Gp = padded_group(G)
+    Hv_out = (parts[0][1] if v is None else v).shape[-1]  # before Triton's padding of the features
     parts = [(padded_features(q, backend), padded_features(k, backend)) for q, k in parts]
     arrays = []
     for q, k in parts:
         arrays += [pad_to(q, 2, Gp), pad_to(k, 2, S_pad)]
-    Hv_out = (parts[0][1] if v is None else v).shape[-1]  # before Triton's padding of the values
     if v is not None:
         v = padded_features(v, backend)
         arrays.append(pad_to(v, 2, S_pad))

@@ -183,6 +183,8 @@ def paged_decode_partials(
             f"q {q.shape} must be [B,K={K},G,H={H}] and v_pages {v_pages.shape} / pos_pages "
             f"{pos_pages.shape} match k_pages {k_pages.shape} ([P,K,page_size,H] / [P,(K,)page_size])"
         )
+    if resolve(backend) == "triton" and design == "grid":
+        raise ValueError("paged decode design='grid' needs scalar prefetch (TPU's); Triton takes design='gather'")
     if resolve(backend) == "triton" and (ps < 16 or ps & (ps - 1)):
         raise ValueError(f"page_size={ps}: the Triton paged kernel needs a power of two >= 16 (its dot operands)")
     G = q.shape[2]

@@ -4,15 +4,18 @@ model fixtures."""
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 
 # Tests compile far more than they compute, so they compile cheaply (same results; XLA's graph optimizations
 # still run): LLVM at -O0 cut a cold run of tests/kvjax/test_compress.py from 121 s to 92 s, and XLA:CPU's
 # older loop emitters instead of its MLIR fusion emitters cut test_engine.py + test_quant.py from 249 s to
-# 157 s. Subprocesses that tests start inherit the flags.
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
-).strip()
+# 157 s. Subprocesses that tests start inherit the flags. jaxlib 0.11 dropped the older emitters and aborts
+# on their flag ("Unknown flag in XLA_FLAGS"), so it is set for the versions that have them only.
+_QUICK = ["--xla_backend_optimization_level=0"]
+if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
+    _QUICK.append("--xla_cpu_use_fusion_emitters=false")
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_QUICK]).strip()
 
 import jax  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Flash-decoding in interpret mode equals its jnp reference (and kvjax.ops), and lowers for TPU and GPU."""
+"""Flash-decoding (interpret mode, or lowering.BACKEND) equals its jnp reference and kvjax.ops; lowers for TPU, GPU."""
 
 import functools
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvjax.pallas_kernels.decode_attention import decode_attention, decode_attention_reference, latent_decode_attention
-from tests.pallas_kernels.lowering import TARGETS, assert_lowers
+from tests.pallas_kernels.lowering import BACKEND, TARGETS, assert_lowers
 
 SHAPES = {  # (query heads, KV heads, head dim, slots) of kvjax's compare models and SmolLM2
     "compare-gqa": (8, 2, 16, 512),
@@ -32,7 +32,7 @@ def _inputs(seed, B=3, N=4, K=2, S=40, H=8, Hv=None, dtype=jnp.float32, per_head
 def test_interpret_equals_the_reference(N, K, window):
     q, k, v, q_pos, k_pos = _inputs(0, N=N, K=K)  # 40 slots: not a multiple of the 16-slot block
     kw = dict(scale=0.3, window=window)
-    out = decode_attention(q, k, v, q_pos, k_pos, backend="interpret", **kw)
+    out = decode_attention(q, k, v, q_pos, k_pos, backend=BACKEND, **kw)
     np.testing.assert_allclose(out, decode_attention_reference(q, k, v, q_pos, k_pos, **kw), atol=1e-5)
     np.testing.assert_array_equal(out[2], 0.0)  # the padding row sees no key
 
@@ -40,7 +40,7 @@ def test_interpret_equals_the_reference(N, K, window):
 def test_many_blocks_and_splits_per_head_positions_and_value_width():
     """160 slots in 16-slot blocks: 10 blocks over 2 splits; positions per head; values wider than keys."""
     q, k, v, q_pos, k_pos = _inputs(1, S=160, Hv=12, per_head=True)
-    out = decode_attention(q, k, v, q_pos, k_pos, scale=0.25, backend="interpret", block=16)
+    out = decode_attention(q, k, v, q_pos, k_pos, scale=0.25, backend=BACKEND, block=16)
     np.testing.assert_allclose(out, decode_attention_reference(q, k, v, q_pos, k_pos, scale=0.25), atol=1e-5)
 
 
@@ -48,7 +48,7 @@ def test_bf16_within_tolerance_and_equal_to_kvjax_ops():
     from kvjax.ops import attention
 
     q, k, v, q_pos, k_pos = _inputs(2, B=2, N=6, K=2, S=64, dtype=jnp.bfloat16)
-    out = decode_attention(q, k, v, q_pos, k_pos, scale=8**-0.5, backend="interpret")
+    out = decode_attention(q, k, v, q_pos, k_pos, scale=8**-0.5, backend=BACKEND)
     ref = decode_attention_reference(q, k, v, q_pos, k_pos, scale=8**-0.5)
     np.testing.assert_allclose(out, ref, atol=2e-2)
     B, K, G, H = q.shape
@@ -90,7 +90,7 @@ def _latent_inputs(seed, B=2, N=4, S=48, Dc=12, Dr=4):
 
 def test_mla_latent_decode_equals_attention_over_concatenated_keys():
     q_lat, q_rope, c, k_rope, q_pos, k_pos = _latent_inputs(3)
-    out = latent_decode_attention(q_lat, q_rope, c, k_rope, q_pos, k_pos, scale=0.2, backend="interpret", block=16)
+    out = latent_decode_attention(q_lat, q_rope, c, k_rope, q_pos, k_pos, scale=0.2, backend=BACKEND, block=16)
     q = jnp.concatenate([q_lat, q_rope], -1)[:, None]
     k = jnp.concatenate([c, k_rope], -1)[:, None]
     ref = decode_attention_reference(q, k, c[:, None], q_pos, k_pos, scale=0.2)[:, 0]
@@ -109,4 +109,5 @@ def test_latent_decode_lowers_for_tpu_and_gpu(platform, backend, marker, N, Dc, 
         ((B,), jnp.int32),
         ((B, S), jnp.int32),
     ]
-    assert_lowers(functools.partial(latent_decode_attention, scale=0.1, backend=backend), arrays, platform, marker)
+    fn = functools.partial(latent_decode_attention, scale=0.1, backend=backend)
+    assert_lowers(fn, arrays, platform, marker, out_shape=(B, N, Dc))  # Triton pads Dc=12 to 16, and cuts it back

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvjax.pallas_kernels.flash_attention import flash_attention, flash_attention_reference
-from tests.pallas_kernels.lowering import TARGETS, assert_lowers
+from tests.pallas_kernels.lowering import BACKEND, TARGETS, assert_lowers
 
 SHAPES = {  # (tokens, query heads, KV heads, head dim) of a compare model's training step and SmolLM2's prefill
     "compare-gqa": (128, 8, 2, 16),
@@ -42,7 +42,7 @@ def _loss(fn, window, q_pos, k_pos):
 @pytest.mark.parametrize("N, K, window", [(4, 4, None), (4, 2, 6), (4, 1, None)])  # MHA, GQA with a window, MQA
 def test_forward_and_gradients_equal_the_reference(N, K, window):
     q, k, v, q_pos, k_pos = _inputs(0, N=N, K=K)
-    kernel = functools.partial(flash_attention, backend="interpret")
+    kernel = functools.partial(flash_attention, backend=BACKEND)
     out = kernel(q, k, v, q_pos, k_pos, scale=0.3, window=window)
     np.testing.assert_allclose(
         out, flash_attention_reference(q, k, v, q_pos, k_pos, scale=0.3, window=window), atol=1e-5
@@ -57,7 +57,7 @@ def test_forward_and_gradients_equal_the_reference(N, K, window):
 def test_several_key_blocks_and_per_head_positions():
     """160 keys: two 128-slot blocks (the second padded), positions that differ per KV head."""
     q, k, v, q_pos, k_pos = _inputs(1, T=24, S=160, per_head=True)
-    kernel = functools.partial(flash_attention, backend="interpret")
+    kernel = functools.partial(flash_attention, backend=BACKEND)
     np.testing.assert_allclose(
         kernel(q, k, v, q_pos, k_pos, scale=0.3), flash_attention_reference(q, k, v, q_pos, k_pos, scale=0.3), atol=1e-5
     )
@@ -71,7 +71,7 @@ def test_gradients_over_several_query_and_key_blocks():
     """MQA with 4 query heads over 80 tokens: 320 rows in three 128-row blocks, which the backward's key
     kernel walks (and skips where causal masking hides a whole block); 144 keys in two blocks."""
     q, k, v, q_pos, k_pos = _inputs(4, T=80, N=4, K=1, S=144)
-    kernel = functools.partial(flash_attention, backend="interpret")
+    kernel = functools.partial(flash_attention, backend=BACKEND)
     grads = jax.grad(_loss(kernel, 30, q_pos, k_pos), argnums=(0, 1, 2))(q, k, v)
     expected = jax.grad(_loss(flash_attention_reference, 30, q_pos, k_pos), argnums=(0, 1, 2))(q, k, v)
     for got, want in zip(grads, expected):
@@ -82,7 +82,7 @@ def test_bf16_within_tolerance_and_equal_to_kvjax_ops():
     from kvjax.ops import attention
 
     q, k, v, q_pos, k_pos = _inputs(2, dtype=jnp.bfloat16)
-    out = flash_attention(q, k, v, q_pos, k_pos, scale=8**-0.5, backend="interpret")
+    out = flash_attention(q, k, v, q_pos, k_pos, scale=8**-0.5, backend=BACKEND)
     np.testing.assert_allclose(out, flash_attention_reference(q, k, v, q_pos, k_pos, scale=8**-0.5), atol=2e-2)
     xla = attention(*(x.astype(jnp.float32) for x in (q, k, v)), q_pos, k_pos)
     np.testing.assert_allclose(out, xla, atol=2e-2)

@@ -11,6 +11,7 @@ from flax import nnx
 import kvjax.ops
 from kvjax import DecodingConfig, Generator, parse_policy
 from kvjax.ops import kernel_impl
+from kvjax.pallas_kernels.backend import default_backend
 
 PROMPTS = [[5, 17, 3, 9, 11], list(range(40, 51))]
 
@@ -41,6 +42,8 @@ def test_forward_and_generation_match_xla(make_model, name, overrides):
 def test_a_quantized_cache_decodes_the_same_through_the_fused_kernel(make_model, monkeypatch, policy):
     """Generation over an int:8 / KIVI cache under impl=pallas goes through the fused dequantize-attend
     kernel (its decode steps call it) and gives the XLA path's tokens."""
+    if policy.startswith("kivi") and default_backend() == "triton":
+        pytest.skip("head_dim 16 at 2 bits is a 4-byte code plane, under Triton's smallest dot")
     _, xla, pallas = _pair(make_model, "gqa")
     calls = []
     fused = kvjax.ops.quant_decode_partials

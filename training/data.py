@@ -263,7 +263,9 @@ class BatchIterator:
     """Batches `(windows, weights)` of packed windows, reshuffled each epoch from (seed, epoch);
     `position` saves where it is and passing it back continues at the same batch. With a `mix` each
     batch goes through it (seeded by seed, epoch and batch) and `weights` are its per-token loss
-    weights; without one, `weights` is None."""
+    weights; without one, `weights` is None. `part`: the rows of each global batch this process feeds
+    (`training.distributed.local_rows`); only those are read (a mix is drawn for the whole batch, then cut,
+    so that the processes' parts together are exactly the one-process batch)."""
 
     def __init__(
         self,
@@ -272,6 +274,7 @@ class BatchIterator:
         seed: int,
         position: dict | None = None,
         mix: TrainingMix | None = None,
+        part: slice = slice(None),
     ):
         if batch_size > len(windows):
             raise DataError(f"batch_size={batch_size} exceeds the {len(windows)} training windows")
@@ -279,6 +282,7 @@ class BatchIterator:
         self.batch_size = batch_size
         self.seed = seed
         self.mix = mix
+        self.part = part
         self.epoch, self.index = (0, 0) if position is None else (position["epoch"], position["index"])
         self._order = self._permutation(self.epoch)
 
@@ -301,7 +305,8 @@ class BatchIterator:
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._permutation(self.epoch)
         rows = self._order[self.index * self.batch_size : (self.index + 1) * self.batch_size]
-        batch, self.index = self.windows[rows], self.index + 1
+        self.index += 1
         if self.mix is None:
-            return batch, None
-        return self.mix(batch, np.random.default_rng([self.seed, self.epoch, self.index - 1, 7]))
+            return self.windows[rows[self.part]], None
+        batch, weights = self.mix(self.windows[rows], np.random.default_rng([self.seed, self.epoch, self.index - 1, 7]))
+        return batch[self.part], weights[self.part]

@@ -2,31 +2,23 @@
 
 Axes: `data` and `fsdp` split the batch; `tensor` splits attention heads and the MLP hidden dimension;
 `fsdp` also splits each parameter along its largest remaining dimension (ZeRO-3 style). A dimension is
-split only when the axis size divides it. On several hosts, call `maybe_initialize_distributed()` first.
+split only when the axis size divides it. Over several processes (`training.distributed`) the mesh spans
+every process's devices, the batch axes across processes and `tensor` within one.
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvjax.config import ConfigError, MeshConfig
+from kvjax.training.distributed import from_host
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = PartitionSpec(("data", "fsdp"))
 # Which dimension of a kernel is the heads / hidden one that `tensor` splits, by projection name.
 _TENSOR_DIM = {"q": 1, "k": 1, "v": 1, "gate": 1, "up": 1, "o": 0, "down": 0}
-
-
-def maybe_initialize_distributed() -> bool:
-    """Join a multi-host run when JAX's coordinator variables are set (no-op on one machine)."""
-    if "JAX_COORDINATOR_ADDRESS" not in os.environ:
-        return False
-    jax.distributed.initialize()
-    return True
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
@@ -40,6 +32,11 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     if int(np.prod(sizes)) != len(devices):
         raise ConfigError(
             f"mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} devices but {len(devices)} are visible"
+        )
+    if jax.process_count() > 1 and jax.local_device_count() % sizes[2]:
+        raise ConfigError(
+            f"mesh.tensor={sizes[2]} must divide the {jax.local_device_count()} devices of one process: tensor "
+            "parallelism stays within a host (its collectives run every layer)"
         )
     return Mesh(np.asarray(devices).reshape(sizes), AXES)
 
@@ -58,14 +55,16 @@ def param_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec
 
 
 def shard_params(params, mesh: Mesh):
-    """Place every array of a parameter pytree on the mesh according to `param_spec`."""
+    """Place every array of a parameter pytree (alike on every process) on the mesh by `param_spec`."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.device_put(x, NamedSharding(mesh, param_spec(path, x.shape, mesh))), params
+        lambda path, x: from_host(x, NamedSharding(mesh, param_spec(path, x.shape, mesh))), params
     )
 
 
-def shard_batch(batch: np.ndarray, mesh: Mesh) -> jax.Array:
+def batch_sharding(mesh: Mesh, rows: int) -> NamedSharding:
+    """How a batch of `rows` lies on the mesh (split over data x fsdp, which must divide it)."""
     n = mesh.shape["data"] * mesh.shape["fsdp"]
-    if batch.shape[0] % n:
-        raise ConfigError(f"train.batch_size={batch.shape[0]} must be a multiple of mesh data x fsdp = {n}")
-    return jax.device_put(batch, NamedSharding(mesh, BATCH))
+    if rows % n:
+        per = f" ({jax.process_count()} processes)" if jax.process_count() > 1 else ""
+        raise ConfigError(f"train.batch_size={rows} must be a multiple of mesh data x fsdp = {n}{per}")
+    return NamedSharding(mesh, BATCH)

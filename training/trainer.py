@@ -30,7 +30,8 @@ from kvjax.config import Config, ConfigError, ModelConfig, TrainConfig, from_dic
 from kvjax.progress import progress
 from kvjax.training.checkpoint import Checkpointer, CheckpointError, abstract
 from kvjax.training.data import BatchIterator, TrainingMix, load_corpus, pack, split_documents
-from kvjax.training.sharding import make_mesh, shard_batch, shard_params
+from kvjax.training.distributed import any_process, global_batch, is_primary, local_rows, replicated, same_everywhere
+from kvjax.training.sharding import batch_sharding, make_mesh, shard_params
 from kvjax.training.tokenizer import Tokenizer
 from kvjax.training.vocab import get_tokenizer
 
@@ -266,6 +267,8 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.progress = progress
         self.mesh = make_mesh(config.mesh, devices)
+        same_everywhere("config", json.dumps(config.to_dict(), sort_keys=True))
+        self.batches = batch_sharding(self.mesh, config.train.batch_size)
         self.corpus = prepare_corpus(config) if corpus is None else corpus
         cfg = config.train
         saved = self.run_dir / "checkpoints"
@@ -282,8 +285,8 @@ class Trainer:
             self.state = TrainState(
                 params=params,
                 opt_state=jax.jit(tx.init)(params),
-                step=jnp.int32(0),
-                rng=jax.random.key_data(jax.random.key(cfg.seed)),
+                step=replicated(np.int32(0), self.mesh),
+                rng=replicated(jax.random.key_data(jax.random.key(cfg.seed)), self.mesh),
             )
         self._step, self._eval = _programs(self.graphdef, dataclasses.replace(cfg, lr=1.0, seed=0, init=None))
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
@@ -327,26 +330,30 @@ class Trainer:
         the step in progress, checkpoints it and raises TrainingInterrupted."""
         cfg = self.config.train
         stop_at = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
-        iterator = BatchIterator(self.corpus.train, cfg.batch_size, cfg.seed, self.position, self.corpus.mix)
+        rows = local_rows(self.batches, cfg.batch_size)  # this process's part of every batch
+        iterator = BatchIterator(self.corpus.train, cfg.batch_size, cfg.seed, self.position, self.corpus.mix, rows)
+        primary = is_primary()  # writes the run's files and logs; every process checkpoints its shards
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_run_config(self.run_dir, self.config)
-        drop_superseded_metrics(self.run_dir / "metrics.jsonl", self.step)
+        if primary:
+            write_run_config(self.run_dir, self.config)
+            drop_superseded_metrics(self.run_dir / "metrics.jsonl", self.step)
         history: list[dict] = []
         self._done = self.step  # steps taken, readable on the host even while a step's buffers are donated
         tokens_per_step = cfg.batch_size * self.config.data.seq_len
-        bar = progress(cfg.steps, initial=self.step, enabled=self.progress)
+        bar = progress(cfg.steps, initial=self.step, enabled=self.progress and primary)
         last_time, last_step = time.perf_counter(), self.step
+        lr = replicated(np.float32(cfg.lr), self.mesh)
         with (
-            open(self.run_dir / "metrics.jsonl", "a") as metrics_file,
+            open(self.run_dir / "metrics.jsonl", "a") if primary else contextlib.nullcontext() as metrics_file,
             jax.set_mesh(self.mesh),
             _deferred_interrupt() as interrupted,
             self._aborted(interrupted, bar),
         ):
             while self.step < stop_at:
                 windows, weights = next(iterator)
-                batch = shard_batch(windows, self.mesh)
-                weights = None if weights is None else shard_batch(weights, self.mesh)
-                self.state, metrics = self._step(self.state, batch, weights, jnp.float32(cfg.lr))
+                batch = global_batch(windows, self.batches, cfg.batch_size)
+                weights = None if weights is None else global_batch(weights, self.batches, cfg.batch_size)
+                self.state, metrics = self._step(self.state, batch, weights, lr)
                 self._done = self.step
                 row = {"step": self._done, **{k: float(v) for k, v in metrics.items()}}
                 if not math.isfinite(row["loss"]):
@@ -365,13 +372,15 @@ class Trainer:
                     row["tokens_per_s"] = tokens_per_step * (self.step - last_step) / (now - last_time)
                     last_time, last_step = now, self.step
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}")
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-                    if log is not None:
+                    if primary:
+                        metrics_file.write(json.dumps(row) + "\n")
+                        metrics_file.flush()
+                    if log is not None and primary:
                         log(row)
-                if self.step % cfg.checkpoint_every == 0 or self.step == stop_at or interrupted.is_set():
+                stopping = any_process(interrupted.is_set())  # a Ctrl-C that reached any process stops all here
+                if self.step % cfg.checkpoint_every == 0 or self.step == stop_at or stopping:
                     self._save(iterator)
-                if interrupted.is_set():
+                if stopping:
                     bar.close()
                     raise TrainingInterrupted(
                         f"stopped at step {self.step} of {cfg.steps} (Ctrl-C); last checkpoint: step {self.step} in "
@@ -432,5 +441,9 @@ def load_trained(run_dir: str | Path) -> tuple[Config, Decoder, Tokenizer]:
     graphdef, params = nnx.split(model)
     tx = make_optimizer(config.train)
     state = TrainState(params, jax.eval_shape(tx.init, params), jnp.int32(0), jnp.zeros((2,), jnp.uint32))
-    restored, _ = checkpoints.restore(abstract(state))
+    # Onto this process's first device, whatever mesh or process count saved it (orbax restores a checkpoint
+    # written by several processes only into arrays that say where they go).
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), state)
+    restored, _ = checkpoints.restore(target)
     return config, nnx.merge(graphdef, restored.params), get_tokenizer(config.data.tokenizer)

@@ -28,6 +28,7 @@ from kvjax.config import (
 )
 from kvjax.training.compression_eval import calibration_tokens
 from kvjax.training.convert import Conversion, conversion_for, convert, parse_conversion
+from kvjax.training.distributed import is_primary
 from kvjax.training.hf_import import is_hf_dir
 from kvjax.training.loading import is_gguf, load_model
 from kvjax.training.trainer import Trainer, evaluate_model
@@ -93,7 +94,9 @@ def converted_model(loaded, spec):
 
 
 def _write(path: Path, record: dict) -> None:
-    """Atomically: a crash leaves the old record or the new one, never half of one."""
+    """Atomically: a crash leaves the old record or the new one, never half of one. Process 0's only."""
+    if not is_primary():
+        return
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from kvjax.commands import (
     duo_train,
     evaluate,
     generate,
+    launch,
     memory,
     ruler,
     serve_bench,
@@ -25,13 +28,17 @@ from kvjax.commands.args import Parser
 from kvjax.errors import ConfigError, Note
 from kvjax.training.checkpoint import CheckpointError
 from kvjax.training.data import DataError
+from kvjax.training.distributed import DistributedError, initialize, is_primary
 from kvjax.training.gguf_import import GGUFError
 from kvjax.training.trainer import TrainingError, TrainingInterrupted
 
 DESCRIPTION = "Train, decode, compress and compare KV-cache-efficient language models (see docs/cli.md)."
-COMMANDS = (memory, train, evaluate, generate, uptrain, duo_train, compare, ruler, serve_bench)  # in --help order
+# In --help order.
+COMMANDS = (memory, train, evaluate, generate, uptrain, duo_train, compare, ruler, serve_bench, launch)
 # Errors that are the user's to fix (bad configs, data, checkpoints, divergence): one line, no traceback.
-USER_ERRORS = (ConfigError, CheckpointError, DataError, GGUFError, TrainingError)
+USER_ERRORS = (ConfigError, CheckpointError, DataError, DistributedError, GGUFError, TrainingError)
+# Commands that run as several processes (JAX's multi-controller runtime; `kvjax launch`); the others refuse.
+SEVERAL = ("train", "uptrain")
 
 
 def build_parser() -> Parser:
@@ -70,10 +77,29 @@ def as_typed(argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+    except BaseException:
+        if not jax.distributed.is_initialized():
+            raise
+        traceback.print_exc()
+        code = 1
+    if code and jax.distributed.is_initialized():
+        # One process of several failed: leave at once. JAX's orderly exit would wait for the others at a
+        # barrier they never reach; gone, this one is noticed by them (and by kvjax launch) instead.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     _show_notes()
     try:
+        if args.command != "launch" and initialize():
+            _join(args.command)
         args.run(args)
     except KeyboardInterrupt:
         print("kvjax: interrupted", file=sys.stderr)
@@ -94,6 +120,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     return 0
+
+
+def _join(command: str) -> None:
+    """This process is one of several: refuse commands that run on one host; only process 0 prints."""
+    if command not in SEVERAL and jax.process_count() > 1:
+        raise DistributedError(
+            f"kvjax {command} runs in one process (multi-process: {', '.join(SEVERAL)}); this is process "
+            f"{jax.process_index()} of {jax.process_count()}"
+        )
+    if not is_primary():
+        sys.stdout = open(os.devnull, "w")  # the others' logs would repeat process 0's; errors still show
 
 
 def _out_of_memory(e: Exception) -> bool:

@@ -8,7 +8,6 @@ from pathlib import Path
 from kvjax.commands.args import split_overrides
 from kvjax.config import Config, ConfigError, apply_overrides, from_dict, load_config
 from kvjax.training.checkpoint import Checkpointer
-from kvjax.training.sharding import maybe_initialize_distributed
 from kvjax.training.trainer import RUN_CONFIG, Trainer
 
 
@@ -34,7 +33,6 @@ def _train_target(names: list[str], overrides: list[str], run_dir: str | None):
 def run(args) -> None:
     names, overrides = split_overrides(args.config)
     config, run_dir = _train_target(names, overrides, args.run_dir)
-    maybe_initialize_distributed()
     trainer = Trainer(config, run_dir)
     steps = config.train.steps
     if trainer.extended_from is not None:

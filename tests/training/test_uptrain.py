@@ -20,16 +20,12 @@ SHORT = ["train.steps=6", "train.warmup_steps=1", "train.checkpoint_every=3", "t
 def source_run(tmp_path_factory):
     """A 2-layer GQA run trained for 8 steps on a tiny corpus."""
     from kvjax.config import load_config
-    from tests.training.conftest import SMALL_CORPUS
+    from tests.training.conftest import SMALL_RUN
 
     config = load_config(
         "gqa",
         [
-            "model.n_layers=2",
-            f"data.corpus={SMALL_CORPUS}",
-            "data.seq_len=32",
-            "data.val_fraction=0.3",
-            "data.eval_windows=8",
+            *SMALL_RUN,
             "train.batch_size=4",
             "train.steps=8",
             "train.warmup_steps=1",

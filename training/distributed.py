@@ -1,0 +1,152 @@
+"""Several processes, one program: JAX's multi-controller runtime (one process per host of a TPU slice or
+GPU cluster, or N processes on one machine to try it, `kvjax launch`).
+
+Every process runs the same command. This module joins them (`initialize`), says which rows of each
+global batch a process feeds (`local_rows`) and builds global arrays from them (`global_batch`), places
+values every process holds alike (`replicated`, `from_host`), agrees on a stop (`any_process`), checks
+that the processes run the same config (`same_everywhere`), and says who writes files (`is_primary`).
+Which commands run as several processes is the command line's business (`kvjax.commands.SEVERAL`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+ADDRESS, COUNT, INDEX = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+AUTO = "KVJAX_DISTRIBUTED"  # `auto`: JAX's cluster detection (SLURM, Open MPI, TPU VMs, Kubernetes)
+# Seconds a process waits for the others: to join at the start, to answer (heartbeats) while running, and to
+# leave at the end. A process that dies is noticed by the others (at once when it was the coordinator, after
+# this long otherwise), and JAX ends them with a fatal log.
+TIMEOUT = "KVJAX_DISTRIBUTED_TIMEOUT"
+DEFAULT_TIMEOUT = 120
+
+
+class DistributedError(RuntimeError):
+    """A multi-process run that cannot start or go on; the message says which setting to change."""
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"{name}={value!r} must be an integer") from None
+
+
+def _wait_for(address: str, timeout: float) -> None:
+    """Returns once something listens at `host:port`, else DistributedError after `timeout` seconds (JAX
+    itself would abort the process with a fatal log instead of raising)."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise DistributedError(
+                    f"no coordinator answered at {ADDRESS}={address} within {timeout:g} s ({TIMEOUT}); is process 0 "
+                    "running, and is the address reachable from this host?"
+                ) from None
+            time.sleep(0.2)
+
+
+def initialize() -> bool:
+    """Join the run this process belongs to, if any: from JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES
+    and JAX_PROCESS_ID, or the cluster's own variables where JAX detects them), or with KVJAX_DISTRIBUTED=auto
+    from JAX's cluster detection alone. True when the process is part of a run of several (or joined one
+    before); a no-op returning False otherwise."""
+    if jax.distributed.is_initialized():
+        return True
+    address, auto = os.environ.get(ADDRESS), os.environ.get(AUTO)
+    if auto not in (None, "", "auto"):
+        raise DistributedError(f"{AUTO}={auto!r}: the only value is 'auto' (JAX's cluster detection)")
+    if not address and not auto:
+        return False
+    count, index = _int_env(COUNT), _int_env(INDEX)
+    if count is not None and count < 1:
+        raise DistributedError(f"{COUNT}={count} must be >= 1")
+    if count is not None and index is not None and not 0 <= index < count:
+        raise DistributedError(f"{INDEX}={index} must be in 0..{count - 1} ({COUNT}={count})")
+    timeout = _int_env(TIMEOUT) or DEFAULT_TIMEOUT
+    if address and index not in (None, 0):
+        _wait_for(address, timeout)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives across processes
+    jax.distributed.initialize(
+        address,
+        count,
+        index,
+        initialization_timeout=timeout,
+        heartbeat_timeout_seconds=timeout,
+        shutdown_timeout_seconds=timeout,
+    )
+    return True
+
+
+def is_primary() -> bool:
+    """Whether this process writes the run's files and prints its logs: process 0."""
+    return jax.process_index() == 0
+
+
+def local_rows(sharding: NamedSharding, rows: int) -> slice:
+    """The rows of a global batch of `rows` (sharded on its first axis by `sharding`) that this process's
+    devices hold: one contiguous block when the batch axes run over processes in order, as `make_mesh`'s do."""
+    spans = sorted(
+        {
+            (s[0].start or 0, rows if s[0].stop is None else s[0].stop)
+            for s in sharding.addressable_devices_indices_map((rows,)).values()
+        }
+    )
+    if any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        raise DistributedError(f"process {jax.process_index()} would hold rows {spans} of the batch, not one block")
+    return slice(spans[0][0], spans[-1][1])
+
+
+def global_batch(local: np.ndarray, sharding: NamedSharding, rows: int) -> jax.Array:
+    """The global array `[rows, ...]` whose block `local_rows(sharding, rows)` this process passes."""
+    return jax.make_array_from_process_local_data(sharding, local, (rows, *local.shape[1:]))
+
+
+def from_host(value, sharding: NamedSharding) -> jax.Array:
+    """A global array from a value every process holds whole and alike (e.g. parameters initialized from
+    the same seed): each process places its own devices' pieces."""
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def replicated(value, mesh: Mesh) -> jax.Array:
+    """`value` (the same on every process) on every device of `mesh`."""
+    return from_host(value, NamedSharding(mesh, PartitionSpec()))
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is set on any process (e.g. a Ctrl-C that reached one of them), so that all stop at
+    the same step; a collective every process must call at the same point."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+
+
+def same_everywhere(name: str, text: str) -> None:
+    """DistributedError naming `name` unless every process passes the same `text` (its digest is
+    compared): processes that trained different configs would silently average different models."""
+    if jax.process_count() == 1:
+        return
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.int64)
+    every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)
+    if (every != every[0]).any():
+        differ = [i for i, d in enumerate(every) if d != every[0]]
+        raise DistributedError(
+            f"the {name} differs between processes: process 0's is not that of process(es) {differ}. Every "
+            "process must run the same command with the same files."
+        )

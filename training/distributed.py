@@ -14,6 +14,7 @@ import hashlib
 import os
 import socket
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -149,4 +150,29 @@ def same_everywhere(name: str, text: str) -> None:
         raise DistributedError(
             f"the {name} differs between processes: process 0's is not that of process(es) {differ}. Every "
             "process must run the same command with the same files."
+        )
+
+
+def shared_directory(path: Path) -> None:
+    """DistributedError unless every process names the same `path` and sees the same directory there:
+    checkpoints are written by all processes into one directory (a shared filesystem or bucket), and
+    processes writing into different ones would wait for each other for ever."""
+    if jax.process_count() == 1:
+        return
+    path = Path(path).resolve()
+    same_everywhere("run directory", str(path))
+    path.mkdir(parents=True, exist_ok=True)
+    nonce = int(multihost_utils.broadcast_one_to_all(np.int32(np.random.randint(1 << 30))))
+    marker = path / f".kvjax-shared-{nonce}"
+    if is_primary():
+        marker.touch()
+    multihost_utils.sync_global_devices("kvjax: marker written")
+    missing = any_process(not marker.exists())
+    multihost_utils.sync_global_devices("kvjax: marker read")
+    if is_primary():
+        marker.unlink()
+    if missing:
+        raise DistributedError(
+            f"the run directory {path} is not shared: some process does not see what process 0 wrote there. "
+            "Every process must write into one directory (a shared filesystem), as checkpoints are written by all."
         )

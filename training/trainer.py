@@ -30,7 +30,15 @@ from kvjax.config import Config, ConfigError, ModelConfig, TrainConfig, from_dic
 from kvjax.progress import progress
 from kvjax.training.checkpoint import Checkpointer, CheckpointError, abstract
 from kvjax.training.data import BatchIterator, TrainingMix, load_corpus, pack, split_documents
-from kvjax.training.distributed import any_process, global_batch, is_primary, local_rows, replicated, same_everywhere
+from kvjax.training.distributed import (
+    any_process,
+    global_batch,
+    is_primary,
+    local_rows,
+    replicated,
+    same_everywhere,
+    shared_directory,
+)
 from kvjax.training.sharding import batch_sharding, make_mesh, shard_params
 from kvjax.training.tokenizer import Tokenizer
 from kvjax.training.vocab import get_tokenizer
@@ -268,6 +276,7 @@ class Trainer:
         self.progress = progress
         self.mesh = make_mesh(config.mesh, devices)
         same_everywhere("config", json.dumps(config.to_dict(), sort_keys=True))
+        shared_directory(self.run_dir)
         self.batches = batch_sharding(self.mesh, config.train.batch_size)
         self.corpus = prepare_corpus(config) if corpus is None else corpus
         cfg = config.train

@@ -140,19 +140,18 @@ def test_careless_launches_fail_with_one_line(tmp_path):
     """Processes given different configs refuse together; a process whose coordinator never comes up gives
     up after KVJAX_DISTRIBUTED_TIMEOUT seconds, naming it; when process 0 is killed mid-run, the other ends."""
     command = [sys.executable, "-m", "kvjax.commands", "train", *ARGS]
-    envs = [dict(env, **{TIMEOUT: "20"}) for env in environments(2, free_port(), 4)]
-    procs = [
-        subprocess.Popen(
-            [*command, f"train.lr={lr}", f"--run-dir={tmp_path}"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for lr, env in zip(("1e-3", "2e-3"), envs)
-    ]
-    for code, err in _finish(procs):
-        assert code == 2 and err.strip().splitlines()[-1].startswith("kvjax: error: the config differs between"), err
+    mismatches = [(["train.lr=1e-3", "train.lr=2e-3"], "config"), (["--run-dir=a", "--run-dir=b"], "run directory")]
+    for differ, what in mismatches:
+        envs = [dict(env, **{TIMEOUT: "20"}) for env in environments(2, free_port(), 4)]
+        procs = [
+            subprocess.Popen(
+                [*command, arg], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
+            for arg, env in zip(differ, envs)
+        ]
+        for code, err in _finish(procs):
+            assert code == 2, err
+            assert err.strip().splitlines()[-1].startswith(f"kvjax: error: the {what} differs between processes"), err
     env = dict(environments(2, free_port(), 1)[1], **{TIMEOUT: "2"})
     start = time.monotonic()
     lost = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)

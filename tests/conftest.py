@@ -76,6 +76,7 @@ def _release_compiled_programs():
 # The longest test files, longest first: seconds on one worker of a cold 2-core run, from
 # `pytest -n 2 --dist loadfile --durations=0` summed per file (2026-12-04). Only the order matters.
 LONGEST_FILES = (
+    "tests/training/test_distributed.py",  # 60, its processes on both cores
     "tests/kvjax/test_compress.py",  # 90 s
     "tests/kvjax/test_engine.py",  # 78
     "tests/test_scripts.py",  # 65, in one fixture: every benchmark in one process

@@ -99,6 +99,15 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
+def refuse_several(what: str) -> None:
+    """DistributedError when this process is one of several: for what runs within one process only."""
+    if jax.process_count() > 1:
+        raise DistributedError(
+            f"{what} runs in one process; this is process {jax.process_index()} of {jax.process_count()} "
+            "(multi-process: kvjax train, uptrain and eval's perplexity)"
+        )
+
+
 def local_rows(sharding: NamedSharding, rows: int) -> slice:
     """The rows of a global batch of `rows` (sharded on its first axis by `sharding`) that this process's
     devices hold: one contiguous block when the batch axes run over processes in order, as `make_mesh`'s do."""
@@ -136,6 +145,13 @@ def any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+
+
+def summed(values: np.ndarray) -> np.ndarray:
+    """`values` added over every process (each passes its own); a collective."""
+    if jax.process_count() == 1:
+        return values
+    return np.asarray(multihost_utils.process_allgather(np.asarray(values))).sum(axis=0)
 
 
 def same_everywhere(name: str, text: str) -> None:

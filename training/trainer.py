@@ -38,6 +38,7 @@ from kvjax.training.distributed import (
     replicated,
     same_everywhere,
     shared_directory,
+    summed,
 )
 from kvjax.training.sharding import batch_sharding, make_mesh, shard_params
 from kvjax.training.tokenizer import Tokenizer
@@ -209,9 +210,15 @@ def _eval_sums(graphdef, params, windows, weights, token_bytes):
     return nll.sum(), weights.sum() * nll.shape[1], n_bytes.sum()
 
 
-def evaluate_windows(eval_fn, params, windows: np.ndarray, tokenizer: Tokenizer, batch_size: int) -> dict:
+def evaluate_windows(
+    eval_fn, params, windows: np.ndarray, tokenizer: Tokenizer, batch_size: int, *, shared: bool = False
+) -> dict:
     """Mean loss (nats per predicted token), bits per UTF-8 byte and perplexity over windows `[n, L+1]`,
-    batched (the last batch padded with zero-weight rows); `eval_fn` is a jitted `_eval_sums`."""
+    batched (the last batch padded with zero-weight rows); `eval_fn` is a jitted `_eval_sums`. `shared`
+    (params this process holds whole): over several processes each scores every n-th window and the sums
+    are added, the same scores in 1/n of the time."""
+    if shared:
+        windows = windows[jax.process_index() :: jax.process_count()]
     token_bytes = jnp.asarray(tokenizer.token_bytes())
     totals = np.zeros(3)
     for start in range(0, len(windows), batch_size):
@@ -220,7 +227,7 @@ def evaluate_windows(eval_fn, params, windows: np.ndarray, tokenizer: Tokenizer,
         weights[: len(chunk)] = 1
         chunk = np.concatenate([chunk, np.zeros((batch_size - len(chunk), chunk.shape[1]), chunk.dtype)])
         totals += np.array(eval_fn(params, chunk, weights, token_bytes), np.float64)
-    nats, tokens, n_bytes = totals
+    nats, tokens, n_bytes = summed(totals) if shared else totals
     return {
         "eval_loss": float(nats / tokens),
         "eval_bpb": float(nats / math.log(2) / n_bytes),
@@ -229,9 +236,11 @@ def evaluate_windows(eval_fn, params, windows: np.ndarray, tokenizer: Tokenizer,
 
 
 def evaluate_model(model: Decoder, windows: np.ndarray, tokenizer: Tokenizer, batch_size: int = 1) -> dict:
-    """`evaluate_windows` for any model (e.g. one imported from GGUF)."""
+    """`evaluate_windows` for any model this process holds whole (e.g. one imported from GGUF), its windows
+    shared out between the processes of a multi-process run."""
     graphdef, params = nnx.split(model)
-    return evaluate_windows(jax.jit(partial(_eval_sums, graphdef)), params, windows, tokenizer, batch_size)
+    fn = jax.jit(partial(_eval_sums, graphdef))
+    return evaluate_windows(fn, params, windows, tokenizer, batch_size, shared=True)
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ from kvjax.commands.args import Parser
 from kvjax.errors import ConfigError, Note
 from kvjax.training.checkpoint import CheckpointError
 from kvjax.training.data import DataError
-from kvjax.training.distributed import DistributedError, initialize, is_primary
+from kvjax.training.distributed import DistributedError, initialize, is_primary, refuse_several
 from kvjax.training.gguf_import import GGUFError
 from kvjax.training.trainer import TrainingError, TrainingInterrupted
 
@@ -38,7 +38,7 @@ COMMANDS = (memory, train, evaluate, generate, uptrain, duo_train, compare, rule
 # Errors that are the user's to fix (bad configs, data, checkpoints, divergence): one line, no traceback.
 USER_ERRORS = (ConfigError, CheckpointError, DataError, DistributedError, GGUFError, TrainingError)
 # Commands that run as several processes (JAX's multi-controller runtime; `kvjax launch`); the others refuse.
-SEVERAL = ("train", "uptrain")
+SEVERAL = ("train", "uptrain", "eval")
 
 
 def build_parser() -> Parser:
@@ -124,11 +124,8 @@ def _main(argv: list[str] | None) -> int:
 
 def _join(command: str) -> None:
     """This process is one of several: refuse commands that run on one host; only process 0 prints."""
-    if command not in SEVERAL and jax.process_count() > 1:
-        raise DistributedError(
-            f"kvjax {command} runs in one process (multi-process: {', '.join(SEVERAL)}); this is process "
-            f"{jax.process_index()} of {jax.process_count()}"
-        )
+    if command not in SEVERAL:
+        refuse_several(f"kvjax {command}")
     if not is_primary():
         sys.stdout = open(os.devnull, "w")  # the others' logs would repeat process 0's; errors still show
 

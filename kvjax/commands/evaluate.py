@@ -19,6 +19,7 @@ from kvjax.config import ConfigError
 from kvjax.report import format_table
 from kvjax.training import compression_eval as ce
 from kvjax.training.data import load_corpus, pack, split_documents
+from kvjax.training.distributed import refuse_several
 from kvjax.training.loading import check_context, load_model
 from kvjax.training.trainer import evaluate_model
 
@@ -28,6 +29,7 @@ def run(args) -> None:
     if task == "ppl" and args.policy:
         raise ConfigError("--policy applies to --task continuation, passkey or needle (ppl scores windows uncached)")
     if task != "ppl":
+        refuse_several(f"kvjax eval --task {task}")
         return _eval_compressed(args, task)
 
     loaded = load_model(args.model)

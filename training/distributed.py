@@ -3,8 +3,10 @@ GPU cluster, or N processes on one machine to try it, `kvjax launch`).
 
 Every process runs the same command. This module joins them (`initialize`), says which rows of each
 global batch a process feeds (`local_rows`) and builds global arrays from them (`global_batch`), places
-values every process holds alike (`replicated`, `from_host`), agrees on a stop (`any_process`), checks
-that the processes run the same config (`same_everywhere`), and says who writes files (`is_primary`).
+values every process holds alike (`replicated`, `from_host`), agrees on a stop (`any_process`), adds up
+what each process computed (`summed`), checks that the processes run the same config in one shared run
+directory (`same_everywhere`, `shared_directory`), says who writes files (`is_primary`), and refuses what
+runs in one process only (`refuse_several`).
 Which commands run as several processes is the command line's business (`kvjax.commands.SEVERAL`).
 """
 
@@ -80,6 +82,8 @@ def initialize() -> bool:
     if count is not None and index is not None and not 0 <= index < count:
         raise DistributedError(f"{INDEX}={index} must be in 0..{count - 1} ({COUNT}={count})")
     timeout = _int_env(TIMEOUT) or DEFAULT_TIMEOUT
+    if timeout < 1:
+        raise DistributedError(f"{TIMEOUT}={timeout} must be a number of seconds >= 1")
     if address and index not in (None, 0):
         _wait_for(address, timeout)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives across processes

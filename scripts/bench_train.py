@@ -73,8 +73,6 @@ def processes_table(args) -> None:
     rows, scratch = [], tempfile.mkdtemp()
     for n in (1, args.processes):
         envs = environments(n, free_port(), args.devices // n)
-        if n == 1:
-            envs = [{k: v for k, v in envs[0].items() if not k.startswith("JAX_")}]
         argv = [sys.executable, __file__, *sys.argv[1:], "--child", f"--run-dir={scratch}/{n}"]
         procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for env in envs]
         outs = [p.communicate()[0] for p in procs]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import socket
 import time
 from pathlib import Path
@@ -81,7 +82,8 @@ def initialize() -> bool:
         raise DistributedError(f"{COUNT}={count} must be >= 1")
     if count is not None and index is not None and not 0 <= index < count:
         raise DistributedError(f"{INDEX}={index} must be in 0..{count - 1} ({COUNT}={count})")
-    timeout = _int_env(TIMEOUT) or DEFAULT_TIMEOUT
+    timeout = _int_env(TIMEOUT)
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     if timeout < 1:
         raise DistributedError(f"{TIMEOUT}={timeout} must be a number of seconds >= 1")
     if address and index not in (None, 0):
@@ -182,7 +184,7 @@ def shared_directory(path: Path) -> None:
     path = Path(path).resolve()
     same_everywhere("run directory", str(path))
     path.mkdir(parents=True, exist_ok=True)
-    nonce = int(multihost_utils.broadcast_one_to_all(np.int32(np.random.randint(1 << 30))))
+    nonce = int(multihost_utils.broadcast_one_to_all(np.int32(secrets.randbits(30))))
     marker = path / f".kvjax-shared-{nonce}"
     if is_primary():
         marker.touch()

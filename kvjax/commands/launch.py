@@ -24,10 +24,13 @@ def free_port() -> int:
 
 
 def environments(n: int, port: int, devices: int | None) -> list[dict]:
-    """Each process's environment: the coordinator variables and, for CPU runs, its device count."""
+    """Each process's environment: the coordinator variables (none for a single process: a plain run) and,
+    for CPU runs, its device count."""
     envs = []
     for i in range(n):
-        env = dict(os.environ, **{ADDRESS: f"127.0.0.1:{port}", COUNT: str(n), INDEX: str(i)})
+        env = {k: v for k, v in os.environ.items() if k not in (ADDRESS, COUNT, INDEX)}
+        if n > 1:
+            env.update({ADDRESS: f"127.0.0.1:{port}", COUNT: str(n), INDEX: str(i)})
         if devices:
             env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
         envs.append(env)

@@ -49,10 +49,7 @@ LIMIT = 300  # seconds any run may take: a hang fails the test instead of stalli
 def _start(run_dir, processes: int, *extra: str, timeout: int = 20) -> list[subprocess.Popen]:
     """The run's processes (`kvjax train` each; one process gets 8 devices, as many as two of 4)."""
     command = [sys.executable, "-m", "kvjax.commands", "train", *ARGS, *extra, "--run-dir", str(run_dir)]
-    envs = environments(processes, free_port(), 8 // processes)
-    if processes == 1:  # a plain process: no coordinator
-        envs = [{k: v for k, v in envs[0].items() if not k.startswith("JAX_")}]
-    envs = [dict(env, **{TIMEOUT: str(timeout)}) for env in envs]
+    envs = [dict(env, **{TIMEOUT: str(timeout)}) for env in environments(processes, free_port(), 8 // processes)]
     out = subprocess.DEVNULL
     return [subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.PIPE, text=True) for env in envs]
 

@@ -284,6 +284,11 @@ class Generator:
     ):
         if capacity <= 0:
             raise ValueError(f"capacity={capacity} must be > 0")
+        if not all(x.is_fully_addressable for x in jax.tree.leaves(nnx.state(model))):
+            raise ValueError(
+                "the model's weights are spread over several processes, and generation runs in one: "
+                "give it a whole copy (Trainer.model gathers one)"
+            )
         self.config = model.config
         self.capacity = capacity
         self.policy = policy

@@ -38,6 +38,7 @@ from kvjax.config import (
 )
 from kvjax.report import format_bytes, format_table
 from kvjax.timing import decode_seconds, decode_timings
+from kvjax.training.distributed import is_primary
 from kvjax.training.trainer import Trainer, prepare_corpus
 from kvjax.training.uptrain_compare import UptrainExperiment
 
@@ -266,7 +267,8 @@ def run_compare(
 ) -> list[Row]:
     """Train (or reuse, when a finished run with the same config is there) every variant under
     out_dir/<variant>, measure it (decode speed: the median of 5 timed rounds, 1 with `quick`), and
-    write out_dir/<name>.{csv,json,png}."""
+    write out_dir/<name>.{csv,json,png}. Over several processes the training is shared and every process
+    measures its own whole copy of each model (on one host's devices); process 0 writes."""
     out_dir = Path(out_dir)
     overrides = [*exp.overrides, *(exp.quick if quick else ())]
     configs = {v: load_config(v, overrides) for v in exp.variants}  # every config is checked before training
@@ -343,7 +345,8 @@ def run_compare(
         for row, model in zip(rows, models):
             row.decode_curve.update(decode_curve(model, stream, exp, repeats=1 if quick else 3))
             log(f"  {row.variant}: " + ", ".join(f"{c} {t:,.0f}" for c, t in row.decode_curve.items()) + " tokens/s")
-    write_outputs(rows, exp, out_dir, name)
+    if is_primary():
+        write_outputs(rows, exp, out_dir, name)
     log(render(rows, exp))
     if exp.seeds > 1:
         log("\n95% intervals of validation bits/byte over " + f"{exp.seeds} seeds:")

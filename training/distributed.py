@@ -3,8 +3,9 @@ GPU cluster, or N processes on one machine to try it, `kvjax launch`).
 
 Every process runs the same command. This module joins them (`initialize`), says which rows of each
 global batch a process feeds (`local_rows`) and builds global arrays from them (`global_batch`), places
-values every process holds alike (`replicated`, `from_host`), agrees on a stop (`any_process`), adds up
-what each process computed (`summed`), checks that the processes run the same config in one shared run
+values every process holds alike (`replicated`, `from_host`), gathers a whole copy of sharded arrays into
+each process (`whole_here`), agrees on a stop (`any_process`), adds up what each process computed
+(`summed`), checks that the processes run the same config in one shared run
 directory (`same_everywhere`, `shared_directory`), says who writes files (`is_primary`), and refuses what
 runs in one process only (`refuse_several`).
 Which commands run as several processes is the command line's business (`kvjax.commands.SEVERAL`).
@@ -110,7 +111,7 @@ def refuse_several(what: str) -> None:
     if jax.process_count() > 1:
         raise DistributedError(
             f"{what} runs in one process; this is process {jax.process_index()} of {jax.process_count()} "
-            "(multi-process: kvjax train, uptrain and eval's perplexity)"
+            "(multi-process: kvjax train, uptrain, compare's training and eval's perplexity)"
         )
 
 
@@ -143,6 +144,14 @@ def from_host(value, sharding: NamedSharding) -> jax.Array:
 def replicated(value, mesh: Mesh) -> jax.Array:
     """`value` (the same on every process) on every device of `mesh`."""
     return from_host(value, NamedSharding(mesh, PartitionSpec()))
+
+
+def whole_here(tree):
+    """`tree`'s arrays whole on this process's first device (a copy gathered from every process's shards:
+    a collective), so that this process can run the model alone, e.g. to time decoding; as is in one process."""
+    if jax.process_count() == 1:
+        return tree
+    return jax.device_put(multihost_utils.process_allgather(tree, tiled=True), jax.local_devices()[0])
 
 
 def any_process(flag: bool) -> bool:

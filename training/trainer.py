@@ -39,6 +39,7 @@ from kvjax.training.distributed import (
     same_everywhere,
     shared_directory,
     summed,
+    whole_here,
 )
 from kvjax.training.sharding import batch_sharding, make_mesh, shard_params
 from kvjax.training.tokenizer import Tokenizer
@@ -323,7 +324,9 @@ class Trainer:
         return int(self.state.step)
 
     def model(self) -> Decoder:
-        return nnx.merge(self.graphdef, self.state.params)
+        """The model being trained; over several processes a whole copy on this process (`whole_here`: every
+        process calls this together)."""
+        return nnx.merge(self.graphdef, whole_here(self.state.params))
 
     def evaluate(self, windows: np.ndarray | None = None) -> dict:
         """Validation scores on the first eval_windows windows of the validation documents (the reported

@@ -24,6 +24,7 @@ from kvjax.config import CONFIG_ROOT, ConfigError, load_config
 from kvjax.report import format_table
 from kvjax.timing import decode_seconds
 from kvjax.training.convert import parse_conversion
+from kvjax.training.distributed import is_primary
 from kvjax.training.loading import load_model
 from kvjax.training.trainer import Trainer, evaluate_model, prepare_corpus
 from kvjax.training.uptrain import converted_model, uptrain
@@ -122,10 +123,11 @@ def run_uptrain_compare(
             trainer.run()
             tokens = scratch_cfg.train.steps * scratch_cfg.train.batch_size * scratch_cfg.data.seq_len
             rows.append(scored(f"{conversion}, from scratch", trainer.model(), kv, tokens))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(
-        json.dumps({"experiment": dataclasses.asdict(exp), "rows": [dataclasses.asdict(r) for r in rows]}, indent=2)
-    )
+    if is_primary():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{name}.json").write_text(
+            json.dumps({"experiment": dataclasses.asdict(exp), "rows": [dataclasses.asdict(r) for r in rows]}, indent=2)
+        )
     log(render(rows, exp))
     log(f"\nwrote {out_dir}/{name}.json")
     return rows

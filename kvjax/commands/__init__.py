@@ -38,7 +38,7 @@ COMMANDS = (memory, train, evaluate, generate, uptrain, duo_train, compare, rule
 # Errors that are the user's to fix (bad configs, data, checkpoints, divergence): one line, no traceback.
 USER_ERRORS = (ConfigError, CheckpointError, DataError, DistributedError, GGUFError, TrainingError)
 # Commands that run as several processes (JAX's multi-controller runtime; `kvjax launch`); the others refuse.
-SEVERAL = ("train", "uptrain", "eval")
+SEVERAL = ("train", "uptrain", "eval", "compare")
 
 
 def build_parser() -> Parser:

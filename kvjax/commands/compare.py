@@ -26,6 +26,7 @@ from kvjax.compress import parse_policy
 from kvjax.config import ConfigError
 from kvjax.training import compression_eval as ce
 from kvjax.training.compare import load_experiment, run_compare
+from kvjax.training.distributed import refuse_several
 from kvjax.training.loading import check_context, load_model
 from kvjax.training.uptrain_compare import UptrainExperiment, run_uptrain_compare
 
@@ -66,6 +67,7 @@ def _compare_dir(args) -> Path:
 
 def _compare_policies(args) -> None:
     """`kvjax compare --policies M ... --model MODEL`: every method at every budget on one model."""
+    refuse_several("kvjax compare --policies")
 
     parsed = [parse_policy(text) for text, _ in ce.table_runs(args.policies, args.budgets)[1:]]  # before compute
     model_ref = args.model or str(_compare_dir(args) / "gqa")

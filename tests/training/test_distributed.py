@@ -1,7 +1,7 @@
 """Training over a data x fsdp x tensor mesh and as several real processes on 127.0.0.1 (JAX's coordinator,
 gloo collectives): 8 devices give what 1 gives, 2 processes x 4 devices what 1 process x 8 gives; an
-interrupted 2-process run resumes in 2 and in 1 process; each process feeds its own rows; careless
-launches fail with one line, in bounded time."""
+interrupted 2-process run resumes in 2 and in 1 process, and `kvjax compare` restores a 1-process run in
+2; each process feeds its own rows; careless launches fail with one line, in bounded time."""
 
 from __future__ import annotations
 
@@ -159,6 +159,29 @@ def test_two_processes_evaluate_what_training_evaluated(runs):
     assert [line for line in outs[1][0].splitlines() if not line.startswith("[Gloo]")] == []  # gloo's own log
 
 
+@pytest.mark.slow
+def test_two_processes_compare_what_one_process_trained(runs, tmp_path):
+    """`kvjax compare` as 2 x 4 over a variant 1 x 8 trained (restored across process counts, the other
+    way from the resume above): the score training logged, bytes measured == analytic (checked inside),
+    decode timed on each process's whole copy; only process 0 prints and writes."""
+    run_dir, history = runs["one"]
+    shutil.copytree(run_dir, tmp_path / "gqa")
+    experiment = {"variants": ["gqa"], "overrides": ARGS[1:], "decode_batch": 2, "decode_context": 32}
+    experiment["decode_tokens"] = 8
+    (tmp_path / "tiny.yaml").write_text(json.dumps(experiment))  # JSON is YAML
+    command = [sys.executable, "-m", "kvjax.commands", "compare", "--quick", "--experiment", "tiny.yaml", "--out", "."]
+    envs = [dict(env, **{TIMEOUT: "20"}) for env in environments(2, free_port(), 4)]
+    pipes = dict(cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(command, env=env, **pipes) for env in envs]
+    outs = [p.communicate(timeout=LIMIT) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert f"reusing the finished run in gqa ({STEPS} steps)" in outs[0][0]
+    (row,) = json.loads((tmp_path / "tiny.json").read_text())["rows"]
+    assert abs(row["val_bpb"] - history[-1]["eval_bpb"]) <= 1e-5 and row["decode_tokens_per_s"] > 0
+    assert {"tiny.csv", "tiny.png"} <= {p.name for p in tmp_path.iterdir()}
+    assert [line for line in outs[1][0].splitlines() if not line.startswith("[Gloo]")] == []
+
+
 def _wait_for_step(run_dir, step: int, procs) -> None:
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + LIMIT
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= step):
@@ -184,19 +207,24 @@ def test_each_process_reads_its_own_rows_of_every_batch(processes):
 
 
 def test_careless_launches_fail_with_one_line(tmp_path, monkeypatch):
-    """Processes given different configs or run directories refuse together; a process whose coordinator
-    never comes up gives up after KVJAX_DISTRIBUTED_TIMEOUT seconds, naming it."""
+    """Processes given different configs or run directories, or a batch their devices cannot share
+    evenly, refuse together; a process whose coordinator never comes up gives up after
+    KVJAX_DISTRIBUTED_TIMEOUT seconds, naming it."""
     command = [sys.executable, "-m", "kvjax.commands", "train", *ARGS]
-    mismatches = {"config": ["train.lr=1e-3", "train.lr=2e-3"], "run directory": ["--run-dir=a", "--run-dir=b"]}
-    procs = {}  # both pairs at once
-    for what, differ in mismatches.items():
+    launches = {  # the last line each process prints: each pair's arguments
+        "the config differs between processes": ["train.lr=1e-3", "train.lr=2e-3"],
+        "the run directory differs between processes": ["--run-dir=a", "--run-dir=b"],
+        "train.batch_size=6 must be a multiple of mesh data x fsdp = 4 (2 processes)": ["train.batch_size=6"] * 2,
+    }
+    procs = {}  # every pair at once
+    for error, args in launches.items():
         envs = [dict(env, **{TIMEOUT: "20"}) for env in environments(2, free_port(), 4)]
         pipes = dict(cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        procs[what] = [subprocess.Popen([*command, arg], env=env, **pipes) for arg, env in zip(differ, envs)]
-    for what, pair in procs.items():
+        procs[error] = [subprocess.Popen([*command, arg], env=env, **pipes) for arg, env in zip(args, envs)]
+    for error, pair in procs.items():
         for code, err in _finish(pair):
             assert code == 2, err
-            assert err.strip().splitlines()[-1].startswith(f"kvjax: error: the {what} differs between processes"), err
+            assert err.strip().splitlines()[-1].startswith(f"kvjax: error: {error}"), err
     address = environments(2, free_port(), 1)[1][ADDRESS]  # nobody listens there
     for name, value in {ADDRESS: address, COUNT: "2", INDEX: "1", TIMEOUT: "1"}.items():
         monkeypatch.setenv(name, value)

@@ -65,8 +65,8 @@ def resolve_gguf(name_or_path: str | Path) -> Path:
 
 
 def gguf_reader(path: Path):
-    """The file's (memory-mapped) reader, parsed once per file version: parsing SmolLM2's 49k-entry
-    vocabulary takes ~5 s, and the model and its tokenizer are usually loaded together."""
+    """The file's (memory-mapped) reader, parsed once per file version: the model and its tokenizer are
+    usually loaded together, and parsing Gemma 3's 262k-entry vocabulary takes seconds."""
     stat = path.stat()
     return _parsed(path.resolve(), stat.st_mtime_ns, stat.st_size)
 
@@ -77,7 +77,20 @@ def _parsed(path: Path, mtime_ns: int, size: int):
         import gguf
     except ImportError:
         raise GGUFError("reading GGUF files needs the gguf package: pip install gguf") from None
-    return gguf.GGUFReader(path)
+
+    class Reader(gguf.GGUFReader):
+        """gguf's reader over a plain array view of its memory map: it parses every vocabulary entry
+        through small slices, which numpy.memmap makes slow (Gemma 3's file: 11.2 s -> 3.4 s here)."""
+
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, mapped):
+            self._data = np.asarray(mapped)  # the same mapped bytes, without memmap's per-slice bookkeeping
+
+    return Reader(path)
 
 
 def _field(reader, key: str, default=None):

@@ -23,6 +23,7 @@ from kvjax.training import ruler
 from kvjax.training.compression_eval import has_budget, stored_bytes_per_token, with_budget
 
 FULL = "full"  # the policy column of the uncompressed reference
+DODGE = 0.004  # leaderboard x offset between methods: their intervals at one ratio side by side
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +190,9 @@ def _record(model, sample: ruler.Sample, run: Run, length: int, answer: str, pro
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """One row per (policy, task, length): the mean score in percent, the samples and a 95% interval
-    (normal approximation, half-width; NaN for one sample), the policy's cache bytes per token."""
+    """One row per (policy, task, length): the mean score in percent, the samples, their standard
+    deviation (over the samples, ddof 0) and a 95% interval (normal approximation, half-width; NaN for one
+    sample), the policy's cache bytes per token."""
     cells: dict[tuple, list[dict]] = {}
     for r in records:
         cells.setdefault((r["policy"], r["task"], r["length"]), []).append(r)
@@ -208,6 +210,7 @@ def summarize(records: list[dict]) -> list[dict]:
                 length=length,
                 samples=len(group),
                 score=float(scores.mean()),
+                std=float(scores.std()),
                 ci95=float(half),
                 bytes_per_token=float(np.mean([r["bytes_per_token"] for r in group])),
             )
@@ -231,8 +234,22 @@ def write_outputs(rows: list[dict], out: Path, title: str) -> list[Path]:
     return [out / name for name in ("results.csv", "results.json", "results.md", "leaderboard.png", "tasks.png")]
 
 
+def average(cells: list[dict]) -> tuple[float, float]:
+    """(the mean of the cells' scores, the half-width of its 95% interval): the interval treats every
+    (task, sample) answer as one draw (normal approximation over all of them, the spread between tasks
+    included), so it exists with one sample per task; NaN for a single answer."""
+    n = np.array([c["samples"] for c in cells], np.float64)
+    means = np.array([c["score"] for c in cells])
+    squares = np.array([c["std"] ** 2 for c in cells]) + means**2  # each cell's mean of squared scores
+    total = n.sum()
+    pooled = (n * means).sum() / total
+    variance = max(0.0, (n * squares).sum() / total - pooled**2) * total / (total - 1) if total > 1 else math.nan
+    return float(means.mean()), 1.96 * math.sqrt(variance / total)
+
+
 def markdown(rows: list[dict], title: str) -> str:
-    """Per length, one row per policy: each task's score and the average over tasks (+- its interval)."""
+    """Per length, one row per policy: each task's score and the average over tasks +- its 95% interval
+    (`average`)."""
     from kvjax.report import format_table
 
     lines = [f"# {title}", ""]
@@ -242,12 +259,13 @@ def markdown(rows: list[dict], title: str) -> str:
         body = []
         for policy in dict.fromkeys(r["policy"] for r in at):
             cell = {r["task"]: r for r in at if r["policy"] == policy}
-            mean = np.mean([cell[t]["score"] for t in tasks])
+            mean, half = average(list(cell.values()))
             per_task = [f"{cell[t]['score']:.1f}" if t in cell else "" for t in tasks]
-            body.append([policy, f"{next(iter(cell.values()))['bytes_per_token']:,.0f}", *per_task, f"{mean:.1f}"])
+            shown = f"{mean:.1f}" + ("" if math.isnan(half) else f" ± {half:.1f}")
+            body.append([policy, f"{next(iter(cell.values()))['bytes_per_token']:,.0f}", *per_task, shown])
         samples = sorted({r["samples"] for r in at})
         lines += [f"## {length} tokens ({'/'.join(map(str, samples))} samples per cell)", ""]
-        lines += [format_table(["policy", "B/token", *tasks, "average"], body), ""]
+        lines += [format_table(["policy", "B/token", *tasks, "average ± 95%"], body), ""]
     return "\n".join(lines)
 
 
@@ -257,44 +275,58 @@ def _figures(rows: list[dict], out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    averages: dict[tuple, list[float]] = {}
-    for r in rows:
-        averages.setdefault((r["method"], r["ratio"], r["policy"]), []).append(r["score"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    full = [np.mean(v) for (m, _, _), v in averages.items() if m == FULL]
-    if full:
-        ax.axhline(full[0], color="black", linestyle="--", label="full cache")
-    full_bytes = next((r["bytes_per_token"] for r in rows if r["method"] == FULL), None)
-    for method in sorted({m for m, _, _ in averages if m != FULL}):
-        points = sorted(
-            (ratio, np.mean(v)) for (m, ratio, _), v in averages.items() if m == method and ratio is not None
-        )
-        if points:
-            ax.plot(*zip(*points), marker="o", label=method)
-        elif full_bytes:  # a whole policy (kivi:2): one point at the fraction of the cache's bytes it saves
-            saved = 1 - np.mean([r["bytes_per_token"] for r in rows if r["method"] == method]) / full_bytes
-            ax.plot([saved], [np.mean(averages[next(k for k in averages if k[0] == method)])], "s", label=method)
-    ax.set(xlabel="compression ratio (fraction of tokens removed; squares: of bytes)", ylabel="average score (%)")
-    ax.set_title(title)
-    ax.set_ylim(-2, 102)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "leaderboard.png", dpi=120)
+    lengths = sorted({r["length"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4), squeeze=False, sharey=True)
+    for ax, length in zip(axes[0], lengths):
+        _leaderboard(ax, [r for r in rows if r["length"] == length])
+        ax.set_title(f"{title}, {length} tokens")
+    axes[0][0].set_ylabel("average score (%)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.savefig(out / "leaderboard.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     tasks = sorted({r["task"] for r in rows})
-    grid = np.full((len(policies), len(tasks)), np.nan)
-    for i, policy in enumerate(policies):  # averaged over lengths
-        for j, task in enumerate(tasks):
-            scores = [r["score"] for r in rows if r["policy"] == policy and r["task"] == task]
-            grid[i, j] = np.mean(scores) if scores else np.nan
-    fig, ax = plt.subplots(figsize=(1 + 0.6 * len(tasks), 1 + 0.35 * len(policies)))
-    image = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(len(tasks)), tasks, rotation=60, ha="right", fontsize=7)
-    ax.set_yticks(range(len(policies)), policies, fontsize=7)
-    fig.colorbar(image, label="score (%)")
-    ax.set_title(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "tasks.png", dpi=120)
+    fig, axes = plt.subplots(
+        1, len(lengths), figsize=(1.5 + 0.6 * len(tasks) * len(lengths), 1 + 0.35 * len(policies)), squeeze=False
+    )
+    for ax, length in zip(axes[0], lengths):
+        score = {(r["policy"], r["task"]): r["score"] for r in rows if r["length"] == length}
+        grid = np.array([[score.get((p, t), np.nan) for t in tasks] for p in policies])
+        image = ax.imshow(grid, vmin=0, vmax=100, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(tasks)), tasks, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(len(policies)), policies if ax is axes[0][0] else [], fontsize=7)
+        ax.set_title(f"{title}, {length} tokens", fontsize=8)
+    fig.colorbar(image, ax=axes[0].tolist(), label="score (%)")
+    fig.savefig(out / "tasks.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+def _leaderboard(ax, rows: list[dict]) -> None:
+    """kvpress's leaderboard for one length: each method's average score (with its 95% interval) against
+    the compression ratio, the full cache as a dashed line; a whole policy (kivi:2) is one square at the
+    fraction of the full cache's bytes it saves. Methods are drawn a little apart along x (`DODGE`) so that
+    intervals at the same ratio stay readable."""
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["method"], r["ratio"]), []).append(r)
+    if full := next((v for (m, _), v in by.items() if m == FULL), None):
+        ax.axhline(average(full)[0], color="black", linestyle="--", label="full cache")
+    full_bytes = full[0]["bytes_per_token"] if full else None
+    methods = sorted({m for m, _ in by if m != FULL})
+    for i, method in enumerate(methods):
+        dodge = DODGE * (i - (len(methods) - 1) / 2)
+        cells = {ratio: v for (m, ratio), v in by.items() if m == method}
+        if ratio_cells := sorted((ratio, v) for ratio, v in cells.items() if ratio is not None):
+            x, points = zip(*((ratio, average(v)) for ratio, v in ratio_cells))
+            mark = "o"
+        elif full_bytes:
+            (v,) = cells.values()
+            x, points, mark = [1 - v[0]["bytes_per_token"] / full_bytes], [average(v)], "s"
+        else:
+            continue
+        means, halves = zip(*points)
+        x = np.asarray(x) + dodge
+        ax.errorbar(x, means, yerr=np.nan_to_num(halves), marker=mark, capsize=3, label=method)
+    ax.set(xlabel="compression ratio (fraction of tokens removed; squares: of bytes)")
+    ax.set_ylim(-2, 102)

@@ -207,6 +207,24 @@ def test_the_metric_is_rulers_string_match():
     assert ruler.score("the KEY is Brave-Lion", ["brave-lion"], "all") == 1.0  # case-insensitive
 
 
+def test_a_policys_average_has_an_interval_over_every_answer():
+    """The average over tasks and its 95% interval: every (task, sample) answer one draw, so one sample
+    per task still gives an interval; equal to the interval computed over the answers directly."""
+    from kvjax.training.ruler_eval import average, summarize
+
+    scores = {"niah_single_1": [1.0, 1.0, 0.0], "fwe": [0.5, 0.0, 0.0], "vt": [1.0, 0.2, 0.4]}
+    records = [
+        dict(task=t, length=512, policy="full", method="full", ratio=0.0, score=x, bytes_per_token=8)
+        for t, xs in scores.items()
+        for x in xs
+    ]
+    answers = 100 * np.array([x for xs in scores.values() for x in xs])
+    mean, half = average(summarize(records))
+    assert mean == pytest.approx(answers.mean())
+    assert half == pytest.approx(1.96 * answers.std(ddof=1) / np.sqrt(len(answers)))
+    assert average(summarize(records[:1])) == (100.0, pytest.approx(float("nan"), nan_ok=True))
+
+
 def test_bad_requests_are_one_line_errors():
     with pytest.raises(ConfigError, match="task='niah_single_9' must be one of"):
         ruler.generate("niah_single_9", BYTES, 1024, 1)

@@ -46,7 +46,7 @@ ARGS = [
 LIMIT = 300  # seconds any run may take: a hang fails the test instead of stalling the suite
 
 
-def _start(run_dir, processes: int, *extra: str, timeout: int = 20) -> list[subprocess.Popen]:
+def _start(run_dir, processes: int, *extra: str, timeout: int = 60) -> list[subprocess.Popen]:
     """The run's processes (`kvjax train` each; one process gets 8 devices, as many as two of 4)."""
     command = [sys.executable, "-m", "kvjax.commands", "train", *ARGS, *extra, "--run-dir", str(run_dir)]
     envs = [dict(env, **{TIMEOUT: str(timeout)}) for env in environments(processes, free_port(), 8 // processes)]
@@ -149,14 +149,14 @@ def test_two_processes_evaluate_what_training_evaluated(runs):
     score training logged at its last step; only process 0 prints."""
     run_dir, history = runs["one"]
     command = [sys.executable, "-m", "kvjax.commands", "eval", str(run_dir), "--windows", "8", "--batch", "8"]
-    envs = [dict(env, **{TIMEOUT: "20"}) for env in environments(2, free_port(), 1)]
+    envs = [dict(env, **{TIMEOUT: "60"}) for env in environments(2, free_port(), 1)]
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs = [subprocess.Popen(command, env=env, **pipes) for env in envs]
     outs = [p.communicate(timeout=LIMIT) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     loss = float(re.search(r"\(loss (\d+\.\d+) nats/token\)", outs[0][0]).group(1))
     assert abs(loss - history[-1]["eval_loss"]) <= 1e-4  # printed to 4 decimals
-    assert [line for line in outs[1][0].splitlines() if not line.startswith("[Gloo]")] == []  # gloo's own log
+    assert _printed(outs[1][0]) == ""
 
 
 @pytest.mark.slow
@@ -170,7 +170,7 @@ def test_two_processes_compare_what_one_process_trained(runs, tmp_path):
     experiment["decode_tokens"] = 8
     (tmp_path / "tiny.yaml").write_text(json.dumps(experiment))  # JSON is YAML
     command = [sys.executable, "-m", "kvjax.commands", "compare", "--quick", "--experiment", "tiny.yaml", "--out", "."]
-    envs = [dict(env, **{TIMEOUT: "20"}) for env in environments(2, free_port(), 4)]
+    envs = [dict(env, **{TIMEOUT: "60"}) for env in environments(2, free_port(), 4)]
     pipes = dict(cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs = [subprocess.Popen(command, env=env, **pipes) for env in envs]
     outs = [p.communicate(timeout=LIMIT) for p in procs]
@@ -179,7 +179,14 @@ def test_two_processes_compare_what_one_process_trained(runs, tmp_path):
     (row,) = json.loads((tmp_path / "tiny.json").read_text())["rows"]
     assert abs(row["val_bpb"] - history[-1]["eval_bpb"]) <= 1e-5 and row["decode_tokens_per_s"] > 0
     assert {"tiny.csv", "tiny.png"} <= {p.name for p in tmp_path.iterdir()}
-    assert [line for line in outs[1][0].splitlines() if not line.startswith("[Gloo]")] == []
+    assert _printed(outs[1][0]) == ""
+
+
+def _printed(out: str) -> str:
+    """What a process printed besides gloo's connection reports, which its threads write at once (their
+    pieces can interleave mid-line)."""
+    report = r"\d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
+    return re.sub(report, "", out.replace("[Gloo] Rank ", "")).strip()
 
 
 def _wait_for_step(run_dir, step: int, procs) -> None:
@@ -218,7 +225,7 @@ def test_careless_launches_fail_with_one_line(tmp_path, monkeypatch):
     }
     procs = {}  # every pair at once
     for error, args in launches.items():
-        envs = [dict(env, **{TIMEOUT: "20"}) for env in environments(2, free_port(), 4)]
+        envs = [dict(env, **{TIMEOUT: "60"}) for env in environments(2, free_port(), 4)]
         pipes = dict(cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         procs[error] = [subprocess.Popen([*command, arg], env=env, **pipes) for arg, env in zip(args, envs)]
     for error, pair in procs.items():

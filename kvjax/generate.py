@@ -284,7 +284,8 @@ class Generator:
     ):
         if capacity <= 0:
             raise ValueError(f"capacity={capacity} must be > 0")
-        if not all(x.is_fully_addressable for x in jax.tree.leaves(nnx.state(model))):
+        graphdef, self.params = nnx.split(model)
+        if not all(x.is_fully_addressable for x in jax.tree.leaves(self.params)):
             raise ValueError(
                 "the model's weights are spread over several processes, and generation runs in one: "
                 "give it a whole copy (Trainer.model gathers one)"
@@ -296,7 +297,6 @@ class Generator:
         if policy is not None:
             check_policy(policy, self.config)
             self._prepared = prepare_policy(policy, model, calibration)
-        graphdef, self.params = nnx.split(model)
         self._graphdef = graphdef
         programs = _programs(graphdef)
         self._prefill, self._prefill_chunk, self._logits = programs.prefill, programs.prefill_chunk, programs.logits

@@ -317,9 +317,8 @@ def _leaderboard(ax, rows: list[dict]) -> None:
     for i, method in enumerate(methods):
         dodge = DODGE * (i - (len(methods) - 1) / 2)
         cells = {ratio: v for (m, ratio), v in by.items() if m == method}
-        if ratio_cells := sorted((ratio, v) for ratio, v in cells.items() if ratio is not None):
-            x, points = zip(*((ratio, average(v)) for ratio, v in ratio_cells))
-            mark = "o"
+        if ratios := sorted(r for r in cells if r is not None):
+            x, points, mark = ratios, [average(cells[r]) for r in ratios], "o"
         elif full_bytes:
             (v,) = cells.values()
             x, points, mark = [1 - v[0]["bytes_per_token"] / full_bytes], [average(v)], "s"

@@ -90,7 +90,11 @@ def test_ctrl_c_checkpoints_the_step_and_says_how_to_resume(tmp_path):
 def test_a_second_ctrl_c_aborts_and_says_what_was_lost_and_where_the_last_checkpoint_is(small_config, tmp_path):
     cfg = small_config("train.steps=20", "train.checkpoint_every=4", "train.eval_every=1000", "train.log_every=1")
     trainer = Trainer(cfg, tmp_path, progress=False)
-    before = signal.getsignal(signal.SIGINT)  # Python's default; SIG_IGN when the suite was started in the background
+
+    def before(signum, frame):  # the caller's own handler, which training must put back
+        raise AssertionError("training's handler should have taken the Ctrl-C")
+
+    previous = signal.signal(signal.SIGINT, before)
 
     def ctrl_c_twice(row):
         if row["step"] == 6:
@@ -104,7 +108,8 @@ def test_a_second_ctrl_c_aborts_and_says_what_was_lost_and_where_the_last_checkp
     ):
         trainer.run(log=ctrl_c_twice)
     assert Checkpointer(tmp_path / "checkpoints").latest_step() == 4
-    assert signal.getsignal(signal.SIGINT) is before  # the handler is restored
+    restored = signal.signal(signal.SIGINT, previous)
+    assert restored is before  # the handler is restored
 
 
 def test_the_final_scores_are_those_logged_at_the_last_step_not_a_second_evaluation(small_config, tmp_path):

@@ -82,7 +82,7 @@ class Attention(nnx.Module):
                 raise ValueError("a layer without K/V projections attends to its producer's view: pass shared=")
             cache, shared = self.kv(x if kv_x is None else kv_x, positions, cache)
             if isinstance(cache, QuestKVCache) and T == 1:  # Quest: a decode query reads its best pages
-                shared = cache.select(q, shared)
+                shared = cache.select(q, shared, positions, cfg.window)
         if shared.reader is not None:  # the view attends its own way (kvjax.cache.KVView)
             out = shared.reader.attend(q, positions, self.cfg.impl, self.cfg.window, self.cfg.softcap)
         else:

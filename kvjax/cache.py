@@ -194,16 +194,21 @@ class QuestKVCache(KVCache):
         )
         return new, KVView(new.k, new.v, new.pos)
 
-    def select(self, q: jax.Array, view: KVView) -> KVView:
-        """The view a single decode query `[B,1,N,H]` reads: per KV head, the pages with the highest
-        upper bound sum_c max(q_c min_c, q_c max_c) (the max over the head's query group), and the
-        newest page, gathered into `[B,K,R*page_size,H]` with per-head positions, so attention reads
-        those pages only (the bound reads only the per-page min and max)."""
+    def select(self, q: jax.Array, view: KVView, q_pos: jax.Array, window: int | None = None) -> KVView:
+        """The view a single decode query `[B,1,N,H]` at `q_pos` `[B,1]` reads: per KV head, the pages
+        with the highest upper bound sum_c max(q_c min_c, q_c max_c) (the max over the head's query
+        group), and the newest page, gathered into `[B,K,R*page_size,H]` with per-head positions, so
+        attention reads those pages only (the bound reads only the per-page min and max). With a
+        sliding `window` (a compressed ring), pages wholly out of it are not candidates."""
         B, _, N, H = q.shape
         K, S = self.k.shape[1], self.capacity
         P = self.page_min.shape[2]
         q_g = q[:, 0].reshape(B, K, 1, N // K, H).astype(jnp.float32)  # [B,K,1,G,H]
         filled = jnp.arange(P)[None, :] * self.page_size < self.length[:, None]  # [B,P]
+        if window is not None:  # a page is seen while its newest token is in the window
+            newest_pos = jnp.pad(self.pos, ((0, 0), (0, P * self.page_size - S)), constant_values=-1)
+            newest_pos = newest_pos.reshape(B, P, self.page_size).max(axis=-1)
+            filled = filled & (newest_pos > q_pos[:, :1] - window)
         lo = jnp.where(filled[:, None, :, None], self.page_min, 0).astype(jnp.float32)[:, :, :, None]
         hi = jnp.where(filled[:, None, :, None], self.page_max, 0).astype(jnp.float32)[:, :, :, None]
         bound = jnp.maximum(q_g * lo, q_g * hi).sum(axis=-1).max(axis=-1)  # [B,K,P]

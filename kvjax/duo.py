@@ -12,6 +12,11 @@ As in the reference code the prefill attends fully with every head (`one_way_reo
 prefill chunk is full attention); afterwards each streaming head keeps the first `sinks` positions and
 the last `recent` ones, and a decode query of a streaming head sees exactly those (a key is visible
 when `j < sinks` or `i - j < recent`, the reference's `generate_streaming_mask`).
+
+The paper splits full-attention layers. With `local=true` (kvjax's extension, for Gemma's sliding-window
+layers) a local layer's heads are split too: its retrieval heads see its window, its streaming heads
+the part of their sinks and recent tokens that the window still covers; the gates of those layers are
+learned with the rest (`kvjax duo-train MODEL --local`).
 """
 
 from __future__ import annotations
@@ -28,29 +33,30 @@ from flax import struct
 
 from kvjax.cache import KVCache, KVView, RingKVCache, _Arrays, heads_first
 from kvjax.config import CONFIG_ROOT, ConfigError
-from kvjax.ops import attend, attention, attention_probs
+from kvjax.ops import attend, attention, attention_probs, grouped_mask
 from kvjax.plan import compressible, kv_heads
 
 SINKS, RECENT = 64, 256  # the reference evaluation scripts' deployment sinks and recent window
 PATTERN_FILE = "duo_pattern.json"  # the learned gates of a run, next to its checkpoints
 
 
-def streaming_attention(q, k, v, q_pos, k_pos, *, sinks: int, recent: int, impl="xla", softcap=None) -> jax.Array:
+def streaming_attention(
+    q, k, v, q_pos, k_pos, *, sinks: int, recent: int, window=None, impl="xla", softcap=None
+) -> jax.Array:
     """Attention `[B,T,N,Hv]` of q `[B,T,N,H]` over k, v `[B,K,S,H]` where query i sees key j iff
-    j <= i and (j < sinks or i - j < recent)."""
+    j <= i and (j < sinks or i - j < recent), and in a sliding-window layer also i - j < window (its
+    sinks are seen only while the window still covers them; renormalizing the probabilities over what
+    stays visible is the softmax over it)."""
     probs = attention_probs(q, k, v, q_pos, k_pos, window=recent, sinks=sinks, impl=impl, softcap=softcap)
+    if window is not None:
+        seen = probs * grouped_mask(q_pos, k_pos, window, None, k.shape[1])
+        probs = seen / seen.sum(axis=-1, keepdims=True)
     return attend(probs, v).astype(q.dtype)
 
 
 def _per_query_head(x: jax.Array, n_heads: int) -> jax.Array:
     """A value per KV head `[K]` repeated for the query heads of its group `[N]`."""
     return jnp.repeat(x, n_heads // x.shape[0])
-
-
-def _full_attention_layer(window: int | None) -> None:
-    """DuoAttention splits full-attention heads; a sliding-window layer has none to split."""
-    if window is not None:
-        raise ValueError(f"DuoAttention needs full-attention layers; this layer has window={window}")
 
 
 class _GatedView:
@@ -60,11 +66,11 @@ class _GatedView:
         self.view, self.mix = view, mix
 
     def attend(self, q, q_pos, impl, window=None, softcap=None):
-        _full_attention_layer(window)
         view, mix = self.view, self.mix
-        full = attention(q, view.k, view.v, q_pos, view.pos, impl=impl, fresh=view.fresh, softcap=softcap)
+        seen = (q, view.k, view.v, q_pos, view.pos)
+        full = attention(*seen, window=window, impl=impl, fresh=view.fresh, softcap=softcap)
         stream = streaming_attention(
-            q, view.k, view.v, q_pos, view.pos, sinks=mix.sinks, recent=mix.recent, impl=impl, softcap=softcap
+            *seen, sinks=mix.sinks, recent=mix.recent, window=window, impl=impl, softcap=softcap
         )
         alpha = _per_query_head(jnp.clip(mix.gates, 0.0, 1.0), q.shape[2])[None, None, :, None]
         return (alpha * full.astype(jnp.float32) + (1 - alpha) * stream.astype(jnp.float32)).astype(q.dtype)
@@ -93,7 +99,6 @@ class _DuoView:
         self.cache, self.full, self.stream = cache, full, stream
 
     def attend(self, q, q_pos, impl, window=None, softcap=None):
-        _full_attention_layer(window)
         cache, (T, N) = self.cache, q.shape[1:3]
         G = N // (len(cache.retrieval) + len(cache.streaming))
         outs, order = [], []
@@ -102,10 +107,12 @@ class _DuoView:
                 continue
             idx = np.concatenate([np.arange(h * G, (h + 1) * G) for h in heads])
             q_part = q[:, :, idx]
-            if view is self.full or T == 1:  # a decode query's streaming view holds exactly its sinks + window
-                outs.append(attention(q_part, view.k, view.v, q_pos, view.pos, impl=impl, softcap=softcap))
+            if view is self.full or T == 1:  # a decode query's streaming view holds exactly its sinks + recent
+                outs.append(
+                    attention(q_part, view.k, view.v, q_pos, view.pos, window=window, impl=impl, softcap=softcap)
+                )
             else:
-                stream = dict(sinks=cache.sinks, recent=cache.recent, impl=impl, softcap=softcap)
+                stream = dict(sinks=cache.sinks, recent=cache.recent, window=window, impl=impl, softcap=softcap)
                 outs.append(streaming_attention(q_part, view.k, view.v, q_pos, view.pos, **stream))
             order.append(idx)
         out = jnp.concatenate(outs, axis=2)
@@ -208,8 +215,10 @@ def save_pattern(path: str | Path, gates: list[np.ndarray], **record) -> None:
     os.replace(tmp, path)
 
 
-def load_pattern(path: str | Path, heads: tuple[int, ...]) -> tuple[list[np.ndarray], dict]:
-    """Gates of a pattern file checked against the model (KV heads of each compressible layer)."""
+def load_pattern(path: str | Path, heads: tuple[int, ...], local_heads: tuple[int, ...] = ()) -> tuple[list, dict]:
+    """Gates of a pattern file checked against the model: KV heads of each compressible layer (`heads`),
+    or of each compressible layer and ring (`local_heads`) when the pattern was learned with the rings
+    (its record says `local`)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(
@@ -222,6 +231,8 @@ def load_pattern(path: str | Path, heads: tuple[int, ...]) -> tuple[list[np.ndar
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"policy stage 'duo': {path} is not a DuoAttention pattern file ({e})") from None
     shape = tuple(len(g) for g in gates)
+    if record.get("local"):
+        heads = local_heads
     if shape != tuple(heads):
         raise ConfigError(
             f"policy stage 'duo': {path} has gates for KV heads {shape} per layer; this model's compressible "
@@ -237,7 +248,17 @@ def duo_heads(stage, cfg) -> tuple[tuple[int, ...], ...]:
             "policy stage 'duo' needs the model's learned pattern: pass pattern=PATH (the kvjax command finds "
             f"{PATTERN_FILE} of a run, or configs/duo/NAME.json of an imported model)"
         )
-    gates, _ = load_pattern(stage.options.pattern, tuple(kv_heads(cfg, slot) for slot in compressible(cfg)))
+    growing, every = compressible(cfg), compressible(cfg, local=True)
+    gates, record = load_pattern(
+        stage.options.pattern, tuple(kv_heads(cfg, s) for s in growing), tuple(kv_heads(cfg, s) for s in every)
+    )
+    if stage.local and not record.get("local"):
+        raise ConfigError(
+            f"policy stage 'duo': local=true needs gates for the sliding-window layers too, and "
+            f"{stage.options.pattern} has the growing caches' only: learn them with `kvjax duo-train MODEL --local`"
+        )
+    if record.get("local") and not stage.local:  # the rings' gates stay out of the choice
+        gates = [g for g, slot in zip(gates, every) if slot in growing]
     return streaming_heads(gates, stage.ratio)
 
 

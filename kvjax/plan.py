@@ -70,6 +70,12 @@ def ring_window(cfg: ModelConfig, slot: int) -> int | None:
     return KINDS[plan.mixers[plan.producers[slot]]].window(cfg)
 
 
+def rope_base(cfg: ModelConfig, slot: int) -> float:
+    """The RoPE base of cache `slot`'s keys (Gemma's local layers have their own, `model.local`)."""
+    plan = LayerPlan.from_config(cfg)
+    return cfg.attention_for(plan.mixers[plan.producers[slot]]).rope_theta
+
+
 def kv_heads(cfg: ModelConfig, slot: int) -> int:
     """KV heads of compressible cache `slot` (1 for an MLA latent, which serves every head)."""
     plan = LayerPlan.from_config(cfg)

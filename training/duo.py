@@ -76,6 +76,7 @@ class GateTraining:
     reg: float = 0.05
     seed: int = 0
     held_out: int = 4  # samples the objective is reported on, drawn apart from the training ones
+    local: bool = False  # gates for the sliding-window layers too (the policy's `local=true`)
 
     def __post_init__(self):
         for name in ("steps", "length", "keys", "words", "recent", "held_out"):
@@ -111,11 +112,11 @@ def passkey_sample(tokenizer, filler: np.ndarray, cfg: GateTraining, rng: np.ran
     return np.asarray(tokens, np.int32), mask
 
 
-def gate_caches(model_cfg, gates, sinks: int, recent: int) -> tuple:
+def gate_caches(model_cfg, gates, sinks: int, recent: int, local: bool = False) -> tuple:
     """The caches argument that makes a frozen model run eq. 1: a `GateMix` per compressible producer
-    (gates `[K]` each, in `compressible` order), None for every other producer."""
+    (gates `[K]` each, in `compressible(model_cfg, local)` order), None for every other producer."""
     caches = [None] * len(LayerPlan.from_config(model_cfg).producers)
-    for g, slot in zip(gates, compressible(model_cfg)):
+    for g, slot in zip(gates, compressible(model_cfg, local)):
         caches[slot] = GateMix(g, sinks, recent)
     return tuple(caches)
 
@@ -130,10 +131,10 @@ def teacher_hidden(graphdef, params, tokens):
     return hidden.astype(jnp.float32)
 
 
-def objective(graphdef, params, gates, tokens, mask, teacher, *, sinks, recent, reg):
+def objective(graphdef, params, gates, tokens, mask, teacher, *, sinks, recent, reg, local=False):
     """(L, (distillation term, L1 term)) of eq. 2-3 for gates (a tuple of `[K]` arrays)."""
     model = nnx.merge(graphdef, params)
-    caches = gate_caches(model.config, gates, sinks, recent)
+    caches = gate_caches(model.config, gates, sinks, recent, local)
     hidden, _ = model.hidden(tokens, _positions(tokens), caches)
     err = jnp.mean((hidden.astype(jnp.float32) - teacher) ** 2, axis=-1)
     distill = jnp.sum(err * mask) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -158,7 +159,9 @@ def learn_gates(model, tokenizer, filler: np.ndarray, cfg: GateTraining = GateTr
     """Optimise the gates of `model` (weights frozen); returns {"gates": [per layer `[K]`], "history":
     per-step losses, "held_out_before"/"held_out_after": the objective on held-out samples, "seconds"}."""
     mcfg = model.config
-    slots = compressible(mcfg)
+    slots = compressible(mcfg, cfg.local)
+    if cfg.local and slots == compressible(mcfg):
+        raise ConfigError(f"duo training: local=true learns gates of sliding-window layers, and {mcfg.name!r} has none")
     if not slots or "mla" in mcfg.mixers:
         raise ConfigError(f"model {mcfg.name!r} has no attention cache with per-head keys for DuoAttention's gates")
     graphdef, params = nnx.split(model)
@@ -172,7 +175,7 @@ def learn_gates(model, tokenizer, filler: np.ndarray, cfg: GateTraining = GateTr
     tx = optax.adamw(schedule, weight_decay=0.0)
     opt = tx.init(gates)
     teach = jax.jit(partial(teacher_hidden, graphdef))
-    loss_fn = partial(objective, graphdef, sinks=cfg.sinks, recent=cfg.recent, reg=cfg.reg)
+    loss_fn = partial(objective, graphdef, sinks=cfg.sinks, recent=cfg.recent, reg=cfg.reg, local=cfg.local)
 
     @jax.jit
     def step(params, gates, opt, tokens, mask, teacher):

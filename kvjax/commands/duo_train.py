@@ -36,6 +36,7 @@ def run(args) -> None:
         lr=args.lr,
         reg=args.reg,
         seed=args.seed,
+        local=args.local,
     )
     out = Path(args.out) if args.out else learned_pattern_path(args.model, None)
     if out is not None:
@@ -51,6 +52,7 @@ def run(args) -> None:
         out,
         result["gates"],
         model=loaded.config.model.name,
+        local=cfg.local,
         training=dataclasses.asdict(cfg),
         held_out_before=result["held_out_before"],
         held_out_after=result["held_out_after"],
@@ -58,7 +60,8 @@ def run(args) -> None:
         history=result["history"],
     )
     half = streaming_heads(result["gates"], 0.5)
-    use = "" if is_run(args.model) and not args.out else f"; use it with --policy duo:0.5:pattern={out}"
+    local = ":local" if cfg.local else ""
+    use = "" if is_run(args.model) and not args.out else f"; use it with --policy duo:0.5{local}:pattern={out}"
     print(
         f"held-out objective {result['held_out_before']:.5f} -> {result['held_out_after']:.5f} "
         f"({cfg.steps} steps, {result['seconds']:.0f} s); wrote {out}{use}"
@@ -82,6 +85,11 @@ def register(sub) -> None:
     duo.add_argument("--lr", type=POSITIVE_FLOAT, default=0.02, help="gate learning rate (default: 0.02)")
     duo.add_argument("--reg", type=NON_NEGATIVE_FLOAT, default=0.05, help="L1 weight on the gates (default: 0.05)")
     duo.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
+    duo.add_argument(
+        "--local",
+        action="store_true",
+        help="learn gates for the sliding-window layers too, for duo:R:local (the pattern serves duo:R as well)",
+    )
     duo.add_argument("--corpus", help="haystack text (default: the run's own; kjv for GGUF models)")
     duo.add_argument(
         "--out",

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, LatentCache, RingKVCache
+from kvjax.cache import KVCache, LatentCache, RingKVCache, layer_slots
 from kvjax.compress import reducers, scorers
 from kvjax.compress.methods.base import Target
 from kvjax.compress.policy import Policy, Stage, stage_counts
@@ -25,7 +25,7 @@ from kvjax.config import ConfigError, ModelConfig
 from kvjax.kinds import INT32
 from kvjax.memory import layer_memory
 from kvjax.ops import grouped_mask
-from kvjax.plan import compressible, kv_heads, ring_window
+from kvjax.plan import compressible, kv_heads, ring_window, rope_base
 from kvjax.quant import QuantKVCache, QuantSpec
 from kvjax.quant.packing import packed_width
 from kvjax.quant.parts import LowRankError, Outliers, Sinks
@@ -43,11 +43,8 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
         if slots == compressible(cfg):
             raise ConfigError(f"policy: local=true compresses sliding-window rings, and {cfg.name!r} has none")
         for stage in policy.stages:
-            if not (stage.hooks and stage.hooks.kind == "scorer"):
-                raise ConfigError(
-                    f"policy stage {stage.method!r}: local=true runs token scorers (streaming, h2o, snapkv, tova, "
-                    "keynorm, ...) with their allocators and reducers; not this stage"
-                )
+            if stage.hooks and stage.hooks.rings:
+                raise ConfigError(f"policy stage {stage.method!r}: local=true does not apply: {stage.hooks.rings}")
     mla = "mla" in cfg.mixers
     for i, stage in enumerate(policy.stages):
         where = f"policy stage {stage.method!r}"
@@ -94,8 +91,8 @@ class StagePlan:
     keep_caps: tuple[int, ...]
     capacities: tuple[int, ...]
     heads: tuple[int, ...]
-    quant: QuantSpec | None = None  # a quantizing stage's spec, completed from the model config
-    rope_theta: float = 10_000.0
+    quant: QuantSpec | None = None  # a quantizing stage's spec (each cache's RoPE base added as it runs)
+    rope_thetas: tuple = ()  # per compressible cache, its keys' RoPE base (pre-RoPE encoders undo it)
     bases: tuple | None = None  # Palu: (k_basis, v_basis) per compressible cache, from calibration
     streaming: tuple | None = None  # DuoAttention: the streaming KV heads of each compressible cache
     rings: tuple = ()  # per compressible cache, its sliding window when it is a ring (local=true), else None
@@ -109,7 +106,7 @@ class StagePlan:
             self.capacities,
             self.heads,
             self.quant,
-            self.rope_theta,
+            self.rope_thetas,
             self.streaming,
             self.rings,
         )
@@ -151,7 +148,8 @@ def plan_stages(
     `streaming`: DuoAttention's streaming heads per compressible cache (`kvjax.duo.streaming_heads`);
     `layer_counts`: D2O's tokens kept per cache and row `[n, B]` (`d2o.layer_counts`, from the prefill).
     Raises ConfigError for impossible budgets. A ring's (local=true) budget is taken of the tokens still
-    in its window, min(L, W - 1); a size above them keeps them all."""
+    in its window, min(L, W - 1); a size above them keeps them all (Quest's size, tokens read, is capped
+    at the window W)."""
     slots = compressible(cfg, stages[0].local)
     rings = tuple(ring_window(cfg, s) for s in slots) if stages[0].local else (None,) * len(slots)
     current = np.stack([np.minimum(np.asarray(lengths, np.int64), (w or 1 << 62) - 1) for w in rings]).reshape(
@@ -160,9 +158,12 @@ def plan_stages(
     plans = []
     for i, stage in enumerate(stages):
         last = i == len(stages) - 1
+        reads = stage.hooks is not None and stage.hooks.kind == "selector"  # Quest's size: tokens read, a cap
         counts = np.stack(
             [
-                np.minimum(stage.size, current[j])
+                np.full_like(current[j], min(stage.size, rings[j]))
+                if rings[j] and stage.size is not None and reads
+                else np.minimum(stage.size, current[j])
                 if rings[j] and stage.size is not None and stage.size >= current[j].min()
                 else stage_counts(stage, current[j], len(slots))[j]
                 for j in range(len(slots))
@@ -179,9 +180,8 @@ def plan_stages(
         if stage.hooks:
             keep_caps = tuple(stage.hooks.keep_cap(stage, cap) for cap in keep_caps)
         capacities = tuple(keep_caps[j] + (headroom * heads[j] if last else 0) for j in range(len(slots)))
-        quant = None
-        if stage.quantizes:  # key groups tile the quantized cache
-            quant = dataclasses.replace(stage.quant_spec, rope_theta=cfg.attention.rope_theta)
+        quant = stage.quant_spec if stage.quantizes else None
+        if quant is not None:  # key groups tile the quantized cache
             capacities = tuple(quant.slots(c) for c in capacities)
         prepared = {"bases": bases, "streaming": streaming}
         needs = stage.hooks.prepares if stage.hooks else ()
@@ -191,7 +191,6 @@ def plan_stages(
                 f"policy stage {stage.method!r} needs its {', '.join(missing)} from the model before any "
                 "prompt (`prepare_policy`; Generator does it, given calibration=tokens where a method needs them)"
             )
-        theta = cfg.attention.rope_theta
         plans.append(
             StagePlan(
                 stage,
@@ -202,7 +201,7 @@ def plan_stages(
                 capacities,
                 tuple(heads),
                 quant,
-                theta,
+                tuple(rope_base(cfg, s) for s in slots),
                 bases if "bases" in needs else None,
                 streaming if "streaming" in needs else None,
                 rings,
@@ -242,8 +241,8 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
         if rings[j]:  # a sliding-window layer (local=true): only the tokens a next query still sees
             cache, stats = _in_window(cache, stats, last_pos, rings[j])
         for static, (counts, windows, floors, bases) in zip(statics, arrays):
-            stage, keep_caps, capacities, heads, quant, theta, streaming, _ = static
-            target = Target.of(j, keep_caps, capacities, theta, bases, streaming)
+            stage, keep_caps, capacities, heads, quant, thetas, streaming, _ = static
+            target = Target.of(j, keep_caps, capacities, thetas[j], bases, streaming, rings[j])
             cache, stats = reduce_cache(
                 stage, cache, stats, counts[j], windows[j], floors[j], last_pos, target, heads[j], quant
             )
@@ -284,7 +283,7 @@ def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, tar
     spec. Returns (new cache, the statistics gathered to its slots)."""
     keep_cap, capacity = target.keep_cap, target.capacity
     if stage.quantizes:
-        return QuantKVCache.from_cache(cache, quant, capacity), stats
+        return QuantKVCache.from_cache(cache, dataclasses.replace(quant, rope_theta=target.rope_theta), capacity), stats
     method = stage.hooks
     encoded = method.encode(stage, cache, stats[0], target)
     if encoded is not None:
@@ -331,14 +330,18 @@ def compressed_cache_bytes(cfg: ModelConfig, plans: tuple[StagePlan, ...], batch
             continue
         j = slots.index(slot)
         cap, K, item = last.capacities[j], kv_heads(cfg, slot), jnp.dtype(cfg.dtype).itemsize
+        source = layer_slots(mem.max_slots, capacity)
+        mem = dataclasses.replace(mem, max_slots=None)  # a compressed ring is a plain cache
         positions = K if per_head and K > 1 else 1
         if last.stage.quantizes:
             head_dim = mem.kv_bytes_per_slot // (2 * K * item)
             total += quant_cache_bytes(last.quant, cap, K, head_dim, cfg.dtype, positions=positions)
             continue
         if method is not None:
-            target = Target.of(j, last.keep_caps, last.capacities, last.rope_theta, last.bases, last.streaming)
-            encoded = method.cache_bytes(last.stage, target, mem, K, item, positions, capacity)
+            target = Target.of(
+                j, last.keep_caps, last.capacities, last.rope_thetas[j], last.bases, last.streaming, last.rings[j]
+            )
+            encoded = method.cache_bytes(last.stage, target, mem, K, item, positions, source)
             if encoded is not None:
                 total += encoded
                 continue

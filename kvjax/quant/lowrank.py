@@ -31,7 +31,7 @@ from flax import struct
 
 from kvjax.cache import KVView, _append_slots, _Positioned
 from kvjax.ops import attention, blocked_probs, decode_block, kernel_impl
-from kvjax.plan import LayerPlan, init_caches
+from kvjax.plan import LayerPlan, init_caches, rope_base
 from kvjax.rope import rotate_slots
 
 
@@ -174,8 +174,9 @@ def calibrate(model, tokens: np.ndarray, compressible: tuple[int, ...], ratio: f
         cache = caches[slot]
         K, H = cache.k.shape[1], cache.k.shape[3]
         g = group_heads(K, heads)
-        k_pre = rotate_slots(cache.k, -cache.pos, model.config.attention.rope_theta)
-        samples = lambda x: np.asarray(x).transpose(0, 2, 1, 3).reshape(N * T, K, H)  # noqa: E731
+        k_pre = rotate_slots(cache.k, -cache.pos, rope_base(model.config, slot))
+        live = np.asarray(cache.pos) >= 0  # a ring (local=true) holds its window's last tokens of each row
+        samples = lambda x: np.asarray(x).transpose(0, 2, 1, 3)[live]  # noqa: E731  [tokens, K, H]
         rank = rank_for(ratio, g * H)
         out.append(
             (

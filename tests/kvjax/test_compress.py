@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvjax import DecodingConfig, Generator
-from kvjax.cache import KVCache, KVView, PooledKVCache, QuestKVCache, caches_nbytes
+from kvjax.cache import KVCache, KVView, PooledKVCache, QuestKVCache, RingKVCache, caches_nbytes
 from kvjax.compress import compressed_cache_bytes, parse_policy, plan_stages
 from kvjax.compress.allocators import ALLOCATORS
 from kvjax.compress.apply import observe_fn
@@ -672,7 +672,10 @@ def test_observe_fn_gives_one_statistic_per_stage():
     assert len(out) == 2 and out[0].shape == (2, 2, 9) and out[1] is None
 
 
-def test_quest_reads_the_pages_with_the_highest_upper_bound_and_the_bound_holds():
+@pytest.mark.parametrize("window", [None, 20])
+def test_quest_reads_the_pages_with_the_highest_upper_bound_and_the_bound_holds(window):
+    """...and with a sliding window (a compressed ring), only pages that still hold a token the query sees
+    are candidates."""
     r = np.random.default_rng(5)
     B, K, G, S, H, ps = 2, 2, 3, 37, 4, 8
     k = jnp.asarray(r.normal(size=(B, K, S, H)), jnp.float32)
@@ -680,7 +683,7 @@ def test_quest_reads_the_pages_with_the_highest_upper_bound_and_the_bound_holds(
     pos = jnp.asarray(np.where(np.arange(S)[None] < lengths[:, None], np.arange(S)[None], -1), jnp.int32)
     cache = QuestKVCache.from_cache(KVCache(k=k, v=k, pos=pos, length=jnp.asarray(lengths, jnp.int32)), ps, 2)
     q = jnp.asarray(r.normal(size=(B, 1, K * G, H)), jnp.float32)
-    view = cache.select(q, KVView(cache.k, cache.v, cache.pos))
+    view = cache.select(q, KVView(cache.k, cache.v, cache.pos), jnp.asarray(lengths[:, None] - 1), window)
     for b, n in enumerate(lengths):
         pages = -(-n // ps)
         for h in range(K):
@@ -693,7 +696,8 @@ def test_quest_reads_the_pages_with_the_highest_upper_bound_and_the_bound_holds(
                 bound.append(np.maximum(qg * lo, qg * hi).sum(-1).max())
                 assert bound[-1] >= qk[:, p * ps : (p + 1) * ps].max() - 1e-5  # an upper bound per page
             newest = (n - 1) // ps
-            best = [p for p in np.argsort(bound)[::-1] if p != newest][:1]
+            seen = [p for p in range(pages) if window is None or min((p + 1) * ps, n) - 1 > n - 1 - window]
+            best = [p for p in np.argsort(bound)[::-1] if p != newest and p in seen][:1]
             read = sorted({int(x) // ps for x in np.asarray(view.pos[b, h]) if x >= 0})
             assert read == sorted({newest, *best})
             for p in read:  # a read page is read whole, at its true positions
@@ -887,11 +891,42 @@ def test_local_true_compresses_the_rings_to_tokens_inside_their_window(make_mode
 
 
 @pytest.mark.parametrize(
+    "policy, same_as",
+    [
+        # a residual that holds every in-window and new token keeps the rings exact; pre-RoPE keys are
+        # un-rotated with each layer's own base
+        ("kvquant:4:local,group=4,residual=16", "kvquant:4:group=4,residual=16"),
+        ("quest:1000:local,page_size=4", None),  # reading at least the window reads every page of a ring
+        ("think:0.0:local", None),
+        ("palu:0.0:local", None),  # full rank: the rings' calibrated bases span their keys and values
+    ],
+)
+def test_local_true_runs_quantizers_selectors_and_encoders_with_exact_bytes(make_model, policy, same_as):
+    """`local` with the stages that re-encode a cache rather than choose its tokens: the rings' bytes
+    are analytic, and a setting that loses nothing in a ring scores as the model does without
+    compressing the rings (`same_as`; None: as the uncompressed model)."""
+    cfg, model = make_model("gqa", *GEMMA_LIKE)
+    calibration = np.arange(60).reshape(2, 30) % 50 + 3
+    gen = Generator(model, capacity=CAPACITY, policy=parse_policy(policy), calibration=calibration)
+    padded, lengths = gen.pad(PROMPTS, NEW)
+    _, caches, _ = gen.prefill_compressed(padded, lengths, NEW)
+    assert not any(isinstance(c, RingKVCache) for c in caches)
+    assert caches_nbytes(caches) == compressed_cache_bytes(cfg, gen.compression_plan(lengths, NEW), 2, CAPACITY)
+    for kind, cache in zip(cfg.mixers, caches):
+        spec = getattr(cache, "spec", None)
+        assert spec is None or spec.rope_theta == cfg.attention_for(kind).rope_theta
+    continuation = [[3, 8, 1, 7, 7, 2]] * 2
+    ref = Generator(model, capacity=CAPACITY, policy=same_as and parse_policy(same_as))
+    np.testing.assert_allclose(gen.score(PROMPTS, continuation)[0], ref.score(PROMPTS, continuation)[0], atol=2e-5)
+
+
+@pytest.mark.parametrize(
     "model, policy, error",
     [
         ((), "snapkv:0.5:local", "local=true compresses sliding-window rings, and 'gqa' has none"),
         (GEMMA_LIKE, "snapkv:0.5+streaming:0.5:local", "local= goes on the first stage"),
-        (GEMMA_LIKE, "kivi:2:local", "local=true runs token scorers"),
+        (GEMMA_LIKE, "minicache:0.5:local", "local=true does not apply: it merges pairs"),
+        (GEMMA_LIKE, "d2o:0.5:local", "local=true does not apply: its layer budgets"),
     ],
 )
 def test_local_true_is_refused_where_it_cannot_apply(make_model, model, policy, error):

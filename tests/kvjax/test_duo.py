@@ -14,8 +14,10 @@ from kvjax.compress import compressed_cache_bytes, parse_policy
 from kvjax.config import ConfigError
 from kvjax.duo import DuoKVCache, GateMix, load_pattern, save_pattern, streaming_attention, streaming_heads
 from kvjax.ops import attention
+from kvjax.plan import compressible, kv_heads
 from kvjax.training.duo import GateTraining, gate_caches, learn_gates, objective, passkey_sample
 from kvjax.training.tokenizer import ByteTokenizer
+from tests.conftest import GEMMA_LIKE
 from tests.kvjax.test_compress import CAPACITY, GREEDY, NEW, PROMPTS
 
 
@@ -124,13 +126,15 @@ def test_decoding_with_rounded_gates_equals_the_gated_model(gqa, pattern):
     _assert_decoding_matches_rounded_gates(cfg, model, gates, None, sinks=2, recent=6, path=pattern)
 
 
-def _assert_decoding_matches_rounded_gates(cfg, model, gates, tmp_path, *, sinks, recent, path=None):
+def _assert_decoding_matches_rounded_gates(cfg, model, gates, tmp_path, *, sinks, recent, path=None, local=False):
     """Prompt within sinks + window (where streaming = full), then 16 tokens scored through the deployed
-    cache (duo:0.5) == the gated model's forward over the whole sequence with the gates rounded to 0 / 1."""
+    cache (duo:0.5) == the gated model's forward over the whole sequence with the gates rounded to 0 / 1.
+    `local`: the gates cover the sliding-window layers too (duo:0.5:local)."""
     if path is None:
         path = tmp_path / "learned.json"
-        save_pattern(path, gates)
-    gen = Generator(model, capacity=sinks + recent + 20, policy=_duo(path, 0.5, sinks=sinks, window=recent))
+        save_pattern(path, gates, local=local)
+    flags = {"local": "true"} if local else {}
+    gen = Generator(model, capacity=sinks + recent + 20, policy=_duo(path, 0.5, sinks=sinks, window=recent, **flags))
     rng = np.random.default_rng(1)
     n = min(8, sinks + recent)
     prompt, cont = rng.integers(3, cfg.vocab_size, n).tolist(), rng.integers(3, cfg.vocab_size, 16).tolist()
@@ -140,12 +144,30 @@ def _assert_decoding_matches_rounded_gates(cfg, model, gates, tmp_path, *, sinks
     gates = tuple(jnp.asarray([0.0 if h in s else 1.0 for h in range(K)]) for s in streaming)
     tokens = jnp.asarray([prompt + cont])
     pos = jnp.arange(tokens.shape[1])[None]
-    logits, _ = model(tokens, pos, gate_caches(cfg, gates, sinks, recent))
+    logits, _ = model(tokens, pos, gate_caches(cfg, gates, sinks, recent, local))
     ref = jnp.take_along_axis(jax.nn.log_softmax(logits[0, len(prompt) - 1 : -1]), jnp.asarray(cont)[:, None], 1)[:, 0]
     np.testing.assert_allclose(logp[0], ref, atol=1e-5)
     full, _ = Generator(model, capacity=sinks + recent + 20).score([prompt], [cont])
     if n + 16 > sinks + recent:
         assert np.abs(full[0] - logp[0]).max() > 1e-3  # the streaming heads really dropped tokens
+
+
+def test_on_sliding_window_layers_too_decoding_equals_the_gated_model(make_model, tmp_path):
+    """duo:R:local splits the heads of the rings as well: a local layer's streaming heads see their sinks
+    and recent tokens only while its window (8) covers them, in the deployed cache as in the gated model
+    (21 tokens: the sinks leave the window). A pattern learned with the rings serves duo:R too (their
+    gates stay out of the choice); one learned without them cannot serve duo:R:local."""
+    cfg, model = make_model("gqa", *GEMMA_LIKE)
+    every = compressible(cfg, local=True)
+    gates = [np.random.default_rng(3).uniform(size=kv_heads(cfg, s)) for s in every]
+    _assert_decoding_matches_rounded_gates(cfg, model, gates, tmp_path, sinks=2, recent=3, local=True)
+    assert {cfg.mixers[s] for s, heads in enumerate(streaming_heads(gates, 0.5)) if heads} == {"local", "attention"}
+    growing = [g for s, g in zip(every, gates) if cfg.mixers[s] == "attention"]
+    gen = Generator(model, capacity=CAPACITY, policy=_duo(tmp_path / "learned.json", 0.5))
+    assert gen._prepared["streaming"] == streaming_heads(growing, 0.5)
+    save_pattern(tmp_path / "global.json", growing)
+    with pytest.raises(ConfigError, match="needs gates for the sliding-window layers too.*duo-train MODEL --local"):
+        Generator(model, capacity=CAPACITY, policy=_duo(tmp_path / "global.json", 0.5, local="true"))
 
 
 def test_all_gates_open_is_the_full_model_and_the_objective_is_its_l1_term(gqa):

@@ -27,21 +27,34 @@ METHODS: dict[str, Method] = {}
 
 class Target(NamedTuple):
     """What one compressible cache becomes in a stage: `keep_cap` slots kept (of `capacity` with the
-    headroom for decoding), the layer's RoPE base, and what the method prepared for this cache (its
-    entry of `bases` or `streaming`, None when it prepared nothing)."""
+    headroom for decoding), the layer's RoPE base, what the method prepared for this cache (its entry
+    of `bases` or `streaming`, None when it prepared nothing), and `window`: the sliding window when
+    the cache is a ring (`local=true`), else None."""
 
     keep_cap: int
     capacity: int
     rope_theta: float
     bases: tuple | None = None
     streaming: tuple | None = None
+    window: int | None = None
 
     @classmethod
-    def of(cls, j: int, keep_caps, capacities, rope_theta, bases, streaming) -> Target:
+    def of(cls, j: int, keep_caps, capacities, rope_theta, bases, streaming, window=None) -> Target:
         """Cache j's target from a stage plan's per-cache tuples (`bases` may be empty: sizes only)."""
         return cls(
-            keep_caps[j], capacities[j], rope_theta, bases[j] if bases else None, streaming[j] if streaming else None
+            keep_caps[j],
+            capacities[j],
+            rope_theta,
+            bases[j] if bases else None,
+            streaming[j] if streaming else None,
+            window,
         )
+
+    def source(self, slots: int) -> int:
+        """The slots a method that keeps every token (Quest, DuoAttention's retrieval heads) stores, of a
+        cache of `slots`: all of them for a growing cache; for a ring, the W - 1 tokens its window still
+        shows the next query, plus the headroom for decoding (a compressed ring is a plain cache)."""
+        return slots if self.window is None else min(self.window - 1, slots) + self.capacity - self.keep_cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +93,7 @@ class Method:
     extra_bytes_per_sequence: ClassVar[int] = 0  # state a method adds to each compressed cache (D2O's threshold)
     recent: ClassVar[int] = 0  # a fixed recent window the method keeps unless `window=` (DuoAttention, ThinK)
     alone: ClassVar[str] = ""  # why it cannot be chained with other stages ("" when it can)
+    rings: ClassVar[str] = ""  # why it cannot compress sliding-window rings (`local=true`; "" when it can)
     Options: ClassVar[type[Options]] = Options  # its own options (`stage.options` holds an instance)
 
     def validate(self, stage, where: str) -> None:

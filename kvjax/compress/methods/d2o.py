@@ -18,6 +18,7 @@ class D2O(H2O):
     budgets_at_prefill = True
     extra_bytes_per_sequence = 4  # the merge threshold's moving average, fp32
     alone = "its layer budgets come from the whole prompt's attention"
+    rings = "its layer budgets share one budget between layers by their attention over the whole prompt"
 
     @dataclasses.dataclass(frozen=True)
     class Options(Options):

@@ -41,10 +41,18 @@ class Duo(Method):
         return {"streaming": duo_heads(stage, model.config)}
 
     def encode(self, stage, cache, stat, target):
-        return DuoKVCache.from_cache(cache, target.streaming, stage.n_sinks, stage.recent, target.capacity)
+        return DuoKVCache.from_cache(
+            cache, target.streaming, stage.n_sinks, stage.recent, self._kept(target, cache.capacity)
+        )
 
     def cache_bytes(self, stage, target, mem, K, item, positions, source):
         # retrieval heads keep every slot; streaming heads their sinks and a recent ring
         streaming, head_bytes = len(target.streaming), mem.kv_bytes_per_slot // K
-        parts = [(target.capacity, K - streaming), (stage.n_sinks, streaming), (stage.recent, streaming)]
+        kept = self._kept(target, source)
+        parts = [(kept, K - streaming), (stage.n_sinks, streaming), (stage.recent, streaming)]
         return sum(n * (heads * head_bytes + INT32) + INT32 for n, heads in parts if heads and n)
+
+    @staticmethod
+    def _kept(target, source: int) -> int:
+        """Slots of the retrieval heads: every token to come for a growing cache, a ring's window (local=true)."""
+        return target.capacity if target.window is None else target.source(source)

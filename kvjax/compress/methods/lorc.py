@@ -24,7 +24,7 @@ class LoRC(Palu):  # Palu's latent cache; only where the bases come from differs
 
     def prepare(self, stage, model, calibration=None, shapes_only=False):
         # each layer's rank comes from its weights' condition numbers, so the sizes need the bases too
-        return {"bases": lorc_bases(model, compressible(model.config), stage.ratio, stage.options.heads)}
+        return {"bases": lorc_bases(model, compressible(model.config, stage.local), stage.ratio, stage.options.heads)}
 
     def rank(self, stage, target, group_dim):
         return target.bases[0].shape[-1]  # progressive: each layer's own rank, from its bases

@@ -21,6 +21,7 @@ class MiniCache(Method):
     kind = "layer_level"
     head_keys = True
     alone = "it merges pairs of layers"
+    rings = "it merges pairs of neighbouring compressible caches, and a ring holds another span of tokens"
 
     @dataclasses.dataclass(frozen=True)
     class Options(Options):

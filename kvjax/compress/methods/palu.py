@@ -42,7 +42,11 @@ class Palu(Method):
             return {"bases": ()}
         if calibration is None:
             raise ConfigError("policy stage 'palu' needs calibration data: Generator(..., calibration=tokens)")
-        return {"bases": calibrate(model, calibration, compressible(model.config), stage.ratio, stage.options.heads)}
+        return {
+            "bases": calibrate(
+                model, calibration, compressible(model.config, stage.local), stage.ratio, stage.options.heads
+            )
+        }
 
     def encode(self, stage, cache, stat, target):
         return LowRankKVCache.from_cache(cache, *target.bases, target.capacity, target.rope_theta)

@@ -3,7 +3,9 @@ page's channel-wise key min and max, and a decode query reads only the pages who
 is highest (`kvjax.cache.QuestKVCache`). The budget is the tokens read per decode step, in whole pages,
 fixed at the prefill as the paper's token budget: a ratio is of the prompt (so `quest:0.0` reads the
 prompt's pages, not the pages decoding adds), and a size may exceed the prompt (`quest:4096` on a
-1,000-token prompt reads every page until the sequence passes 4,096 tokens)."""
+1,000-token prompt reads every page until the sequence passes 4,096 tokens). On a sliding-window ring
+(`local=true`) the pages are those of the tokens still in the window and the ones decoding adds, a page
+wholly out of the window is no candidate, and a size of at least the window reads every page."""
 
 from __future__ import annotations
 
@@ -31,8 +33,13 @@ class Quest(Method):
         return -(-cap // stage.options.page_size) * stage.options.page_size  # whole pages are read
 
     def encode(self, stage, cache, stat, target):
-        return QuestKVCache.from_cache(cache, stage.options.page_size, target.keep_cap // stage.options.page_size)
+        cache = cache.resized(target.source(cache.capacity))  # a ring's window plus the tokens to come
+        pages = target.keep_cap // stage.options.page_size
+        if target.window is not None and target.keep_cap >= target.window:  # reads the whole window: every page
+            pages = -(-cache.capacity // stage.options.page_size)
+        return QuestKVCache.from_cache(cache, stage.options.page_size, pages)
 
     def cache_bytes(self, stage, target, mem, K, item, positions, source):
         # every slot kept, plus a key min and max per page and head
-        return mem.bytes(source) + -(-source // stage.options.page_size) * mem.kv_bytes_per_slot
+        slots = target.source(source)
+        return mem.bytes(slots) + -(-slots // stage.options.page_size) * mem.kv_bytes_per_slot

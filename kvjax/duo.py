@@ -262,20 +262,26 @@ def duo_heads(stage, cfg) -> tuple[tuple[int, ...], ...]:
     return streaming_heads(gates, stage.ratio)
 
 
-def default_pattern(model_ref: str, model_name: str) -> Path:
-    """Where `duo:R` reads a model's learned pattern: `duo_pattern.json` in a run directory trained here,
-    else the shipped `configs/duo/<model name>.json` (imported GGUF and Hugging Face models)."""
+def _pattern_name(model_name: str, local: bool) -> str:
+    """An imported model's pattern file: `NAME.json`, or `NAME.local.json` with the rings' gates too."""
+    return f"{model_name}{'.local' if local else ''}.json"
+
+
+def default_pattern(model_ref: str, model_name: str, local: bool = False) -> Path:
+    """Where `duo:R` (`local`: `duo:R:local`) reads a model's learned pattern: `duo_pattern.json` in a run
+    directory trained here, else the shipped `configs/duo/<model name>[.local].json` (imported GGUF and
+    Hugging Face models)."""
     if is_run(model_ref):
         return Path(model_ref) / PATTERN_FILE
-    return CONFIG_ROOT / "duo" / f"{model_name}.json"
+    return CONFIG_ROOT / "duo" / _pattern_name(model_name, local)
 
 
-def learned_pattern_path(model_ref: str, model_name: str | None) -> Path | None:
+def learned_pattern_path(model_ref: str, model_name: str | None, local: bool = False) -> Path | None:
     """Where `kvjax duo-train` writes by default: the run directory's `duo_pattern.json`, else
-    `runs/duo/<model name>.json` (None while the name is unknown); never the shipped patterns."""
+    `runs/duo/<model name>[.local].json` (None while the name is unknown); never the shipped patterns."""
     if is_run(model_ref):
         return Path(model_ref) / PATTERN_FILE
-    return None if model_name is None else Path("runs") / "duo" / f"{model_name}.json"
+    return None if model_name is None else Path("runs") / "duo" / _pattern_name(model_name, local)
 
 
 def check_pattern_target(path: Path, overwrite: bool) -> None:
@@ -296,9 +302,10 @@ def is_run(model_ref: str) -> bool:
     return (Path(model_ref) / "checkpoints").is_dir()
 
 
-def with_pattern(policy_text: str, path: str | Path) -> str:
-    """A policy text whose `duo` stages without `pattern=` read `path`: `duo:0.5` -> `duo:0.5:pattern=PATH`
-    (also `duo` and `duo:sinks=4`, methods whose budget comes later)."""
+def with_pattern(policy_text: str, path: str | Path, local_path: str | Path | None = None) -> str:
+    """A policy text whose `duo` stages without `pattern=` read `path` (`local_path` for a stage that says
+    `local`): `duo:0.5` -> `duo:0.5:pattern=PATH` (also `duo` and `duo:sinks=4`, methods whose budget
+    comes later)."""
     stages = []
     for stage in policy_text.split("+"):
         parts = stage.strip().split(":")
@@ -306,6 +313,8 @@ def with_pattern(policy_text: str, path: str | Path) -> str:
             budget = len(parts) > 1 and parts[1].replace(".", "", 1).isdigit()
             options = parts[2:] if budget else parts[1:]
             head = parts[:2] if budget else parts[:1]
-            stage = ":".join([*head, ",".join([*options, f"pattern={path}"])])
+            local = any(o in ("local", "local=true") for part in options for o in part.split(","))
+            chosen = local_path if local and local_path is not None else path
+            stage = ":".join([*head, ",".join([*options, f"pattern={chosen}"])])
         stages.append(stage)
     return "+".join(stages)

@@ -21,11 +21,13 @@ def calibration_tokens(loaded, policies, corpus: str | None):
 
 def resolve_duo(texts: list[str], model_ref: str, loaded) -> list[str]:
     """Policy texts (or `--policies` methods) whose `duo` stages read the model's learned pattern
-    (`kvjax.duo.default_pattern`) unless they name one."""
+    (`kvjax.duo.default_pattern`; the one with the rings' gates for `duo:R:local`) unless they name one."""
 
-    path = default_pattern(model_ref, loaded.config.model.name)
-    shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else path
-    return [with_pattern(text, shown) for text in texts]
+    def shown(local: bool):
+        path = default_pattern(model_ref, loaded.config.model.name, local)
+        return os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else path
+
+    return [with_pattern(text, shown(False), shown(True)) for text in texts]
 
 
 def check_policies(texts: list[str], loaded) -> None:

@@ -38,13 +38,13 @@ def run(args) -> None:
         seed=args.seed,
         local=args.local,
     )
-    out = Path(args.out) if args.out else learned_pattern_path(args.model, None)
+    out = Path(args.out) if args.out else learned_pattern_path(args.model, None, args.local)
     if out is not None:
         check_pattern_target(out, args.overwrite)  # before loading the model
     loaded = load_model(args.model)
     check_context(loaded, cfg.length, f"--length={cfg.length}", args.allow_long_context)
     if out is None:
-        out = learned_pattern_path(args.model, loaded.config.model.name)
+        out = learned_pattern_path(args.model, loaded.config.model.name, args.local)
         check_pattern_target(out, args.overwrite)
     filler = ce.corpus_tokens(loaded.tokenizer, args.corpus or loaded.corpus)
     result = learn_gates(loaded.model, loaded.tokenizer, filler, cfg)
@@ -94,8 +94,8 @@ def register(sub) -> None:
     duo.add_argument(
         "--out",
         help="pattern file (default: RUN/duo_pattern.json for a run, which duo:R then reads; "
-        "runs/duo/NAME.json for an imported model, read with duo:R:pattern=PATH; the shipped "
-        "configs/duo/ patterns are never written)",
+        "runs/duo/NAME.json (NAME.local.json with --local) for an imported model, read with "
+        "duo:R:pattern=PATH; the shipped configs/duo/ patterns are never written)",
     )
     duo.add_argument("--overwrite", action="store_true", help="replace an existing pattern file")
     duo.add_argument("--allow-long-context", action="store_true", help=LONG_HELP)

@@ -2,6 +2,8 @@
 heads keep), decoding equal to the gated model it came from, the head choice, the gate objective and
 its optimization, and clear errors."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,17 @@ from kvjax import Generator
 from kvjax.cache import caches_nbytes
 from kvjax.compress import compressed_cache_bytes, parse_policy
 from kvjax.config import ConfigError
-from kvjax.duo import DuoKVCache, GateMix, load_pattern, save_pattern, streaming_attention, streaming_heads
+from kvjax.duo import (
+    DuoKVCache,
+    GateMix,
+    default_pattern,
+    learned_pattern_path,
+    load_pattern,
+    save_pattern,
+    streaming_attention,
+    streaming_heads,
+    with_pattern,
+)
 from kvjax.ops import attention
 from kvjax.plan import compressible, kv_heads
 from kvjax.training.duo import GateTraining, gate_caches, learn_gates, objective, passkey_sample
@@ -170,6 +182,18 @@ def test_on_sliding_window_layers_too_decoding_equals_the_gated_model(make_model
         Generator(model, capacity=CAPACITY, policy=_duo(tmp_path / "global.json", 0.5, local="true"))
 
 
+def test_duo_stages_without_a_pattern_read_the_models_own_for_their_layers():
+    """The commands fill in a `duo` stage's pattern: the model's, or the one with the rings' gates for a
+    stage that says `local`; a stage that names one keeps it."""
+    assert with_pattern("duo:0.5", "g.json", "l.json") == "duo:0.5:pattern=g.json"
+    assert with_pattern("snapkv:0.5", "g.json", "l.json") == "snapkv:0.5"
+    assert with_pattern("duo:0.5:local", "g.json", "l.json") == "duo:0.5:local,pattern=l.json"
+    assert with_pattern("duo:sinks=4,local=true", "g", "l") == "duo:sinks=4,local=true,pattern=l"
+    assert with_pattern("duo:0.5:local,pattern=x", "g", "l") == "duo:0.5:local,pattern=x"
+    assert default_pattern("gemma3", "gemma-3-270m", local=True).name == "gemma-3-270m.local.json"
+    assert learned_pattern_path("gemma3", "gemma-3-270m", local=True) == Path("runs/duo/gemma-3-270m.local.json")
+
+
 def test_all_gates_open_is_the_full_model_and_the_objective_is_its_l1_term(gqa):
     cfg, model = gqa
     graphdef, params = nnx.split(model)
@@ -247,3 +271,5 @@ def test_bad_duo_policies_and_patterns_are_clear_errors(gqa, pattern, tmp_path, 
     with pytest.raises(ConfigError, match="length=.* must exceed sinks"):
         GateTraining(length=300, sinks=64, recent=256)
     assert isinstance(gate_caches(cfg, (jnp.ones(2), jnp.ones(2)), 2, 4)[0], GateMix)
+    with pytest.raises(ConfigError, match="local=true learns gates of sliding-window layers, and 'gqa' has none"):
+        learn_gates(model, ByteTokenizer(), np.zeros(10, np.int32), GateTraining(local=True))

@@ -33,7 +33,7 @@ from flax import struct
 
 from kvjax.cache import KVCache, KVView, RingKVCache, _Arrays, heads_first
 from kvjax.config import CONFIG_ROOT, ConfigError
-from kvjax.ops import attend, attention, attention_probs, grouped_mask
+from kvjax.ops import attend, attention, attention_probs
 from kvjax.plan import compressible, kv_heads
 
 SINKS, RECENT = 64, 256  # the reference evaluation scripts' deployment sinks and recent window
@@ -45,12 +45,10 @@ def streaming_attention(
 ) -> jax.Array:
     """Attention `[B,T,N,Hv]` of q `[B,T,N,H]` over k, v `[B,K,S,H]` where query i sees key j iff
     j <= i and (j < sinks or i - j < recent), and in a sliding-window layer also i - j < window (its
-    sinks are seen only while the window still covers them; renormalizing the probabilities over what
-    stays visible is the softmax over it)."""
-    probs = attention_probs(q, k, v, q_pos, k_pos, window=recent, sinks=sinks, impl=impl, softcap=softcap)
-    if window is not None:
-        seen = probs * grouped_mask(q_pos, k_pos, window, None, k.shape[1])
-        probs = seen / seen.sum(axis=-1, keepdims=True)
+    sinks are seen only while the window still covers them)."""
+    probs = attention_probs(
+        q, k, v, q_pos, k_pos, window=recent, sinks=sinks, horizon=window, impl=impl, softcap=softcap
+    )
     return attend(probs, v).astype(q.dtype)
 
 

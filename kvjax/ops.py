@@ -49,11 +49,14 @@ PREFILL_BLOCK = 256  # query rows per block of `causal_blocks` (128 and 256 ran 
 _MASKED = -1e30
 
 
-def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None = None, sinks: int = 0) -> jax.Array:
+def visible(
+    q_pos: jax.Array, k_pos: jax.Array, window: int | None = None, sinks: int = 0, horizon: int | None = None
+) -> jax.Array:
     """Boolean mask: which keys each query may attend to, from positions alone. `[B,T,S]` for key
     positions shared by every KV head `[B,S]`; `[B,K,T,S]` for per-head positions `[B,K,S]` (a cache
     compressed head by head keeps different tokens in each head). With a window, the first `sinks`
-    positions stay visible too (StreamingLLM's attention sinks: DuoAttention's streaming heads)."""
+    positions stay visible too (StreamingLLM's attention sinks: DuoAttention's streaming heads), unless
+    they are `horizon` or more positions back (a streaming head in a sliding-window layer)."""
     if k_pos.ndim == 2:
         q, k = q_pos[:, :, None], k_pos[:, None, :]
     else:
@@ -61,13 +64,15 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, window: int | None = None, sinks
     mask = (k >= 0) & (k <= q)
     if window is not None:
         mask &= (q - k < window) | (k < sinks)
+    if horizon is not None:
+        mask &= q - k < horizon
     return mask
 
 
-def grouped_mask(q_pos, k_pos, window, k_head, n_kv_heads, sinks: int = 0) -> jax.Array:
+def grouped_mask(q_pos, k_pos, window, k_head, n_kv_heads, sinks: int = 0, horizon: int | None = None) -> jax.Array:
     """`visible` laid out as `[B,K|1,T,1,S]` for `[B,K,T,G,S]` logits; with `k_head` `[B,S]` (a pooled
     cache, see `kvjax.cache.PooledKVCache`) a key is visible only to the query heads of its KV head."""
-    mask = visible(q_pos, k_pos, window, sinks)
+    mask = visible(q_pos, k_pos, window, sinks, horizon)
     mask = mask[:, None, :, None, :] if mask.ndim == 3 else mask[:, :, :, None, :]
     if k_head is not None:
         own = k_head[:, None, :] == jnp.arange(n_kv_heads, dtype=k_head.dtype)[None, :, None]  # [B,K,S]
@@ -310,17 +315,30 @@ def blocked_probs(parts, q_pos, k_pos, window, scale: float, block: int, softcap
 
 
 def attention_probs(
-    q, k, v, q_pos, k_pos, *, window=None, scale=None, impl="xla", k_head=None, n_kv_heads=None, sinks=0, softcap=None
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    *,
+    window=None,
+    scale=None,
+    impl="xla",
+    k_head=None,
+    n_kv_heads=None,
+    sinks=0,
+    horizon=None,
+    softcap=None,
 ) -> jax.Array:
     """The attention probabilities `[B,K,T,G,S]` (fp32) of `attention`, which compressors also observe;
-    `sinks` keeps the first positions visible past the window (`visible`)."""
+    `sinks` keeps the first positions visible past the window, unless beyond `horizon` (`visible`)."""
     K = _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads)
     B, T, N, H = q.shape
     scale = H**-0.5 if scale is None else scale
     q_BTKGH = q.reshape(B, T, K, N // K, H)
     spec = "BTKGH,BKSH->BKTGS" if k_head is None else "BTKGH,BSH->BKTGS"
     logits = capped(jnp.einsum(spec, q_BTKGH, k, preferred_element_type=jnp.float32) * scale, softcap)
-    return masked_softmax(logits, q_pos, k_pos, window, k_head=k_head, sinks=sinks)
+    return masked_softmax(logits, q_pos, k_pos, window, k_head=k_head, sinks=sinks, horizon=horizon)
 
 
 def capped(logits: jax.Array, softcap: float | None) -> jax.Array:
@@ -329,7 +347,14 @@ def capped(logits: jax.Array, softcap: float | None) -> jax.Array:
 
 
 def masked_softmax(
-    logits: jax.Array, q_pos: jax.Array, k_pos: jax.Array, window: int | None = None, *, k_head=None, sinks: int = 0
+    logits: jax.Array,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    window: int | None = None,
+    *,
+    k_head=None,
+    sinks: int = 0,
+    horizon: int | None = None,
 ) -> jax.Array:
     """Attention probabilities from fp32 logits `[B,K,T,G,S]`, masked by positions (`visible`) and, for a
     pooled cache, by each entry's KV head; a query that sees no key gets all zeros."""
@@ -337,7 +362,8 @@ def masked_softmax(
     # transpose the logits inside each mask op (half of a 2k-token prefill's time).
     # jax.nn.softmax rather than a hand-fused one: its backward rule kept training faster (1.6-2x in
     # scripts/bench_train.py when a hand-fused softmax was tried).
-    return masked_probs(logits, grouped_mask(q_pos, k_pos, window, k_head, logits.shape[1], sinks), axis=-1)
+    mask = grouped_mask(q_pos, k_pos, window, k_head, logits.shape[1], sinks, horizon)
+    return masked_probs(logits, mask, axis=-1)
 
 
 def masked_probs(logits: jax.Array, mask: jax.Array, axis=-1) -> jax.Array:

@@ -29,6 +29,7 @@ from kvjax.config import ConfigError
 from kvjax.duo import RECENT, SINKS, GateMix
 from kvjax.plan import LayerPlan, compressible, kv_heads
 from kvjax.training.retrieval import haystack
+from kvjax.training.trainer import TrainingError
 
 NATO = (
     "alfa",
@@ -201,6 +202,10 @@ def learn_gates(model, tokenizer, filler: np.ndarray, cfg: GateTraining = GateTr
         tokens, mask = passkey_sample(tokenizer, filler, cfg, rng)
         t, m = tokens[None], mask[None]
         gates, opt, loss, (distill, l1) = step(params, gates, opt, t, m, teach(params, t))
+        if not np.isfinite(float(loss)):
+            raise TrainingError(
+                f"duo training: the objective became {float(loss)} at step {i + 1}; nothing was written. Lower --lr."
+            )
         history.append({"step": i + 1, "loss": float(loss), "distill": float(distill), "l1": float(l1)})
         if (i + 1) % max(1, cfg.steps // 10) == 0 or i + 1 == cfg.steps:
             log(

@@ -29,6 +29,7 @@ from kvjax.ops import attention
 from kvjax.plan import compressible, kv_heads
 from kvjax.training.duo import GateTraining, gate_caches, learn_gates, objective, passkey_sample
 from kvjax.training.tokenizer import ByteTokenizer
+from kvjax.training.trainer import TrainingError
 from tests.conftest import GEMMA_LIKE
 from tests.kvjax.test_compress import CAPACITY, GREEDY, NEW, PROMPTS
 
@@ -249,6 +250,16 @@ def test_gate_learning_lowers_the_held_out_objective_and_is_repeatable(gqa, tmp_
     assert streaming_heads(first["gates"], 0.5) == streaming_heads(again["gates"], 0.5)
     assert min(g.min() for g in first["gates"]) < 1.0  # the gates moved
     _assert_decoding_matches_rounded_gates(cfg, model, first["gates"], tmp_path, sinks=2, recent=6)
+
+
+def test_gate_training_stops_at_a_non_finite_objective(gqa, monkeypatch):
+    _, model = gqa
+    nan = jnp.float32(jnp.nan)
+    monkeypatch.setattr("kvjax.training.duo.objective", lambda *a, **k: (nan + a[2][0].sum(), (nan, nan)))
+    filler = np.frombuffer(b"In the beginning was the word. " * 40, np.uint8).astype(np.int32)
+    train = GateTraining(steps=3, length=300, keys=1, words=1, sinks=2, recent=8, held_out=1)
+    with pytest.raises(TrainingError, match="objective became nan at step 1; nothing was written"):
+        learn_gates(model, ByteTokenizer(), filler, train, log=lambda _: None)
 
 
 def test_bad_duo_policies_and_patterns_are_clear_errors(gqa, pattern, tmp_path, make_model):

@@ -221,7 +221,7 @@ def load_pattern(path: str | Path, heads: tuple[int, ...], local_heads: tuple[in
     if not path.is_file():
         raise ConfigError(
             f"policy stage 'duo': no learned pattern at {path}; learn one with `kvjax duo-train MODEL` "
-            "or pass pattern=PATH"
+            "(--local for duo:R:local) or pass pattern=PATH"
         )
     try:
         record = json.loads(path.read_text())

@@ -17,6 +17,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kvjax import DecodingConfig, generate, memory  # noqa: E402
+from kvjax.compress import parse_policy  # noqa: E402
+from kvjax.duo import default_pattern, duo_heads, with_pattern  # noqa: E402
 from kvjax.training.data import load_corpus  # noqa: E402
 from kvjax.training.gguf_import import load_gguf_model, load_gguf_tokenizer  # noqa: E402
 from tests.training.gguf_reference import transformers_from_gguf  # noqa: E402
@@ -53,6 +55,10 @@ def test_the_file_is_what_the_model_card_says(ours):
     # only the 3 global layers grow with the context; the 15 rings are capped at 512 slots
     per_layer = 2 * 256 * 4 + 4  # K and V of the one KV head, fp32, and a position
     assert memory.cache_bytes(cfg, 4096) - memory.cache_bytes(cfg, 2048) == 3 * 2048 * per_layer
+    # the shipped DuoAttention gates fit it: the global layers' for duo:R, every layer's for duo:R:local
+    for policy, layers in (("duo:0.5", 3), ("duo:0.5:local", 18)):
+        text = with_pattern(policy, default_pattern("gemma3", cfg.name), default_pattern("gemma3", cfg.name, True))
+        assert len(duo_heads(parse_policy(text).stages[0], cfg)) == layers
 
 
 def test_tokens_match_transformers_on_short_and_whole_texts(ours, reference):

@@ -120,11 +120,12 @@ class _DuoView:
 @struct.dataclass
 class DuoKVCache(_Arrays):
     """DuoAttention's deployed cache of one attention producer: retrieval heads in a dense cache
-    (`full`, `[B,Kr,S,H]`), streaming heads in a cache of their first `sinks` positions (`sink`) and a
-    ring of their last `recent` positions past the sinks (`ring`), so their memory is constant. A part
-    with no heads is None. `retrieval` and `streaming` are the KV head indices of each part."""
+    (`full`, `[B,Kr,S,H]`; a ring in a sliding-window layer), streaming heads in a cache of their first
+    `sinks` positions (`sink`) and a ring of their last `recent` positions past the sinks (`ring`), so
+    their memory is constant. A part with no heads is None. `retrieval` and `streaming` are the KV head
+    indices of each part."""
 
-    full: KVCache | None
+    full: KVCache | RingKVCache | None
     sink: KVCache | None
     ring: RingKVCache | None
     retrieval: tuple[int, ...] = struct.field(pytree_node=False, default=())
@@ -133,21 +134,24 @@ class DuoKVCache(_Arrays):
     recent: int = struct.field(pytree_node=False, default=RECENT)
 
     @classmethod
-    def from_cache(cls, cache: KVCache, streaming: tuple[int, ...], sinks: int, recent: int, capacity: int):
+    def from_cache(
+        cls, cache: KVCache, streaming: tuple[int, ...], sinks: int, recent: int, capacity: int, ring: bool = False
+    ):
         """Split a dense prefill cache (positions shared by its heads): retrieval heads keep every token
-        in `capacity` slots, streaming heads their sinks and last `recent` tokens."""
+        in `capacity` slots (`ring`: a sliding-window layer's ring of that many, as the layer had),
+        streaming heads their sinks and last `recent` tokens."""
         if cache.pos.ndim != 2:
             raise ValueError("DuoAttention splits a dense cache (positions shared by the heads)")
         B, K, _, H = cache.k.shape
         retrieval = tuple(h for h in range(K) if h not in streaming)
         k, v, pos = cache.k.transpose(0, 2, 1, 3), cache.v.transpose(0, 2, 1, 3), cache.pos  # token-major
         empty = cls(None, None, None, retrieval, tuple(streaming), sinks, recent)
-        parts = empty._parts(B, capacity, H, cache.k.dtype)
+        parts = empty._parts(B, capacity, H, cache.k.dtype, RingKVCache if ring else KVCache)
         new, _ = empty.replace(**parts).update(k, v, pos)
         return new
 
-    def _parts(self, batch, capacity, head_dim, dtype) -> dict:
-        full = KVCache.init(batch, capacity, len(self.retrieval), head_dim, dtype) if self.retrieval else None
+    def _parts(self, batch, capacity, head_dim, dtype, full_cache=KVCache) -> dict:
+        full = full_cache.init(batch, capacity, len(self.retrieval), head_dim, dtype) if self.retrieval else None
         Ks = len(self.streaming)
         sink = KVCache.init(batch, self.sinks, Ks, head_dim, dtype) if Ks and self.sinks else None
         ring = RingKVCache.init(batch, self.recent, Ks, head_dim, dtype) if Ks else None

@@ -182,6 +182,11 @@ def test_on_sliding_window_layers_too_decoding_equals_the_gated_model(make_model
     gates = [np.random.default_rng(3).uniform(size=kv_heads(cfg, s)) for s in every]
     _assert_decoding_matches_rounded_gates(cfg, model, gates, tmp_path, sinks=2, recent=3, local=True)
     assert {cfg.mixers[s] for s, heads in enumerate(streaming_heads(gates, 0.5)) if heads} == {"local", "attention"}
+    gen = Generator(model, capacity=CAPACITY, policy=_duo(tmp_path / "learned.json", 0.5, local="true", window=3))
+    padded, lengths = gen.pad(PROMPTS, NEW)
+    _, caches, _ = gen.prefill_compressed(padded, lengths, NEW)  # the rings' retrieval heads stay rings
+    assert [type(c.full).__name__ for c in caches] == ["RingKVCache", "KVCache"] * 2
+    assert caches_nbytes(caches) == compressed_cache_bytes(cfg, gen.compression_plan(lengths, NEW), 2, CAPACITY)
     growing = [g for s, g in zip(every, gates) if cfg.mixers[s] == "attention"]
     gen = Generator(model, capacity=CAPACITY, policy=_duo(tmp_path / "learned.json", 0.5))
     assert gen._prepared["streaming"] == streaming_heads(growing, 0.5)

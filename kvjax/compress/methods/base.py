@@ -51,9 +51,9 @@ class Target(NamedTuple):
         )
 
     def source(self, slots: int) -> int:
-        """The slots a method that keeps every token (Quest, DuoAttention's retrieval heads) stores, of a
-        cache of `slots`: all of them for a growing cache; for a ring, the W - 1 tokens its window still
-        shows the next query, plus the headroom for decoding (a compressed ring is a plain cache)."""
+        """The slots a method that keeps every token in a plain cache (Quest) stores, of a cache of
+        `slots`: all of them for a growing cache; for a ring, the W - 1 tokens its window still shows
+        the next query, plus the headroom for decoding."""
         return slots if self.window is None else min(self.window - 1, slots) + self.capacity - self.keep_cap
 
 

@@ -41,9 +41,9 @@ class Duo(Method):
         return {"streaming": duo_heads(stage, model.config)}
 
     def encode(self, stage, cache, stat, target):
-        return DuoKVCache.from_cache(
-            cache, target.streaming, stage.n_sinks, stage.recent, self._kept(target, cache.capacity)
-        )
+        ring = target.window is not None  # a ring's retrieval heads keep it (its memory stays capped)
+        kept = self._kept(target, cache.capacity)
+        return DuoKVCache.from_cache(cache, target.streaming, stage.n_sinks, stage.recent, kept, ring)
 
     def cache_bytes(self, stage, target, mem, K, item, positions, source):
         # retrieval heads keep every slot; streaming heads their sinks and a recent ring
@@ -54,5 +54,6 @@ class Duo(Method):
 
     @staticmethod
     def _kept(target, source: int) -> int:
-        """Slots of the retrieval heads: every token to come for a growing cache, a ring's window (local=true)."""
-        return target.capacity if target.window is None else target.source(source)
+        """Slots of the retrieval heads: every token to come for a growing cache; a ring's own slots
+        (`source`: its window, or the capacity when that is smaller) with local=true."""
+        return target.capacity if target.window is None else source

@@ -315,7 +315,8 @@ def with_pattern(policy_text: str, path: str | Path, local_path: str | Path | No
             budget = len(parts) > 1 and parts[1].replace(".", "", 1).isdigit()
             options = parts[2:] if budget else parts[1:]
             head = parts[:2] if budget else parts[:1]
-            local = any(o in ("local", "local=true") for part in options for o in part.split(","))
+            flags = [tuple(x.strip() for x in o.partition("=")[::2]) for part in options for o in part.split(",")]
+            local = any(name == "local" and value.lower() in ("", "true") for name, value in flags)
             chosen = local_path if local and local_path is not None else path
             stage = ":".join([*head, ",".join([*options, f"pattern={chosen}"])])
         stages.append(stage)

@@ -202,16 +202,14 @@ def learn_gates(model, tokenizer, filler: np.ndarray, cfg: GateTraining = GateTr
         tokens, mask = passkey_sample(tokenizer, filler, cfg, rng)
         t, m = tokens[None], mask[None]
         gates, opt, loss, (distill, l1) = step(params, gates, opt, t, m, teach(params, t))
-        if not np.isfinite(float(loss)):
+        loss = float(loss)
+        if not np.isfinite(loss):
             raise TrainingError(
-                f"duo training: the objective became {float(loss)} at step {i + 1}; nothing was written. Lower --lr."
+                f"duo training: the objective became {loss} at step {i + 1}; nothing was written. Lower --lr."
             )
-        history.append({"step": i + 1, "loss": float(loss), "distill": float(distill), "l1": float(l1)})
+        history.append({"step": i + 1, "loss": loss, "distill": float(distill), "l1": float(l1)})
         if (i + 1) % max(1, cfg.steps // 10) == 0 or i + 1 == cfg.steps:
-            log(
-                f"step {i + 1}/{cfg.steps}: loss {float(loss):.5f} (distill {float(distill):.5f}, "
-                f"mean gate {float(l1):.3f})"
-            )
+            log(f"step {i + 1}/{cfg.steps}: loss {loss:.5f} (distill {float(distill):.5f}, mean gate {float(l1):.3f})")
     after = held_out(gates)
     return {
         "gates": [np.asarray(g) for g in gates],

@@ -158,17 +158,7 @@ def plan_stages(
     plans = []
     for i, stage in enumerate(stages):
         last = i == len(stages) - 1
-        reads = stage.hooks is not None and stage.hooks.kind == "selector"  # Quest's size: tokens read, a cap
-        counts = np.stack(
-            [
-                np.full_like(current[j], min(stage.size, rings[j]))
-                if rings[j] and stage.size is not None and reads
-                else np.minimum(stage.size, current[j])
-                if rings[j] and stage.size is not None and stage.size >= current[j].min()
-                else stage_counts(stage, current[j], len(slots))[j]
-                for j in range(len(slots))
-            ]
-        )
+        counts = np.stack([_counts(stage, current, j, rings[j]) for j in range(len(slots))])
         if stage.hooks and stage.hooks.budgets_at_prefill:
             if layer_counts is None:
                 raise ConfigError(f"policy stage {stage.method!r} needs its layer budgets from the prefill's attention")
@@ -209,6 +199,18 @@ def plan_stages(
         )
         current = counts
     return tuple(plans)
+
+
+def _counts(stage: Stage, current: np.ndarray, j: int, ring: int | None) -> np.ndarray:
+    """Tokens compressible cache j keeps per row, of `current` `[n, B]` tokens per cache. A size on a ring
+    keeps at most its in-window tokens (all of them when it is above them); Quest's size, tokens read per
+    step, is a cap at the window W instead."""
+    if ring and stage.size is not None:
+        if stage.hooks is not None and stage.hooks.kind == "selector":
+            return np.full_like(current[j], min(stage.size, ring))
+        if stage.size >= current[j].min():
+            return np.minimum(stage.size, current[j])
+    return stage_counts(stage, current[j], len(current))[j]
 
 
 def observe_fn(stages: tuple[Stage, ...]):

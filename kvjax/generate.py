@@ -22,6 +22,7 @@ from kvjax.compress import (
     Policy,
     check_policy,
     compress_caches,
+    compressed_cache_bytes,
     compressible,
     plan_stages,
     prepare_policy,
@@ -29,6 +30,7 @@ from kvjax.compress import (
 from kvjax.compress.apply import observe_fn
 from kvjax.compress.scorers import accumulates, observed_queries
 from kvjax.config import ConfigError, DecodingConfig
+from kvjax.memory import cache_bytes
 from kvjax.plan import init_caches
 from kvjax.sampling import sample
 
@@ -362,6 +364,16 @@ class Generator:
                 self.params, caches, hidden, padded[:, start : start + chunk], lengths, jnp.int32(start)
             )
         return self._logits(self.params, hidden), caches
+
+    def cache_bytes(self, lengths: Sequence[int], max_new_tokens: int) -> int:
+        """Analytic bytes of the caches a generation of `max_new_tokens` from prompts of `lengths` holds:
+        the full caches at this generator's capacity, or the policy's compressed ones (its budgets, room
+        for the new tokens). What `caches_nbytes(result.caches)` measures, byte for byte."""
+        lengths = np.asarray(lengths, np.int32)
+        if self.policy is None:
+            return cache_bytes(self.config, self.capacity, len(lengths))
+        plans = self.compression_plan(lengths, max_new_tokens)
+        return compressed_cache_bytes(self.config, plans, len(lengths), self.capacity)
 
     def compression_plan(self, lengths: np.ndarray, max_new_tokens: int, sized_for: int | None = None):
         """The policy's budgets for prompts of `lengths` (checked here, before any compute). `sized_for`:

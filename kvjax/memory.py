@@ -53,8 +53,10 @@ def cache_bytes(cfg: ModelConfig, tokens: int, batch: int = 1) -> int:
 
 def mha_reference(cfg: ModelConfig) -> ModelConfig:
     """The same shape with full multi-head attention: attention layers only, one K/V head per query head
-    in every layer, no window, no cross-layer sharing, no YOCO."""
+    in every layer, no window, no cross-layer sharing, no YOCO, and none of the other kinds' sections
+    (Gemma's `local` rings become global layers)."""
     att = dataclasses.replace(cfg.attention, n_kv_heads=cfg.attention.n_heads, window=None)
+    sections = {kind.section: None for kind in KINDS.values() if kind.section is not None}
     return dataclasses.replace(
         cfg,
         name=f"{cfg.name}-mha",
@@ -62,4 +64,5 @@ def mha_reference(cfg: ModelConfig) -> ModelConfig:
         kv_sharing=KVSharingConfig(),
         layer_pattern=("attention",),
         yoco=None,
+        **sections,
     )

@@ -16,6 +16,11 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def plural(n: int, word: str) -> str:
+    """'sample' for 1, 'samples' otherwise (the count itself is the caller's)."""
+    return word if n == 1 else word + "s"
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Left-align the first column and right-align the rest, GitHub-markdown style."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]

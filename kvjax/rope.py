@@ -53,7 +53,7 @@ def rotate_exact(x: jax.Array, pos: jax.Array, theta: float) -> jax.Array:
     caches that rotate every slot at every step (KVQuant-style and low-rank caches re-rotate stored
     pre-RoPE keys): XLA:CPU's cos/sin of large fp32 angles cost about ten times the table path per
     re-rotated layer (a one-off timing of both on a SmolLM2 layer at 8k slots when this was written;
-    `scripts/bench_compression.py --policies kvquant:4` times the decode step that uses it). The angles
+    `scripts/bench_compression.py --policy kvquant:4` times the decode step that uses it). The angles
     are exact to fp32 rounding, where `rotate`'s fp32 product p * inv_freq is off by up to ~1e-3 rad at
     p ~ 8k; a cache must therefore un-rotate with this function too, so that un-rotating and re-rotating
     a key give back the model's key."""

@@ -7,7 +7,7 @@ Servers compared at the same bytes of K/V memory:
   rings capped at their window, as `Generator` allocates them).
 - **engine** (`kvjax.Engine`): paged memory, continuous batching, chunked prefill mixed into the decode
   steps, prefix cache; the budget buys pages.
-- **engine + policy** for each `--policies` entry (e.g. `snapkv:0.5`, `int:8`): the same budget buys
+- **engine + policy** for each `--policy` entry (e.g. `snapkv:0.5`, `int:8`): the same budget buys
   pages of the policy's layout (int8 pages are smaller, so there are more), and compressed prompts take
   fewer of them, so more requests run at once.
 
@@ -17,13 +17,15 @@ is a mask), while a static row's rings stay at their window: there the static ro
 Prompt and output lengths are drawn uniformly from their ranges (numpy seed `seed`); an optional shared
 prefix starts every prompt; every request decodes greedily to its own length. Each server serves the
 whole workload once untimed (all its compiles) and is timed on the second pass, so neither side's
-figures include compiling.
+figures include compiling. Without a memory budget, the servers get what static batches need to hold a
+quarter of the requests at once (`default_memory`): tight enough that paging has something to win.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -62,34 +64,57 @@ class Workload:
         return out
 
 
+STATIC_SHARE = 4  # the default budget holds 1/STATIC_SHARE of the requests as static rows
+
+
+def reservation(requests: list[Request]) -> int:
+    """Tokens a static row reserves: the longest prompt plus the longest output of the workload."""
+    return max(len(r.prompt) for r in requests) + max(r.decoding.max_new_tokens for r in requests)
+
+
+def default_memory(cfg, workload: Workload) -> float:
+    """MiB of K/V for `ceil(requests / STATIC_SHARE)` static rows of the workload's reservation."""
+    rows = -(-workload.requests // STATIC_SHARE)
+    return rows * memory.cache_bytes(cfg, reservation(workload.sample(cfg.vocab_size))) / 2**20
+
+
 def page_bytes(model, page_size: int, policy: str | None) -> int:
     """Bytes one page takes over every K/V-producing layer under `policy` (K, V, positions, int8 scales)."""
     return Engine(model, n_pages=2, page_size=page_size, slots=1, policy=policy).page_nbytes()
 
 
-def _timed(engine: Engine, requests) -> float:
-    """Seconds the engine takes to serve the requests, after a first untimed pass (every compile: chunk,
-    step buckets, a policy's prefill per prompt bucket)."""
-    engine.run(requests)
-    engine.reset()
+def _timed(name: str, serve: Callable[[], None], log: Callable[[str], None]) -> float:
+    """Seconds `serve` takes on its second call; the first compiles everything it needs (an engine's chunk
+    and step buckets and a policy's prefill per prompt bucket; a static server's prompt buckets)."""
     start = time.perf_counter()
-    engine.run(requests)
-    return time.perf_counter() - start
+    serve()
+    log(f"{name}: first pass (compiles) {time.perf_counter() - start:.1f} s; timing the second")
+    start = time.perf_counter()
+    serve()
+    seconds = time.perf_counter() - start
+    log(f"{name}: {seconds:.1f} s")
+    return seconds
 
 
-def _timed_static(model, requests, rows: int, capacity: int) -> float:
+def _static(model, requests, rows: int, capacity: int) -> Callable[[], None]:
+    """Static batches: `rows` requests at a time, each batch decoded to its longest output."""
     gen = Generator(model, capacity=capacity)
 
-    def serve(reqs):
-        for i in range(0, len(reqs), rows):
-            batch = reqs[i : i + rows]
+    def serve():
+        for i in range(0, len(requests), rows):
+            batch = requests[i : i + rows]
             longest = max(r.decoding.max_new_tokens for r in batch)
             jax.block_until_ready(gen([list(r.prompt) for r in batch], DecodingConfig(max_new_tokens=longest)).tokens)
 
-    serve(requests)  # warm-up: every compile (one per prompt bucket and output length)
-    start = time.perf_counter()
-    serve(requests)
-    return time.perf_counter() - start
+    return serve
+
+
+def _engine(engine: Engine, requests) -> Callable[[], None]:
+    def serve():
+        engine.reset()
+        engine.run(requests)
+
+    return serve
 
 
 def serve_bench(
@@ -102,21 +127,23 @@ def serve_bench(
     chunk: int = 128,
     decode_steps: int = 8,
     policies: tuple[str, ...] = (),
+    log: Callable[[str], None] = lambda line: None,
 ) -> dict:
     """Run every server on the workload at `memory_mib` MiB of K/V and return the figures (see the module
     docstring); a budget too small for the longest request, or a policy budget a prompt cannot meet, is
-    a ConfigError before any compute."""
+    a ConfigError before any compute. `log` hears each pass as it ends."""
     cfg = model.config
     requests = workload.sample(cfg.vocab_size)
     budget = int(memory_mib * 2**20)
     longest = max(len(r.prompt) + r.decoding.max_new_tokens for r in requests)
-    reserve = max(len(r.prompt) for r in requests) + max(r.decoding.max_new_tokens for r in requests)
+    reserve = reservation(requests)
     row_bytes = memory.cache_bytes(cfg, reserve)  # a static row's caches (sliding-window rings capped)
     rows = budget // row_bytes
     if rows < 1:
         raise ConfigError(
-            f"--memory-mib={memory_mib}: {budget:,} bytes hold no static row of {reserve} tokens "
-            f"({row_bytes / 2**20:.3g} MiB a row); raise it"
+            f"--memory-mib={memory_mib:g}: {budget:,} bytes hold no static row of {reserve} tokens; the least "
+            f"that holds one is {row_bytes / 2**20:.3g} MiB (the default, {default_memory(cfg, workload):.3g}, "
+            f"holds {-(-workload.requests // STATIC_SHARE)})"
         )
     engines = {}
     for policy in (None, *policies):  # each layout's pages in the budget; every request checked before compute
@@ -143,13 +170,14 @@ def serve_bench(
         "prompt_tokens": sum(len(r.prompt) for r in requests),
         "servers": [],
     }
-    static_s = _timed_static(model, requests, rows, reserve)
+    static_s = _timed("static batches", _static(model, requests, rows, reserve), log)
     out["servers"].append(
         {
             "server": "static batches",
             "policy": None,
             "seconds": static_s,
-            "concurrent": rows,
+            "concurrent": min(rows, len(requests)),  # the largest batch that ran
+            "rows_in_memory": rows,
             "tokens_per_s": new_tokens / static_s,
             "requests_per_s": len(requests) / static_s,
             "bytes_allocated": rows * row_bytes,
@@ -157,7 +185,7 @@ def serve_bench(
         }
     )
     for policy, engine in engines.items():
-        seconds = _timed(engine, requests)
+        seconds = _timed("engine" + (f" + {policy}" if policy else ""), _engine(engine, requests), log)
         s, pool, per_page = engine.stats, engine.pool, engine.page_nbytes()
         lookups = pool.hits + pool.misses
         out["servers"].append(

@@ -11,7 +11,7 @@ built each step (no fused dequantizing kernel yet), so they are expected to be s
 cache here even though they store 4-10x fewer bytes. `palu:0.5` rebuilds K/V from rank-r latents
 each step (its bases, which do not change the time, are calibrated on random tokens here).
 
-    python scripts/bench_compression.py [--model smollm2] [--context 8192] [--budgets 0.25 0.5]
+    python scripts/bench_compression.py [--model smollm2] [--context 8192] [--ratios 0.75 0.5]
 """
 
 from __future__ import annotations
@@ -51,12 +51,16 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="a run directory, a .gguf file or smollm2")
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="fractions kept")
+    parser.add_argument(
+        "--ratios", type=float, nargs="+", default=[0.75, 0.5], help="compression ratios, the fractions removed"
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--policies", nargs="+", help="measure these policies (kept 1) instead of the default set")
+    parser.add_argument(
+        "--policy", action="append", help="measure this policy (ratio -) instead of the default set; repeatable"
+    )
     args = parser.parse_args()
-    for text in args.policies or ():
+    for text in args.policy or ():
         parse_policy(text)  # a bad policy fails here, before the model loads
 
     model = load(args.model)
@@ -71,19 +75,19 @@ def main() -> None:
     base, _ = decode_step_time(gen, full, logits, lengths, args.steps, args.repeats)
     weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     full_bytes = caches_nbytes(full)
-    rows = [["full", "1", format_bytes(full_bytes), f"{base * 1e3:.1f}", "1.00x", "1.00x", "1.00"]]
+    rows = [["full", "0", format_bytes(full_bytes), f"{base * 1e3:.1f}", "1.00x", "1.00x", "1.00"]]
     slots = compressible(cfg)
     rng_tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64))
     runs = [
-        (f"{name}:{1 - budget:g}" + (f":{options}" if options else ""), f"{budget:g}")
-        for budget in args.budgets
+        (f"{name}:{ratio:g}" + (f":{options}" if options else ""), f"{ratio:g}")
+        for ratio in args.ratios
         for name, _, options in (layout.partition(":") for layout in LAYOUTS)
     ]
-    if args.policies:
-        runs = [(text, "1") for text in args.policies]
+    if args.policy:
+        runs = [(text, "-") for text in args.policy]
     else:
-        runs += [(text, "1") for text in QUANTIZED]
-    for text, kept in runs:
+        runs += [(text, "-") for text in QUANTIZED]
+    for text, ratio in runs:
         policy = parse_policy(text)
         prepared = prepare_policy(policy, model, calibration=rng_tokens)  # Palu: random tokens calibrate here
         plans = plan_stages(cfg, policy.stages, lengths, headroom=room, **prepared)
@@ -101,7 +105,7 @@ def main() -> None:
         rows.append(
             [
                 str(policy),
-                kept,
+                ratio,
                 format_bytes(caches_nbytes(caches)),
                 f"{step * 1e3:.1f}",
                 f"{step / base:.2f}x",
@@ -114,7 +118,7 @@ def main() -> None:
         "cache layout; 'bytes predict' = (weights + cache bytes) / (weights + full cache bytes), 'ratio' = "
         "vs full / bytes predict"
     )
-    print(format_table(["policy", "kept", "cache bytes", "step ms", "vs full", "bytes predict", "ratio"], rows))
+    print(format_table(["policy", "ratio", "cache bytes", "step ms", "vs full", "bytes predict", "ratio"], rows))
 
 
 if __name__ == "__main__":

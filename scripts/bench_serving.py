@@ -3,7 +3,7 @@ policies) against static batching with `Generator`, on a synthetic workload. The
 `kvjax serve-bench` (see `kvjax/serve_bench.py` and `kvjax serve-bench --help`):
 
     python scripts/bench_serving.py MODEL [--requests 32] [--prompt 32 256] [--new 8 128] [--shared-prefix 0]
-        [--memory-mib 4] [--page-size 16] [--slots 16] [--policies snapkv:0.5 int:8] [--json OUT]
+        [--memory-mib M] [--page-size 16] [--slots 16] [--policy snapkv:0.5 --policy int:8] [--json OUT]
 """
 
 import sys

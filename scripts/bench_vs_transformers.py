@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import torch
 
-from kvjax.commands import USER_ERRORS
+from kvjax.commands import user_errors
 from kvjax.report import format_table
 from kvjax.timing import generation_times
 from kvjax.training.compression_eval import corpus_tokens
@@ -110,7 +110,7 @@ def main() -> None:
     try:
         loaded = load_model(args.model) if args.nll_windows else None  # the NLL needs the tokenizer too
         model = loaded.model if loaded else load_decoder(args.model)[1]
-    except USER_ERRORS as e:  # a wrong --model: one line, as the kvjax commands say it
+    except user_errors() as e:  # a wrong --model: one line, as the kvjax commands say it
         raise SystemExit(f"bench_vs_transformers.py: error: {e}") from None
     reference, attention = reference_model(args.model)
     rows = []

@@ -43,3 +43,13 @@ def test_the_readme_is_short_and_its_implemented_table_names_what_the_code_accep
     from kvjax.training.gguf_import import SHIPPED
 
     assert table["real models"] == set(SHIPPED) | set(families.BY_HF_ARCHITECTURE) | set(families.BY_GGUF_ARCHITECTURE)
+
+
+def test_the_readme_python_example_runs_and_its_byte_counts_agree():
+    """The README's Python block, run as written: its last line's analytic and measured bytes are equal."""
+    block = ROOT.joinpath("README.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    *body, last = block.strip().splitlines()
+    scope: dict = {}
+    exec("\n".join(body), scope)
+    analytic, measured = eval(last.split("#")[0], scope)
+    assert analytic == measured > 0

@@ -105,11 +105,11 @@ def stored_bytes_per_token(model, policy: Policy | None, prefix: int, layer_coun
 
 
 def continuation_eval(
-    model, prefixes, continuations, policies, *, batch: int = 1, calibration=None
+    model, prefixes, continuations, policies, *, batch: int = 1, calibration=None, on_batch=None
 ) -> list[ContinuationScore]:
     """Score each policy (None = the full cache, always scored first as the reference) on continuations
     `[n,N+1]` from `continuation_windows`: tokens 1..N, each predicted through the compressed cache;
-    `calibration` tokens calibrate Palu policies."""
+    `calibration` tokens calibrate Palu policies. `on_batch(rows)` follows each batch of rows scored."""
     P, N = prefixes.shape[1], continuations.shape[1]
 
     def score(policy):
@@ -121,6 +121,8 @@ def continuation_eval(
             )
             logps.append(logp[:, 1:])  # the first was predicted by the prefill, before compression
             fulls.append(full[:, 1:])
+            if on_batch is not None:
+                on_batch(len(logp))
         counts = None if gen.layer_counts is None else gen.layer_counts[:, :1]  # D2O: the last prompt's
         return np.concatenate(logps), np.concatenate(fulls), counts
 
@@ -162,8 +164,10 @@ def retrieval_accuracy(
     filler: np.ndarray | None = None,
     seed: int = 0,
     calibration=None,
+    on_cell=None,
 ) -> dict[tuple[int, float], float]:
-    """Exact-match accuracy of greedy answers {(length, depth): fraction of `trials`}."""
+    """Exact-match accuracy of greedy answers {(length, depth): fraction of `trials`}; `on_cell()` follows
+    each (length, depth)."""
     if task not in ("passkey", "needle"):
         raise ValueError(f"task={task!r} must be 'passkey' or 'needle'")
     filler = corpus_tokens(tokenizer) if filler is None else filler
@@ -180,6 +184,8 @@ def retrieval_accuracy(
             result = gen([c.prompt for c in cases], decoding)
             hits = [answered(tokenizer, result.tokens[i, : result.lengths[i]], c.answer) for i, c in enumerate(cases)]
             out[(length, depth)] = float(np.mean(hits))
+            if on_cell is not None:
+                on_cell()
     return out
 
 
@@ -199,13 +205,13 @@ def decode_seconds_per_step(
     return seconds[0] / (new_tokens - 1)
 
 
-# --- the policy table of `kvjax compare --policies` ------------------------------------------------
+# --- the policy table of `kvjax compare --policy` ------------------------------------------------
 
 
 @dataclasses.dataclass
 class PolicyRow:
     policy: str
-    budget: float | None  # fraction of the prefix kept (None: the full cache)
+    ratio: float | None  # kvpress's compression ratio, the fraction of the prefix removed (None: as given)
     cache_bytes_per_token: float
     nll: float
     kl: float
@@ -220,7 +226,7 @@ def with_budget(method: str, ratio: float) -> str:
 
 
 def has_budget(entry: str) -> bool:
-    """Whether a `--policies` entry is a whole policy ('kivi:2', 'snapkv:0.5+kivi:4'), run as given,
+    """Whether a `--policy` entry is a whole policy ('kivi:2', 'snapkv:0.5+kivi:4'), run as given,
     rather than a method to run at every budget ('snapkv', 'snapkv:obs_window=16')."""
     parts = entry.split(":")
     if "+" in entry or len(parts) < 2:
@@ -232,11 +238,13 @@ def has_budget(entry: str) -> bool:
     return True
 
 
-def table_runs(entries, budgets) -> list[tuple[str | None, float | None]]:
-    """(policy, fraction kept or None) for each row of the policy table, the full cache first."""
+def table_runs(entries, ratios) -> list[tuple[str | None, float | None]]:
+    """(policy, compression ratio or None) for each row of the policy table, the full cache first: each
+    method at every ratio (the fraction removed, as a policy's budget below 1 counts it), each whole
+    policy as given."""
     runs = [(None, None)]
     for entry in entries:
-        runs += [(entry, None)] if has_budget(entry) else [(with_budget(entry, 1 - b), b) for b in budgets]
+        runs += [(entry, None)] if has_budget(entry) else [(with_budget(entry, r), r) for r in ratios]
     return runs
 
 
@@ -244,7 +252,7 @@ def policy_table(
     model,
     tokenizer,
     methods,
-    budgets,
+    ratios,
     *,
     prefix: int,
     continuation: int,
@@ -258,15 +266,15 @@ def policy_table(
     calibration=None,
     corpus: str = "kjv",
 ) -> list[PolicyRow]:
-    """Every method at every budget (fraction kept), and every whole policy as given (`kivi:2`):
+    """Every method at every compression ratio (fraction removed), and every whole policy as given (`kivi:2`):
     continuation NLL / KL on the corpus's validation text, cache bytes per token, passkey accuracy (if
     passkey_length) and decode speed at `context` tokens."""
     stream = corpus_tokens(tokenizer, corpus)
     prefixes, conts = continuation_windows(stream, prefix, continuation, samples, tokenizer.bos_id if bos else None)
-    runs = table_runs(methods, budgets)
+    runs = table_runs(methods, ratios)
     scores = continuation_eval(model, prefixes, conts, [text for text, _ in runs[1:]], calibration=calibration)
     rows = []
-    for (text, kept), score in zip(runs, scores):
+    for (text, ratio), score in zip(runs, scores):
         log(f"  {score.policy}: NLL {score.nll:.4f}, KL {score.kl:.4f}")
         acc = None
         if passkey_length:
@@ -285,17 +293,17 @@ def policy_table(
             acc = float(np.mean(list(accs.values())))
         step = decode_seconds_per_step(model, context, decode_batch, text, calibration=calibration)
         rows.append(
-            PolicyRow(score.policy, kept, score.cache_bytes_per_token, score.nll, score.kl, acc, decode_batch / step)
+            PolicyRow(score.policy, ratio, score.cache_bytes_per_token, score.nll, score.kl, acc, decode_batch / step)
         )
     return rows
 
 
 def render_policy_table(rows: list[PolicyRow], title: str) -> str:
-    head = ["policy", "kept", "cache B/token", "NLL (nats)", "KL vs full", "passkey", "decode tok/s"]
+    head = ["policy", "ratio", "cache B/token", "NLL (nats)", "KL vs full", "passkey", "decode tok/s"]
     body = [
         [
             r.policy,
-            "-" if r.budget is None else f"{r.budget:g}",
+            "-" if r.ratio is None else f"{r.ratio:g}",
             f"{r.cache_bytes_per_token:,.0f}",
             f"{r.nll:.4f}",
             f"{r.kl:.4g}",

@@ -14,6 +14,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import struct
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -90,7 +91,15 @@ def _parsed(path: Path, mtime_ns: int, size: int):
         def data(self, mapped):
             self._data = np.asarray(mapped)  # the same mapped bytes, without memmap's per-slice bookkeeping
 
-    return Reader(path)
+    if size == 0:
+        raise GGUFError(f"{path} is empty, not a GGUF file")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GGUFError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    try:
+        return Reader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as e:  # gguf reads past the end
+        raise GGUFError(f"{path} is a damaged or truncated GGUF file ({size:,} bytes; {e})") from None
 
 
 def _field(reader, key: str, default=None):

@@ -88,7 +88,8 @@ def load_hf_model(directory: str | Path) -> tuple[Config, Decoder]:
 
 
 def load_hf_tokenizer(directory: str | Path):
-    """The checkpoint's tokenizer.json behind kvjax's interface, BOS/EOS from its configs."""
+    """The checkpoint's tokenizer.json behind kvjax's interface, BOS/EOS from its configs, the chat template
+    from tokenizer_config.json when it has one."""
     from tokenizers import Tokenizer as HFTok
 
     path = Path(directory)
@@ -99,4 +100,15 @@ def load_hf_tokenizer(directory: str | Path):
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     bos = hf.get("bos_token_id")
-    return HFTokenizer(tok, bos_id=eos if bos is None else bos, eos_id=eos if eos is not None else bos)
+    return HFTokenizer(
+        tok, bos_id=eos if bos is None else bos, eos_id=eos if eos is not None else bos, chat_template=_template(path)
+    )
+
+
+def _template(path: Path) -> str | None:
+    """tokenizer_config.json's chat template: a string, or the one named `default` of a list."""
+    config = path / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None

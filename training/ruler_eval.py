@@ -2,13 +2,16 @@
 (the policies that compress right after the prefill share one observed prefill per sample) and scored
 with RULER's string match, each cell appended to a JSONL file as soon as it is done, so an
 interrupted sweep resumes where it stopped and a finished cell is never computed again. Then the
-per-cell averages with 95% intervals, as CSV, JSON, a markdown table and kvpress-style figures."""
+per-cell averages with 95% Wilson intervals, as CSV, JSON, a markdown table and kvpress-style figures."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,10 +20,14 @@ import numpy as np
 
 from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
+from kvjax.errors import ConfigError
 from kvjax.generate import prefill_shared, shareable
+from kvjax.interrupt import Interrupted
 from kvjax.mappings import release_if_crowded
+from kvjax.report import plural
 from kvjax.training import ruler
 from kvjax.training.compression_eval import has_budget, stored_bytes_per_token, with_budget
+from kvjax.training.loading import weights_digest
 
 FULL = "full"  # the policy column of the uncompressed reference
 DODGE = 0.004  # leaderboard x offset between methods: their intervals at one ratio side by side
@@ -70,6 +77,48 @@ def template_tokens(tokenizer, bos: bool) -> int:
     return int(bos) + (0 if chat is None else len(tokenizer.encode(chat[0] + chat[1])))
 
 
+IDENTITY = ("model", "weights", "seed", "haystack", "template")  # what every cell of one results file shares
+
+
+def identity(model, tokenizer, *, bos: bool, seed: int) -> dict:
+    """What decides a sweep's answers besides each cell's own input: the model (its name and a digest of its
+    weights), the generation seed, the essay haystack's text, the prompt template (plain or the model's chat
+    turn, BOS or not) and the generators' version (`ruler.VERSION`)."""
+    chat = getattr(tokenizer, "chat_turn", lambda: None)() is not None
+    return dict(
+        model=model.config.name,
+        weights=weights_digest(model),
+        seed=seed,
+        haystack=ruler.ESSAY,
+        template=("chat" if chat else "plain") + ("+bos" if bos else ""),
+        generator=ruler.VERSION,
+    )
+
+
+def check_results(results: Path, ident: dict) -> None:
+    """Refuse a results file holding cells of another sweep (another model, weights, seed, haystack or
+    template), naming each difference; cells of an older generator are not refused: the sweep recomputes
+    those whose input changed."""
+    for record in finished(results).values():
+        differ = {k: record.get(k) for k in IDENTITY if record.get(k) != ident[k]}
+        if differ:
+            shown = ", ".join(f"{k} {v!r} there, {ident[k]!r} now" for k, v in differ.items())
+            raise ConfigError(
+                f"{results} holds the cells of another sweep ({shown}); write this one to another directory "
+                "(--out), or delete that file to start over"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """A sweep's cells (read back or computed now), how many were computed now, and how many of those
+    replaced a stored cell whose input had changed (a generator fixed since)."""
+
+    records: list[dict]
+    computed: int
+    stale: int
+
+
 def sweep(
     model,
     tokenizer,
@@ -85,51 +134,97 @@ def sweep(
     qa_files: dict | None = None,
     share: bool = True,
     on_cell: Callable[[dict], None] | None = None,
-) -> tuple[list[dict], int]:
-    """Every cell's record (read back from `results`, a JSONL file, or computed and appended to it) and
-    how many were computed now. Samples are generated once per (task, length) and shared by the runs;
-    with `share`, the policies that compress once after the prefill (every scorer, allocator and
-    quantizer) compress one observed prefill per sample (`prefill_shared`) instead of each its own.
-    `qa_files`: the data file of each QA task asked for (`ruler.qa_tasks`)."""
+    stop: threading.Event | None = None,
+) -> Sweep:
+    """Every cell's record, read back from `results` (a JSONL file) or computed and appended to it. A
+    stored cell is reused only if its input (a digest of the prompt's tokens) is the one generated now;
+    a file of another sweep (`identity`) is refused before any compute, and every sample is generated
+    before the first cell, so a length too short fails before anything is written. Samples are generated
+    once per (task, length) and shared by the runs; with `share`, the policies that compress once after
+    the prefill (every scorer, allocator and quantizer) compress one observed prefill per sample
+    (`prefill_shared`) instead of each its own. `qa_files`: the data file of each QA task asked for
+    (`ruler.qa_tasks`). `on_cell` sees every record, read or computed; a set `stop` (Ctrl-C) ends the
+    sweep after the sample in progress with `Interrupted`."""
+    ident = identity(model, tokenizer, bos=bos, seed=seed)
+    check_results(results, ident)
+    template, files = template_tokens(tokenizer, bos), qa_files or {}
+    cases = {
+        (t, n): ruler.generate(t, tokenizer, n, samples, seed, qa_file=files.get(t), template=template)
+        for n in lengths
+        for t in tasks
+    }
     done = finished(results)
-    records, computed = [], 0
-    with results.open("a") as log:
-        for length in lengths:
-            fitted = length - template_tokens(tokenizer, bos)
-            files = qa_files or {}
-            cases = {t: ruler.generate(t, tokenizer, fitted, samples, seed, qa_file=files.get(t)) for t in tasks}
-            gens: dict[str, Generator] = {}
+    records, computed, stale = [], 0, 0
+    results.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with results.open("a") as log:
+            for length in lengths:
+                gens: dict[str, Generator] = {}
 
-            def generator(run: Run) -> Generator:
-                if run.name not in gens:
-                    policy = parse_policy(run.policy) if run.policy else None
-                    gens[run.name] = Generator(model, capacity=length, policy=policy, calibration=calibration)
-                return gens[run.name]
+                def generator(run: Run) -> Generator:
+                    if run.name not in gens:
+                        policy = parse_policy(run.policy) if run.policy else None
+                        gens[run.name] = Generator(model, capacity=length, policy=policy, calibration=calibration)
+                    return gens[run.name]
 
-            for task in tasks:
-                for sample in cases[task]:
-                    keys = {run.name: (task, length, run.name, sample.index) for run in runs_}
-                    records += [done[k] for k in keys.values() if k in done]
-                    pending = [run for run in runs_ if keys[run.name] not in done]
-                    release_if_crowded()  # hours of compiles would exhaust the process's memory mappings
-                    answers = _answers(pending, generator, sample, tokenizer, bos, share)
-                    prompt_tokens = len(prompt_ids(sample, tokenizer, bos)) if answers else 0
-                    for run, answer in answers.items():
-                        record = _record(model, sample, run, length, answer, prompt_tokens)
-                        log.write(json.dumps(record) + "\n")
-                        log.flush()
-                        records.append(record)
-                        computed += 1
-                        if on_cell is not None:
-                            on_cell(record)
-    return records, computed
+                for task in tasks:
+                    for sample in cases[task, length]:
+                        prompt = prompt_ids(sample, tokenizer, bos)
+                        digest = _digest(prompt)
+                        kept = {}
+                        for run in runs_:
+                            old = done.get((task, length, run.name, sample.index))
+                            if old is not None and old.get("input") == digest:
+                                kept[run.name] = old
+                            stale += old is not None and run.name not in kept
+                        for record in kept.values():
+                            records.append(record)
+                            if on_cell is not None:
+                                on_cell(record)
+                        pending = [run for run in runs_ if run.name not in kept]
+                        release_if_crowded()  # hours of compiles would exhaust the process's memory mappings
+                        answers = _answers(pending, generator, sample, prompt, tokenizer, share)
+                        for run, answer in answers.items():
+                            record = {**_record(model, sample, run, length, answer, len(prompt)), **ident}
+                            record["input"] = digest
+                            log.write(json.dumps(record) + "\n")
+                            log.flush()
+                            records.append(record)
+                            computed += 1
+                            if on_cell is not None:
+                                on_cell(record)
+                        if stop is not None and stop.is_set():
+                            raise Interrupted(
+                                f"stopped after {computed} new cells; every finished cell is in {results}"
+                            )
+    finally:
+        _compact(results)
+    return Sweep(records, computed, stale)
 
 
-def _answers(pending: list[Run], generator, sample: ruler.Sample, tokenizer, bos: bool, share: bool) -> dict:
+def _digest(prompt: list[int]) -> str:
+    """A cell's input: the first 16 hex digits of the SHA-256 of its prompt's token ids."""
+    return hashlib.sha256(np.asarray(prompt, np.int64).tobytes()).hexdigest()[:16]
+
+
+def _compact(results: Path) -> None:
+    """Rewrite `results` with one line per cell (the last written) once recomputed cells have superseded
+    others, atomically."""
+    if not results.is_file():
+        return
+    lines = results.read_text().splitlines()
+    latest = finished(results)
+    if len(latest) == len(lines):
+        return
+    tmp = results.with_name(f".{results.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in latest.values()))
+    os.replace(tmp, results)
+
+
+def _answers(pending: list[Run], generator, sample: ruler.Sample, prompt: list[int], tokenizer, share: bool) -> dict:
     """Each pending run's greedy answer (text) to the sample."""
     if not pending:
         return {}
-    prompt = prompt_ids(sample, tokenizer, bos)
     # RULER's budget of new tokens per task; a model that ends its text (EOS) stops there, as HF's generate does
     decoding = DecodingConfig(max_new_tokens=ruler.TASKS[sample.task].tokens_to_generate, eos_id=tokenizer.eos_id)
     shared = [run for run in pending if share and shareable(generator(run))]
@@ -152,8 +247,8 @@ def _answers(pending: list[Run], generator, sample: ruler.Sample, tokenizer, bos
 
 
 def finished(results: Path) -> dict[tuple, dict]:
-    """The cells a sweep's JSONL file holds, by (task, length, policy, sample index). A line cut short by
-    an interrupted write is the last one, and is computed again."""
+    """The cells a sweep's JSONL file holds, by (task, length, policy, sample index), the last written of
+    each. A line cut short by an interrupted write is the last one, and is computed again."""
     done = {}
     if results.is_file():
         for line in results.read_text().splitlines():
@@ -191,15 +286,15 @@ def _record(model, sample: ruler.Sample, run: Run, length: int, answer: str, pro
 
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (policy, task, length): the mean score in percent, the samples, their standard
-    deviation (over the samples, ddof 0) and a 95% interval (normal approximation, half-width; NaN for one
-    sample), the policy's cache bytes per token."""
+    deviation (over the samples, ddof 0), the 95% Wilson interval of the mean (`wilson`) and the policy's
+    cache bytes per token."""
     cells: dict[tuple, list[dict]] = {}
     for r in records:
         cells.setdefault((r["policy"], r["task"], r["length"]), []).append(r)
     rows = []
     for (policy, task, length), group in cells.items():
         scores = 100 * np.array([r["score"] for r in group])
-        half = 1.96 * scores.std(ddof=1) / math.sqrt(len(scores)) if len(scores) > 1 else float("nan")
+        low, high = wilson(scores.mean() / 100, len(scores))
         first = group[0]
         rows.append(
             dict(
@@ -211,11 +306,22 @@ def summarize(records: list[dict]) -> list[dict]:
                 samples=len(group),
                 score=float(scores.mean()),
                 std=float(scores.std()),
-                ci95=float(half),
+                ci95_low=100 * low,
+                ci95_high=100 * high,
                 bytes_per_token=float(np.mean([r["bytes_per_token"] for r in group])),
             )
         )
     return rows
+
+
+def wilson(mean: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95% for z = 1.96) of a mean score in [0, 1] over n answers. Exact-match
+    answers score 0 or 1; a partly right one (RULER's `all` metric) has at most the variance of a 0/1
+    answer of the same mean, so for those the interval errs wide. It exists for n = 1 and never claims
+    certainty: 2 right answers of 2 give (34%, 100%), not 100 +- 0."""
+    centre, spread = mean + z * z / (2 * n), z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n))
+    scale = 1 + z * z / n
+    return max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale)
 
 
 def write_outputs(rows: list[dict], out: Path, title: str) -> list[Path]:
@@ -234,21 +340,21 @@ def write_outputs(rows: list[dict], out: Path, title: str) -> list[Path]:
     return [out / name for name in ("results.csv", "results.json", "results.md", "leaderboard.png", "tasks.png")]
 
 
-def average(cells: list[dict]) -> tuple[float, float]:
-    """(the mean of the cells' scores, the half-width of its 95% interval): the interval treats every
-    (task, sample) answer as one draw (normal approximation over all of them, the spread between tasks
-    included), so it exists with one sample per task; NaN for a single answer."""
-    n = np.array([c["samples"] for c in cells], np.float64)
+def average(cells: list[dict]) -> tuple[float, float, float]:
+    """(the mean of the cells' scores, the low and high ends of its 95% Wilson interval), in percent: the
+    interval counts every (task, sample) answer as one draw, so it exists with one sample per task."""
     means = np.array([c["score"] for c in cells])
-    squares = np.array([c["std"] ** 2 for c in cells]) + means**2  # each cell's mean of squared scores
-    total = n.sum()
-    pooled = (n * means).sum() / total
-    variance = max(0.0, (n * squares).sum() / total - pooled**2) * total / (total - 1) if total > 1 else math.nan
-    return float(means.mean()), 1.96 * math.sqrt(variance / total)
+    low, high = wilson(float(means.mean()) / 100, int(sum(c["samples"] for c in cells)))
+    return float(means.mean()), 100 * low, 100 * high
+
+
+def shown(mean: float, low: float, high: float) -> str:
+    """'39.4 (22.0-58.3)': a mean with its interval."""
+    return f"{mean:.1f} ({low:.1f}-{high:.1f})"
 
 
 def markdown(rows: list[dict], title: str) -> str:
-    """Per length, one row per policy: each task's score and the average over tasks +- its 95% interval
+    """Per length, one row per policy: each task's score and the average over tasks with its 95% interval
     (`average`)."""
     from kvjax.report import format_table
 
@@ -259,13 +365,12 @@ def markdown(rows: list[dict], title: str) -> str:
         body = []
         for policy in dict.fromkeys(r["policy"] for r in at):
             cell = {r["task"]: r for r in at if r["policy"] == policy}
-            mean, half = average(list(cell.values()))
             per_task = [f"{cell[t]['score']:.1f}" if t in cell else "" for t in tasks]
-            shown = f"{mean:.1f}" + ("" if math.isnan(half) else f" ± {half:.1f}")
-            body.append([policy, f"{next(iter(cell.values()))['bytes_per_token']:,.0f}", *per_task, shown])
+            bytes_ = f"{next(iter(cell.values()))['bytes_per_token']:,.0f}"
+            body.append([policy, bytes_, *per_task, shown(*average(list(cell.values())))])
         samples = sorted({r["samples"] for r in at})
-        lines += [f"## {length} tokens ({'/'.join(map(str, samples))} samples per cell)", ""]
-        lines += [format_table(["policy", "B/token", *tasks, "average ± 95%"], body), ""]
+        lines += [f"## {length} tokens ({'/'.join(map(str, samples))} {plural(samples[-1], 'sample')} per cell)", ""]
+        lines += [format_table(["policy", "B/token", *tasks, "average (95% interval)"], body), ""]
     return "\n".join(lines)
 
 
@@ -324,8 +429,8 @@ def _leaderboard(ax, rows: list[dict]) -> None:
             x, points, mark = [1 - v[0]["bytes_per_token"] / full_bytes], [average(v)], "s"
         else:
             continue
-        means, halves = zip(*points)
+        means, lows, highs = map(np.asarray, zip(*points))
         x = np.asarray(x) + dodge
-        ax.errorbar(x, means, yerr=np.nan_to_num(halves), marker=mark, capsize=3, label=method)
+        ax.errorbar(x, means, yerr=[means - lows, highs - means], marker=mark, capsize=3, label=method)
     ax.set(xlabel="compression ratio (fraction of tokens removed; squares: of bytes)")
     ax.set_ylim(-2, 102)

@@ -9,8 +9,6 @@ import functools
 import json
 import math
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +25,7 @@ from flax import nnx, struct
 
 from kvjax.architectures import Decoder
 from kvjax.config import Config, ConfigError, ModelConfig, TrainConfig, from_dict
+from kvjax.interrupt import Interrupted, deferred_interrupt
 from kvjax.progress import progress
 from kvjax.training.checkpoint import Checkpointer, CheckpointError, abstract
 from kvjax.training.data import BatchIterator, TrainingMix, load_corpus, pack, split_documents
@@ -50,7 +49,7 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss diverged); the message says what is kept and what to do."""
 
 
-class TrainingInterrupted(TrainingError):
+class TrainingInterrupted(TrainingError, Interrupted):
     """Ctrl-C during training: the step in progress finished and was checkpointed (or, after a second
     Ctrl-C, training stopped at once; the message says which steps that lost)."""
 
@@ -89,28 +88,6 @@ def drop_superseded_metrics(path: Path, step: int) -> None:
 
 
 STOPPING = "kvjax: stopping after this step, which will be checkpointed; Ctrl-C again to abort without saving"
-
-
-@contextlib.contextmanager
-def _deferred_interrupt():
-    """Within the block, a first Ctrl-C only sets the returned flag (the loop stops at a clean point) and
-    says so at once on stderr; a second one raises KeyboardInterrupt. A no-op outside the main thread."""
-    flag = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-    previous = signal.getsignal(signal.SIGINT)
-
-    def handler(signum, frame):
-        flag.set()
-        print(f"\n{STOPPING}", file=sys.stderr, flush=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @struct.dataclass
@@ -212,12 +189,19 @@ def _eval_sums(graphdef, params, windows, weights, token_bytes):
 
 
 def evaluate_windows(
-    eval_fn, params, windows: np.ndarray, tokenizer: Tokenizer, batch_size: int, *, shared: bool = False
+    eval_fn,
+    params,
+    windows: np.ndarray,
+    tokenizer: Tokenizer,
+    batch_size: int,
+    *,
+    shared: bool = False,
+    on_batch: Callable[[int], None] | None = None,
 ) -> dict:
     """Mean loss (nats per predicted token), bits per UTF-8 byte and perplexity over windows `[n, L+1]`,
     batched (the last batch padded with zero-weight rows); `eval_fn` is a jitted `_eval_sums`. `shared`
     (params this process holds whole): over several processes each scores every n-th window and the sums
-    are added, the same scores in 1/n of the time."""
+    are added, the same scores in 1/n of the time. `on_batch(windows)` follows each batch scored here."""
     if shared:
         windows = windows[jax.process_index() :: jax.process_count()]
     token_bytes = jnp.asarray(tokenizer.token_bytes())
@@ -228,6 +212,8 @@ def evaluate_windows(
         weights[: len(chunk)] = 1
         chunk = np.concatenate([chunk, np.zeros((batch_size - len(chunk), chunk.shape[1]), chunk.dtype)])
         totals += np.array(eval_fn(params, chunk, weights, token_bytes), np.float64)
+        if on_batch is not None:
+            on_batch(min(batch_size, len(windows) - start))
     nats, tokens, n_bytes = summed(totals) if shared else totals
     return {
         "eval_loss": float(nats / tokens),
@@ -236,12 +222,14 @@ def evaluate_windows(
     }
 
 
-def evaluate_model(model: Decoder, windows: np.ndarray, tokenizer: Tokenizer, batch_size: int = 1) -> dict:
+def evaluate_model(
+    model: Decoder, windows: np.ndarray, tokenizer: Tokenizer, batch_size: int = 1, on_batch=None
+) -> dict:
     """`evaluate_windows` for any model this process holds whole (e.g. one imported from GGUF), its windows
     shared out between the processes of a multi-process run."""
     graphdef, params = nnx.split(model)
     fn = jax.jit(partial(_eval_sums, graphdef))
-    return evaluate_windows(fn, params, windows, tokenizer, batch_size, shared=True)
+    return evaluate_windows(fn, params, windows, tokenizer, batch_size, shared=True, on_batch=on_batch)
 
 
 @dataclasses.dataclass
@@ -367,7 +355,7 @@ class Trainer:
         with (
             open(self.run_dir / "metrics.jsonl", "a") if primary else contextlib.nullcontext() as metrics_file,
             jax.set_mesh(self.mesh),
-            _deferred_interrupt() as interrupted,
+            deferred_interrupt(STOPPING) as interrupted,
             self._aborted(interrupted, bar),
         ):
             while self.step < stop_at:

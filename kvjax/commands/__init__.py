@@ -1,4 +1,5 @@
-"""The `kvjax` command line: one module per command, above the library (which never imports it)."""
+"""The `kvjax` command line: one module per command, above the library (which never imports it). Command
+modules import the library inside `run`, so parsing (and `--help`) loads no JAX."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import traceback
 import warnings
 from pathlib import Path
 
-import jax
-
 from kvjax.commands import (
     compare,
     duo_train,
     evaluate,
+    export,
     generate,
     launch,
     memory,
@@ -25,18 +25,12 @@ from kvjax.commands import (
     uptrain,
 )
 from kvjax.commands.args import Parser
-from kvjax.errors import ConfigError, Note
-from kvjax.training.checkpoint import CheckpointError
-from kvjax.training.data import DataError
-from kvjax.training.distributed import DistributedError, initialize, is_primary, refuse_several
-from kvjax.training.gguf_import import GGUFError
-from kvjax.training.trainer import TrainingError, TrainingInterrupted
+from kvjax.errors import Note
+from kvjax.interrupt import Interrupted
 
 DESCRIPTION = "Train, decode, compress and compare KV-cache-efficient language models (see docs/cli.md)."
 # In --help order.
-COMMANDS = (memory, train, evaluate, generate, uptrain, duo_train, compare, ruler, serve_bench, launch)
-# Errors that are the user's to fix (bad configs, data, checkpoints, divergence): one line, no traceback.
-USER_ERRORS = (ConfigError, CheckpointError, DataError, DistributedError, GGUFError, TrainingError)
+COMMANDS = (memory, train, evaluate, generate, uptrain, export, duo_train, compare, ruler, serve_bench, launch)
 # Commands that run as several processes (JAX's multi-controller runtime; `kvjax launch`); the others refuse.
 SEVERAL = ("train", "uptrain", "eval", "compare")
 
@@ -76,15 +70,33 @@ def as_typed(argv: list[str]) -> str:
     return shlex.join([prog, *argv])
 
 
+def user_errors() -> tuple[type[Exception], ...]:
+    """Errors that are the user's to fix (bad configs, data, checkpoints, model files, divergence): one
+    line, no traceback."""
+    from kvjax.errors import ConfigError
+    from kvjax.training.checkpoint import CheckpointError
+    from kvjax.training.data import DataError
+    from kvjax.training.distributed import DistributedError
+    from kvjax.training.gguf_import import GGUFError
+    from kvjax.training.trainer import TrainingError
+
+    return ConfigError, CheckpointError, DataError, DistributedError, GGUFError, TrainingError
+
+
+def _distributed() -> bool:
+    """Whether this process joined a multi-process run (only possible once JAX is loaded)."""
+    return "jax" in sys.modules and sys.modules["jax"].distributed.is_initialized()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         code = _main(argv)
     except BaseException:
-        if not jax.distributed.is_initialized():
+        if not _distributed():
             raise
         traceback.print_exc()
         code = 1
-    if code and jax.distributed.is_initialized():
+    if code and _distributed():
         # One process of several failed: leave at once. JAX's orderly exit would wait for the others at a
         # barrier they never reach; gone, this one is noticed by them (and by kvjax launch) instead.
         sys.stdout.flush()
@@ -93,21 +105,30 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _main(argv: list[str] | None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def _main(given: list[str] | None) -> int:
+    argv = sys.argv[1:] if given is None else list(given)
     args = build_parser().parse_args(argv)
     _show_notes()
+    errors = user_errors()
     try:
-        if args.command != "launch" and initialize():
-            _join(args.command)
+        if args.command != "launch":
+            from kvjax.training.distributed import initialize
+
+            if initialize():
+                _join(args.command)
         args.run(args)
     except KeyboardInterrupt:
-        print("kvjax: interrupted", file=sys.stderr)
-        return 130
-    except USER_ERRORS as e:
-        if isinstance(e, TrainingInterrupted):  # Ctrl-C in training: what was saved, and how to go on
-            print(f"kvjax: {e}; resume with: {as_typed(argv)}", file=sys.stderr)
+        # A second Ctrl-C, or one in a command that cannot stop cleanly: leave at once. Unwinding the
+        # interpreter after jaxlib was interrupted mid-call has ended in a segmentation fault.
+        print("kvjax: interrupted", file=sys.stderr, flush=True)
+        if given is not None:  # called from Python: the caller's process is not ours to end
             return 130
+        sys.stdout.flush()
+        os._exit(130)
+    except Interrupted as e:  # Ctrl-C at a clean point: what was kept, and how to go on
+        print(f"kvjax: {e}; resume with: {as_typed(argv)}", file=sys.stderr)
+        return 130
+    except errors as e:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
@@ -124,6 +145,8 @@ def _main(argv: list[str] | None) -> int:
 
 def _join(command: str) -> None:
     """This process is one of several: refuse commands that run on one host; only process 0 prints."""
+    from kvjax.training.distributed import is_primary, refuse_several
+
     if command not in SEVERAL:
         refuse_several(f"kvjax {command}")
     if not is_primary():
@@ -131,4 +154,8 @@ def _join(command: str) -> None:
 
 
 def _out_of_memory(e: Exception) -> bool:
-    return isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
+    return (
+        "jax" in sys.modules
+        and isinstance(e, sys.modules["jax"].errors.JaxRuntimeError)
+        and ("RESOURCE_EXHAUSTED" in str(e))
+    )

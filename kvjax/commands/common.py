@@ -1,18 +1,16 @@
 """What several commands share: compression policies resolved against a model, and length defaults fitted
-to its context."""
+to its context. Imported while parsing (its defaults name help texts), so the library loads in the functions."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from kvjax.compress import check_policy, needs_calibration, parse_policy
-from kvjax.duo import default_pattern, with_pattern
-from kvjax.training import compression_eval as ce
-
 
 def calibration_tokens(loaded, policies, corpus: str | None):
     """Palu's calibration tokens (the corpus's training split) when a policy needs them, else None."""
+    from kvjax.compress import needs_calibration
+    from kvjax.training import compression_eval as ce
 
     if not needs_calibration(policies):
         return None
@@ -20,8 +18,9 @@ def calibration_tokens(loaded, policies, corpus: str | None):
 
 
 def resolve_duo(texts: list[str], model_ref: str, loaded) -> list[str]:
-    """Policy texts (or `--policies` methods) whose `duo` stages read the model's learned pattern
+    """Policy texts (or `--policy` methods) whose `duo` stages read the model's learned pattern
     (`kvjax.duo.default_pattern`; the one with the rings' gates for `duo:R:local`) unless they name one."""
+    from kvjax.duo import default_pattern, with_pattern
 
     def shown(local: bool):
         path = default_pattern(model_ref, loaded.config.model.name, local)
@@ -33,6 +32,7 @@ def resolve_duo(texts: list[str], model_ref: str, loaded) -> list[str]:
 def check_policies(texts: list[str], loaded) -> None:
     """Each policy fits the model (a `duo` stage's pattern exists and has every head), checked before
     any compute."""
+    from kvjax.compress import check_policy, parse_policy
 
     for text in texts:
         check_policy(parse_policy(text), loaded.config.model)
@@ -45,6 +45,7 @@ def fit_to_context(args, loaded) -> None:
     """Defaults for the lengths the user left unset that fit the model's trained context: a quarter of it
     at most for the continuation, the rest (less the token the prefill predicts) for the prefix, the
     context itself at most for decode timings and passkey prompts. Given values are checked as given."""
+    from kvjax.training import compression_eval as ce
 
     ctx = loaded.context or 1 << 30
     if getattr(args, "continuation", 0) is None:

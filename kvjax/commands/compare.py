@@ -9,31 +9,25 @@ from pathlib import Path
 from kvjax.commands.args import (
     LONG_HELP,
     MODEL_HELP,
-    OPEN_UNIT,
     POSITIVE,
     POSITIVE_FLOAT,
+    RATIO,
+    RATIO_HELP,
+    check_output,
+    renamed,
 )
-from kvjax.commands.common import (
-    CONTINUATION,
-    DECODE_CONTEXT,
-    PREFIX,
-    calibration_tokens,
-    check_policies,
-    fit_to_context,
-    resolve_duo,
-)
-from kvjax.compress import parse_policy
-from kvjax.config import ConfigError
-from kvjax.training import compression_eval as ce
-from kvjax.training.compare import load_experiment, run_compare
-from kvjax.training.distributed import refuse_several
-from kvjax.training.loading import check_context, load_model
-from kvjax.training.uptrain_compare import UptrainExperiment, run_uptrain_compare
+from kvjax.commands.common import CONTINUATION, DECODE_CONTEXT, PREFIX
+from kvjax.errors import ConfigError
 
 
 def run(args) -> None:
-    if args.policies:
+    from kvjax.training.compare import load_experiment, run_compare
+    from kvjax.training.uptrain_compare import UptrainExperiment, run_uptrain_compare
+
+    if args.policy:
         return _compare_policies(args)
+    if args.out:
+        check_output(args.out, "--out", directory=True)
 
     exp = load_experiment(args.experiment)
     if isinstance(exp, UptrainExperiment):
@@ -66,20 +60,27 @@ def _compare_dir(args) -> Path:
 
 
 def _compare_policies(args) -> None:
-    """`kvjax compare --policies M ... --model MODEL`: every method at every budget on one model."""
-    refuse_several("kvjax compare --policies")
+    """`kvjax compare --policy M ... --model MODEL`: every method at every ratio on one model."""
+    from kvjax.commands.common import calibration_tokens, check_policies, fit_to_context, resolve_duo
+    from kvjax.compress import parse_policy
+    from kvjax.training import compression_eval as ce
+    from kvjax.training.distributed import refuse_several
+    from kvjax.training.loading import check_context, load_model
 
-    parsed = [parse_policy(text) for text, _ in ce.table_runs(args.policies, args.budgets)[1:]]  # before compute
+    refuse_several("kvjax compare --policy")
+
+    parsed = [parse_policy(text) for text, _ in ce.table_runs(args.policy, args.ratios)[1:]]  # before compute
+    out = check_output(_compare_dir(args), "--out", directory=True)
     model_ref = args.model or str(_compare_dir(args) / "gqa")
     if not args.model and not Path(model_ref).is_dir():
         raise ConfigError(
-            f"--policies compresses one model: pass --model (a run directory, a .gguf file or smollm2), "
+            f"--policy compresses one model: pass --model (a run directory, a .gguf file or smollm2), "
             f"or train the default {model_ref} first with `kvjax compare{' --quick' if args.quick else ''}`"
         )
     loaded = load_model(model_ref)
     fit_to_context(args, loaded)
-    args.policies = resolve_duo(args.policies, model_ref, loaded)
-    check_policies([text for text, _ in ce.table_runs(args.policies, args.budgets)[1:]], loaded)
+    args.policy = resolve_duo(args.policy, model_ref, loaded)
+    check_policies([text for text, _ in ce.table_runs(args.policy, args.ratios)[1:]], loaded)
     allow = args.allow_long_context
     check_context(loaded, args.prefix + args.continuation + 1, "--prefix + --continuation + 1", allow)
     check_context(loaded, args.context, f"--context={args.context}", allow)
@@ -89,8 +90,8 @@ def _compare_policies(args) -> None:
     rows = ce.policy_table(
         model,
         loaded.tokenizer,
-        args.policies,
-        args.budgets,
+        args.policy,
+        args.ratios,
         prefix=args.prefix,
         continuation=args.continuation,
         calibration=calibration_tokens(loaded, parsed, None),
@@ -105,7 +106,7 @@ def _compare_policies(args) -> None:
         f"decode at {args.context} tokens"
     )
     print(ce.render_policy_table(rows, title))
-    out = _compare_dir(args) / f"policies-{model.config.name}.json"
+    out = out / f"policies-{model.config.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     print(f"wrote {out}")
@@ -150,18 +151,25 @@ def register(sub) -> None:
     )
     pol = cmp.add_argument_group("policy table (token-level compression of one model)")
     pol.add_argument(
-        "--policies",
-        nargs="+",
-        help="methods run at every budget (snapkv streaming h2o tova keynorm, "
-        "snapkv:obs_window=16) and whole policies run as given (kivi:2 int:8 snapkv:0.5+kivi:4)",
+        "--policy",
+        action="append",
+        help="a method run at every --ratios (snapkv, streaming, h2o, tova, keynorm, snapkv:obs_window=16) or a "
+        "whole policy run as given (kivi:2, int:8, snapkv:0.5+kivi:4); repeatable",
     )
+    renamed(pol, "--policies", "give --policy once per method or policy (--policy snapkv --policy tova)")
     pol.add_argument("--model", help=f"{MODEL_HELP} (default: the gqa run of this comparison)")
     pol.add_argument(
-        "--budgets",
-        type=OPEN_UNIT,
+        "--ratios",
+        type=RATIO,
         nargs="+",
-        default=[0.25, 0.5, 0.75],
-        help="fractions of the prefix kept, in (0, 1] (default: 0.25 0.5 0.75)",
+        default=[0.75, 0.5, 0.25],
+        help=f"{RATIO_HELP} (default: 0.75 0.5 0.25, i.e. 25%%, 50%% and 75%% kept)",
+    )
+    renamed(
+        pol,
+        "--budgets",
+        "it counted the fraction kept; --ratios counts the fraction removed, as policies do (--budgets 0.25 is "
+        "--ratios 0.75)",
     )
     pol.add_argument(
         "--prefix",

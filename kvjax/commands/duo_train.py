@@ -12,20 +12,16 @@ from kvjax.commands.args import (
     NON_NEGATIVE_FLOAT,
     POSITIVE,
     POSITIVE_FLOAT,
+    check_output,
 )
-from kvjax.duo import (
-    check_pattern_target,
-    is_run,
-    learned_pattern_path,
-    save_pattern,
-    streaming_heads,
-)
-from kvjax.training import compression_eval as ce
-from kvjax.training.duo import GateTraining, learn_gates
-from kvjax.training.loading import check_context, load_model
 
 
 def run(args) -> None:
+    from kvjax.duo import check_pattern_target, is_run, learned_pattern_path, save_pattern, streaming_heads
+    from kvjax.training import compression_eval as ce
+    from kvjax.training.duo import GateTraining, learn_gates
+    from kvjax.training.loading import check_context, load_model
+
     cfg = GateTraining(
         steps=args.steps,
         length=args.length,
@@ -41,11 +37,13 @@ def run(args) -> None:
     out = Path(args.out) if args.out else learned_pattern_path(args.model, None, args.local)
     if out is not None:
         check_pattern_target(out, args.overwrite)  # before loading the model
+        check_output(out, "--out", directory=False)
     loaded = load_model(args.model)
     check_context(loaded, cfg.length, f"--length={cfg.length}", args.allow_long_context)
     if out is None:
         out = learned_pattern_path(args.model, loaded.config.model.name, args.local)
         check_pattern_target(out, args.overwrite)
+        check_output(out, "--out", directory=False)
     filler = ce.corpus_tokens(loaded.tokenizer, args.corpus or loaded.corpus)
     result = learn_gates(loaded.model, loaded.tokenizer, filler, cfg)
     save_pattern(

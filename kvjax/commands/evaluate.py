@@ -3,31 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
-from kvjax.commands.args import LONG_HELP, MODEL_HELP, POSITIVE, UNIT
-from kvjax.commands.common import (
-    CONTINUATION,
-    LENGTHS,
-    PREFIX,
-    calibration_tokens,
-    check_policies,
-    fit_to_context,
-    resolve_duo,
-)
-from kvjax.compress import parse_policy
-from kvjax.config import ConfigError
-from kvjax.report import format_table
-from kvjax.training import compression_eval as ce
-from kvjax.training.data import load_corpus, pack, split_documents
-from kvjax.training.distributed import refuse_several
-from kvjax.training.loading import check_context, load_model
-from kvjax.training.trainer import evaluate_model
+from kvjax.commands.args import LONG_HELP, MODEL_HELP, POSITIVE, UNIT, check_output
+from kvjax.commands.common import CONTINUATION, LENGTHS, PREFIX
+from kvjax.errors import ConfigError
+from kvjax.report import plural
 
 
 def run(args) -> None:
+    from kvjax.progress import progress
+    from kvjax.training.data import load_corpus, pack, split_documents
+    from kvjax.training.distributed import is_primary, refuse_several
+    from kvjax.training.loading import check_context, load_model
+    from kvjax.training.trainer import evaluate_model
+
     task = args.task or ("continuation" if args.policy else "ppl")
     if task == "ppl" and args.policy:
         raise ConfigError("--policy applies to --task continuation, passkey or needle (ppl scores windows uncached)")
+    if args.out:
+        check_output(args.out, "--out", directory=True)
     if task != "ppl":
         refuse_several(f"kvjax eval --task {task}")
         return _eval_compressed(args, task)
@@ -39,16 +35,42 @@ def run(args) -> None:
     check_context(loaded, seq_len, f"--seq-len={seq_len}", args.allow_long_context)
     _, val_docs = split_documents(load_corpus(data.corpus), data.val_fraction)
     windows = pack(val_docs, loaded.tokenizer, seq_len + 1)[: args.windows]
-    scores = evaluate_model(loaded.model, windows, loaded.tokenizer, batch_size=args.batch)
-    print(
-        f"{config.model.name} on {data.corpus} validation ({len(windows)} windows of {seq_len} tokens): "
-        f"{scores['eval_bpb']:.4f} bits/byte, perplexity {scores['eval_ppl']:.3f} "
+    bar = progress(len(windows), unit="window", enabled=not args.no_progress and is_primary())
+    scores = evaluate_model(loaded.model, windows, loaded.tokenizer, batch_size=args.batch, on_batch=bar.update)
+    bar.close()
+    text = (
+        f"{config.model.name} on {data.corpus} validation ({len(windows)} {plural(len(windows), 'window')} of "
+        f"{seq_len} tokens): {scores['eval_bpb']:.4f} bits/byte, perplexity {scores['eval_ppl']:.3f} "
         f"(loss {scores['eval_loss']:.4f} nats/token)"
     )
+    print(text)
+    if is_primary():
+        _keep(
+            args,
+            text,
+            dict(model=config.model.name, corpus=data.corpus, windows=len(windows), seq_len=seq_len, **scores),
+        )
+
+
+def _keep(args, text: str, results) -> None:
+    """With --out: the printed result as results.md and the figures as results.json."""
+    if not args.out:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}")
 
 
 def _eval_compressed(args, task: str) -> None:
     """`kvjax eval --task continuation|passkey|needle [--policy P ...]`: quality under compressed caches."""
+    from kvjax.commands.common import calibration_tokens, check_policies, fit_to_context, resolve_duo
+    from kvjax.compress import parse_policy
+    from kvjax.progress import progress
+    from kvjax.report import format_table
+    from kvjax.training import compression_eval as ce
+    from kvjax.training.loading import check_context, load_model
 
     parsed = [parse_policy(p) for p in args.policy or []]  # every policy is checked before compute
     loaded = load_model(args.model)
@@ -74,23 +96,28 @@ def _eval_compressed(args, task: str) -> None:
         prefixes, conts = ce.continuation_windows(
             stream, args.prefix, args.continuation, args.samples, tokenizer.bos_id if loaded.bos else None
         )
-        rows = ce.continuation_eval(model, prefixes, conts, policies, batch=args.batch, calibration=calibration)
-        print(
+        bar = progress(len(prefixes) * (1 + len(policies)), unit="sample", enabled=not args.no_progress)
+        rows = ce.continuation_eval(
+            model, prefixes, conts, policies, batch=args.batch, calibration=calibration, on_batch=bar.update
+        )
+        bar.close()
+        title = (
             f"{model.config.name} on {corpus}: {args.samples} x ({args.prefix}-token prefix, the next "
             f"{args.continuation} tokens scored through the compressed cache)"
         )
-        print(
-            format_table(
-                ["policy", "NLL (nats/token)", "perplexity", "KL vs full", "cache B/token"],
-                [
-                    [r.policy, f"{r.nll:.4f}", f"{r.ppl:.3f}", f"{r.kl:.4g}", f"{r.cache_bytes_per_token:,.0f}"]
-                    for r in rows
-                ],
-            )
+        table = format_table(
+            ["policy", "NLL (nats/token)", "perplexity", "KL vs full", "cache B/token"],
+            [
+                [r.policy, f"{r.nll:.4f}", f"{r.ppl:.3f}", f"{r.kl:.4g}", f"{r.cache_bytes_per_token:,.0f}"]
+                for r in rows
+            ],
         )
-        return
+        print(f"{title}\n{table}")
+        return _keep(args, f"{title}\n\n{table}", [dataclasses.asdict(r) for r in rows])
     filler = ce.corpus_tokens(tokenizer, corpus)
-    table = []
+    table, results = [], []
+    cells = len(args.lengths) * len(args.depths)
+    bar = progress(cells * (1 + len(policies)), unit="cell", enabled=not args.no_progress)
     for policy in [None, *policies]:
         acc = ce.retrieval_accuracy(
             model,
@@ -103,10 +130,17 @@ def _eval_compressed(args, task: str) -> None:
             bos=loaded.bos,
             filler=filler,
             calibration=calibration,
+            on_cell=bar.update,
         )
         table.append([policy or "full", *(f"{acc[(n, d)]:.2f}" for n in args.lengths for d in args.depths)])
-    print(f"{model.config.name}: {task} exact match, {args.trials} trials per cell (length/depth)")
-    print(format_table(["policy", *(f"{n}/{d:g}" for n in args.lengths for d in args.depths)], table))
+        results += [dict(policy=policy or "full", length=n, depth=d, accuracy=a) for (n, d), a in acc.items()]
+    bar.close()
+    title = (
+        f"{model.config.name}: {task} exact match, {args.trials} {plural(args.trials, 'trial')} per cell (length/depth)"
+    )
+    text = format_table(["policy", *(f"{n}/{d:g}" for n in args.lengths for d in args.depths)], table)
+    print(f"{title}\n{text}")
+    _keep(args, f"{title}\n\n{text}", results)
 
 
 def register(sub) -> None:
@@ -156,4 +190,6 @@ def register(sub) -> None:
     )
     ev.add_argument("--trials", type=POSITIVE, default=4, help="passkey/needle prompts per cell (default: 4)")
     ev.add_argument("--allow-long-context", action="store_true", help=LONG_HELP)
+    ev.add_argument("--out", help="also keep the results here: results.md (the table) and results.json")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(run=run)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvjax.commands.args import (
     LONG_HELP,
@@ -12,14 +13,17 @@ from kvjax.commands.args import (
     OPEN_UNIT,
     POSITIVE,
 )
-from kvjax.commands.common import calibration_tokens, check_policies, resolve_duo
-from kvjax.compress import parse_policy
-from kvjax.config import ConfigError, DecodingConfig
-from kvjax.generate import generate
-from kvjax.training.loading import check_context, load_model
+from kvjax.errors import ConfigError
 
 
 def run(args) -> None:
+    from kvjax.commands.common import calibration_tokens, check_policies, resolve_duo
+    from kvjax.compress import parse_policy
+    from kvjax.config import DecodingConfig
+    from kvjax.generate import generate
+    from kvjax.training.loading import check_context, load_model
+
+    given = args.prompt if args.prompt is not None else prompt_file(args.prompt_file)
     policy = parse_policy(args.policy) if args.policy else None
     loaded = load_model(args.model)
     if policy is not None:
@@ -29,9 +33,10 @@ def run(args) -> None:
     tokenizer = loaded.tokenizer
     # Runs trained here saw BOS at every document start; imported models get no special token unless asked.
     bos = args.bos if args.bos is not None else loaded.bos
-    prompt = [tokenizer.bos_id, *tokenizer.encode(args.prompt)] if bos else tokenizer.encode(args.prompt)
+    prompt = [tokenizer.bos_id, *tokenizer.encode(given)] if bos else tokenizer.encode(given)
     if not prompt:
-        raise ConfigError("--prompt='' gives no token; write some text, or pass --bos to start from BOS alone")
+        what = "--prompt=''" if args.prompt is not None else f"--prompt-file={args.prompt_file} is empty and"
+        raise ConfigError(f"{what} gives no token; write some text, or pass --bos to start from BOS alone")
     check_context(
         loaded,
         len(prompt) + args.max_new_tokens,
@@ -48,7 +53,21 @@ def run(args) -> None:
     )
     calibration = calibration_tokens(loaded, [policy] if policy else [], args.corpus)
     out = generate(loaded.model, [prompt], decoding, policy=policy, calibration=calibration)
-    print(args.prompt + completion(tokenizer, out.tokens[0, : out.lengths[0]]))
+    print(given + completion(tokenizer, out.tokens[0, : out.lengths[0]]))
+
+
+def prompt_file(path: str) -> str:
+    """The text of `--prompt-file`, read before any model loads: a file of UTF-8 text."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"--prompt-file={path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"--prompt-file={path} is a directory; give a text file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--prompt-file={path} is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"--prompt-file={path}: {e.strerror}") from None
 
 
 def completion(tokenizer, tokens) -> str:
@@ -62,7 +81,9 @@ def completion(tokenizer, tokens) -> str:
 def register(sub) -> None:
     gen = sub.add_parser("generate", help="continue a text prompt")
     gen.add_argument("model", help=MODEL_HELP)
-    gen.add_argument("--prompt", required=True, help="the text to continue")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the text to continue")
+    prompt.add_argument("--prompt-file", help="a UTF-8 text file whose contents are the text to continue")
     gen.add_argument(
         "--bos",
         action=argparse.BooleanOptionalAction,

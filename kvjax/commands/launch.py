@@ -11,8 +11,7 @@ import subprocess
 import sys
 import time
 
-from kvjax.config import ConfigError
-from kvjax.training.distributed import ADDRESS, COUNT, INDEX
+from kvjax.errors import ConfigError
 
 GRACE = 10  # seconds the others get to stop after one process failed, before they are killed
 
@@ -26,6 +25,8 @@ def free_port() -> int:
 def environments(n: int, port: int, devices: int | None) -> list[dict]:
     """Each process's environment: the coordinator variables (none for a single process: a plain run) and,
     for CPU runs, its device count."""
+    from kvjax.training.distributed import ADDRESS, COUNT, INDEX
+
     envs = []
     for i in range(n):
         env = {k: v for k, v in os.environ.items() if k not in (ADDRESS, COUNT, INDEX)}

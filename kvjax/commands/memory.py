@@ -3,17 +3,14 @@ directories: their config only, no weights are read), side by side."""
 
 from __future__ import annotations
 
-from kvjax import memory
 from kvjax.commands.args import POSITIVE, split_overrides
-from kvjax.config import Config, ConfigError, apply_overrides, from_dict, load_config
-from kvjax.kinds import KINDS
-from kvjax.plan import sharable_kinds
-from kvjax.report import format_bytes, format_table
-from kvjax.training.loading import is_model_ref, model_config
+from kvjax.errors import ConfigError
 
 
 def _kv_shape(cfg) -> tuple[str, str]:
     """(KV heads, head dim) columns: an MLA layer caches one latent plus one shared RoPE key."""
+    from kvjax.plan import sharable_kinds
+
     if "mla" in cfg.mixers:
         rope = (
             cfg.mla.qk_rope_head_dim if cfg.mla.rope_heads == 1 else f"{cfg.mla.rope_heads}x{cfg.mla.qk_rope_head_dim}"
@@ -24,15 +21,32 @@ def _kv_shape(cfg) -> tuple[str, str]:
     return str(cfg.attention.n_kv_heads), str(cfg.attention.head_dim)
 
 
-def _config(name: str, overrides: list[str]) -> Config:
-    """A config by name or path, or the config of a model reference, with the overrides applied."""
+def _config(name: str, overrides: list[str]):
+    """A config by name or path, or the config of a model reference, with the overrides applied. A model's
+    own section for a kind that an overridden `model.layer_pattern` drops goes with it (Gemma 3 with
+    `model.layer_pattern=[attention]` has no `local` layers left to configure); a section the overrides
+    set themselves is checked as given."""
+    from kvjax.config import Config, apply_overrides, from_dict, load_config
+    from kvjax.kinds import KINDS
+    from kvjax.training.loading import is_model_ref, model_config
+
     if not is_model_ref(name):
         return load_config(name, overrides)
-    return from_dict(Config, apply_overrides(model_config(name).to_dict(), overrides))
+    tree = apply_overrides(model_config(name).to_dict(), overrides)
+    model, named = tree["model"], [item.partition("=")[0] for item in overrides]
+    used = {KINDS[k].section for k in model["layer_pattern"] if k in KINDS}
+    for section in {kind.section for kind in KINDS.values()} - used - {None}:
+        if not any(key == f"model.{section}" or key.startswith(f"model.{section}.") for key in named):
+            model[section] = None
+    return from_dict(Config, tree)
 
 
 def memory_table(names: list[str], overrides: list[str], tokens: list[int], batch: int) -> str:
     """One row per config: shape, K/V bytes per token, whole-cache bytes, and the ratio to MHA."""
+    from kvjax import memory
+    from kvjax.kinds import KINDS
+    from kvjax.report import format_bytes, format_table
+
     headers = ["variant", "layers", "KV layers", "KV heads", "head dim", "dtype", "KV B/token", "cache B/token"]
     headers += ["state B/seq"]
     headers += [f"cache @{t // 1024}k" if t % 1024 == 0 else f"cache @{t}" for t in tokens]

@@ -5,19 +5,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvjax.commands.args import MODEL_HELP, OPEN_UNIT, POSITIVE
-from kvjax.commands.common import calibration_tokens, check_policies, resolve_duo
-from kvjax.compress import parse_policy
-from kvjax.config import ConfigError
-from kvjax.progress import progress
-from kvjax.training import ruler
-from kvjax.training import ruler_eval as re_
-from kvjax.training.loading import check_context, load_model
+from kvjax.commands.args import MODEL_HELP, POSITIVE, RATIO, RATIO_HELP, check_output
+from kvjax.errors import ConfigError
+
+STOPPING = "kvjax: stopping after the sample in progress (its cells are kept); Ctrl-C again to stop at once"
 
 
 def run(args) -> None:
-    if max(args.ratios) >= 1:  # a policy's budget of 1 or more is a size in tokens, not a ratio
-        raise ConfigError(f"--ratios {max(args.ratios)}: a ratio is the fraction of tokens removed, in (0, 1)")
+    from kvjax.commands.common import calibration_tokens, check_policies, resolve_duo
+    from kvjax.compress import parse_policy
+    from kvjax.interrupt import deferred_interrupt
+    from kvjax.progress import progress
+    from kvjax.training import ruler
+    from kvjax.training import ruler_eval as re_
+    from kvjax.training.loading import check_context, load_model
+
     qa_files = ruler.qa_tasks(args.qa_file or [])
     tasks = args.tasks or [*ruler.SYNTHETIC, *qa_files]
     unknown = sorted(set(tasks) - set(ruler.TASKS))
@@ -32,42 +34,46 @@ def run(args) -> None:
     plan = re_.runs(args.policy or [], args.ratios)
     for r in plan[1:]:
         parse_policy(r.policy)  # every policy is checked before compute
+    out = check_output(args.out or Path("runs/ruler") / Path(args.model).stem, "--out", directory=True)
+    results = out / "results.jsonl"
     loaded = load_model(args.model)
     texts = resolve_duo([r.policy for r in plan[1:]], args.model, loaded)
     plan = [plan[0], *(re_.Run(t, r.method, r.ratio) for t, r in zip(texts, plan[1:]))]
     check_policies(texts, loaded)
     for length in args.lengths:
         check_context(loaded, length, f"--lengths {length}", args.allow_long_context)
-    out = Path(args.out or f"ruler-{loaded.config.model.name}")
-    out.mkdir(parents=True, exist_ok=True)
-    cells = [(t, n, r.name, i) for n in args.lengths for r in plan for t in tasks for i in range(args.samples)]
-    done = re_.finished(out / "results.jsonl")
+    cells = len(args.lengths) * len(plan) * len(tasks) * args.samples
     start = time.perf_counter()
-    bar = progress(len(cells), initial=sum(c in done for c in cells), unit="cell", enabled=not args.no_progress)
-    records, computed = re_.sweep(
-        loaded.model,
-        loaded.tokenizer,
-        bos=loaded.bos,
-        tasks=list(tasks),
-        lengths=list(args.lengths),
-        samples=args.samples,
-        runs_=plan,
-        results=out / "results.jsonl",
-        seed=args.seed,
-        qa_files=qa_files,
-        calibration=calibration_tokens(loaded, [parse_policy(t) for t in texts], None),
-        share=not args.separate_prefills,
-        on_cell=lambda record: bar.update(1),
-    )
-    bar.close()
+    bar = progress(cells, unit="cell", enabled=not args.no_progress)
+    try:
+        with deferred_interrupt(STOPPING) as stop:
+            swept = re_.sweep(
+                loaded.model,
+                loaded.tokenizer,
+                bos=loaded.bos,
+                tasks=list(tasks),
+                lengths=list(args.lengths),
+                samples=args.samples,
+                runs_=plan,
+                results=results,
+                seed=args.seed,
+                qa_files=qa_files,
+                calibration=calibration_tokens(loaded, [parse_policy(t) for t in texts], None),
+                share=not args.separate_prefills,
+                on_cell=lambda record: bar.update(1),
+                stop=stop,
+            )
+    finally:
+        bar.close()
     seconds = time.perf_counter() - start
-    rows = re_.summarize(records)
+    rows = re_.summarize(swept.records)
     title = f"RULER on {loaded.config.model.name}"
     written = re_.write_outputs(rows, out, title)
     print(re_.markdown(rows, title))
+    stale = f" ({swept.stale} of them replacing cells whose input has changed)" if swept.stale else ""
     print(
-        f"{computed} cells computed in {seconds:.1f} s, {len(records) - computed} read from "
-        f"{out / 'results.jsonl'}; wrote " + ", ".join(str(p) for p in written)
+        f"{swept.computed} cells computed in {seconds:.1f} s{stale}, {len(swept.records) - swept.computed} read "
+        f"from {results}; wrote " + ", ".join(str(p) for p in written)
     )
 
 
@@ -87,7 +93,7 @@ def register(sub) -> None:
         type=POSITIVE,
         nargs="+",
         default=[2048, 4096],
-        help="in the model's tokens, answer included (default: 2048 4096)",
+        help="RULER's sequence lengths in the model's tokens, chat template and answer included (default: 2048 4096)",
     )
     p.add_argument("--samples", type=POSITIVE, default=10, help="samples per task and length (default: 10)")
     p.add_argument(
@@ -97,14 +103,17 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--ratios",
-        type=OPEN_UNIT,
+        type=RATIO,
         nargs="+",
         default=[0.5, 0.75],
-        help="compression ratios as kvpress counts them, the fraction of the cache removed (default: 0.5 0.75, "
-        "i.e. 50%% and 25%% kept)",
+        help=f"{RATIO_HELP} (default: 0.5 0.75, i.e. 50%% and 25%% kept)",
     )
     p.add_argument("--seed", type=int, default=42, help="task generation seed (default: 42, RULER's)")
-    p.add_argument("--out", help="output directory (default: ruler-MODELNAME); its results.jsonl resumes a sweep")
+    p.add_argument(
+        "--out",
+        help="output directory (default: runs/ruler/MODEL); its results.jsonl resumes a sweep, and holds one "
+        "sweep's cells only (one model, seed, haystack and template)",
+    )
     p.add_argument("--allow-long-context", action="store_true", help="run lengths past the model's trained context")
     p.add_argument(
         "--separate-prefills",

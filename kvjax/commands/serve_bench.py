@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from flax import nnx
-
-from kvjax.architectures import Decoder
-from kvjax.commands.args import MODEL_HELP, NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT
-from kvjax.compress import parse_policy
-from kvjax.config import CONFIG_ROOT, ConfigError, load_config
-from kvjax.engine import check_engine_policy
-from kvjax.serve_bench import Workload, render, serve_bench
-from kvjax.training.loading import load_model
+from kvjax.commands.args import MODEL_HELP, NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, check_output, renamed
+from kvjax.errors import ConfigError
 
 
 def run(args) -> None:
-    for policy in args.policies:
+    from kvjax.compress import parse_policy
+    from kvjax.engine import check_engine_policy
+    from kvjax.serve_bench import Workload, default_memory, render, serve_bench
+
+    policies = args.policy or []
+    for policy in policies:
         check_engine_policy(parse_policy(policy))  # before any compute
+    if args.json:
+        check_output(args.json, "--json", directory=False)
     workload = Workload(
         requests=args.requests,
         prompt=tuple(args.prompt),
@@ -27,15 +28,17 @@ def run(args) -> None:
         seed=args.seed,
     )
     model = _bench_model(args.model, args.overrides)
+    memory_mib = args.memory_mib or default_memory(model.config, workload)
     figures = serve_bench(
         model,
         workload,
-        memory_mib=args.memory_mib,
+        memory_mib=memory_mib,
         page_size=args.page_size,
         slots=args.slots,
         chunk=args.chunk,
         decode_steps=args.decode_steps,
-        policies=tuple(args.policies),
+        policies=tuple(policies),
+        log=lambda line: print(f"serve-bench: {line}", file=sys.stderr, flush=True),
     )
     print(render(figures))
     if args.json:
@@ -47,6 +50,11 @@ def run(args) -> None:
 def _bench_model(ref: str, overrides: list[str]):
     """A model config with overrides (shipped name or YAML: random weights, as throughput does not depend
     on them), or anything `load_model` takes (a run directory, a GGUF name or file, a transformers directory)."""
+    from flax import nnx
+
+    from kvjax.architectures import Decoder
+    from kvjax.config import CONFIG_ROOT, load_config
+    from kvjax.training.loading import load_model
 
     if ref.endswith((".yaml", ".yml")) or (CONFIG_ROOT / "models" / f"{ref}.yaml").is_file():
         return Decoder(load_config(ref, overrides).model, rngs=nnx.Rngs(0))
@@ -80,7 +88,11 @@ def register(sub) -> None:
         "--shared-prefix", type=NON_NEGATIVE, default=0, help="tokens every prompt starts with (default: 0)"
     )
     sb.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    sb.add_argument("--memory-mib", type=POSITIVE_FLOAT, default=4.0, help="K/V memory of every server (default: 4)")
+    sb.add_argument(
+        "--memory-mib",
+        type=POSITIVE_FLOAT,
+        help="K/V memory of every server (default: what static batches need to hold a quarter of the requests)",
+    )
     sb.add_argument("--page-size", type=POSITIVE, default=16, help="tokens per page (default: 16)")
     sb.add_argument("--slots", type=POSITIVE, default=16, help="engine sequences decoding together (default: 16)")
     sb.add_argument("--chunk", type=POSITIVE, default=128, help="engine prefill chunk (default: 128)")
@@ -91,11 +103,11 @@ def register(sub) -> None:
         help="engine greedy decode steps per device call while no prompt prefills (default: 8)",
     )
     sb.add_argument(
-        "--policies",
-        nargs="+",
-        default=[],
-        help="also the engine with each policy: token eviction "
-        "applied after the prefill, optionally ending in int:8, e.g. snapkv:0.5 int:8 (default: none)",
+        "--policy",
+        action="append",
+        help="also the engine with this policy: token eviction applied after the prefill, optionally ending in "
+        "int:8, e.g. snapkv:0.5 or int:8; repeatable (default: none)",
     )
+    renamed(sb, "--policies", "give --policy once per policy (--policy snapkv:0.5 --policy int:8)")
     sb.add_argument("--json", help="also write the figures to this file")
     sb.set_defaults(run=run)

@@ -5,16 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvjax.commands.args import split_overrides
-from kvjax.config import Config, ConfigError, apply_overrides, from_dict, load_config
-from kvjax.training.checkpoint import Checkpointer
-from kvjax.training.trainer import RUN_CONFIG, Trainer
+from kvjax.commands.args import check_output, split_overrides
+from kvjax.errors import ConfigError
 
 
 def _train_target(names: list[str], overrides: list[str], run_dir: str | None):
     """(config, run directory) of `kvjax train`: a model config (+ --run-dir), or a run directory,
     resumed with the config it was started with (its config.yaml, or for a run made before those were
     written, its latest checkpoint's record), overrides applied on top."""
+    from kvjax.config import Config, apply_overrides, from_dict, load_config
+    from kvjax.training.checkpoint import Checkpointer
+    from kvjax.training.trainer import RUN_CONFIG
 
     if len(names) != 1:
         raise ConfigError(f"kvjax train needs exactly one config or run directory, got {names}")
@@ -31,8 +32,11 @@ def _train_target(names: list[str], overrides: list[str], run_dir: str | None):
 
 
 def run(args) -> None:
+    from kvjax.training.trainer import Trainer
+
     names, overrides = split_overrides(args.config)
     config, run_dir = _train_target(names, overrides, args.run_dir)
+    check_output(run_dir, "--run-dir", directory=True)
     trainer = Trainer(config, run_dir)
     steps = config.train.steps
     if trainer.extended_from is not None:

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvjax.commands.args import MODEL_HELP
-from kvjax.config import ConfigError
-from kvjax.report import format_table
-from kvjax.training.uptrain import uptrain
+from kvjax.commands.args import MODEL_HELP, check_output
+from kvjax.errors import ConfigError
 
 
 def run(args) -> None:
+    from kvjax.report import format_table
+    from kvjax.training.uptrain import uptrain
+
     if any("=" not in o for o in args.overrides):
         raise ConfigError(
             f"kvjax uptrain takes one source and one conversion, then key.sub=value overrides; got {args.overrides}"
         )
     run_dir = args.run_dir or f"runs/uptrain/{Path(args.source).stem}-{args.conversion.replace(':', '_')}"
+    check_output(run_dir, "--run-dir", directory=True)
     record = uptrain(args.source, args.conversion, run_dir, args.overrides)
     after = record["after"]
     kv = record["kv_bytes_per_token"]

@@ -2,6 +2,9 @@
 subprocess (exit code, one line on stderr, no traceback), flags checked before any compute, and
 read-only commands that never write."""
 
+import json
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -78,7 +81,11 @@ def test_bad_eval_flags_are_one_line_errors(run, args, message, capsys):
         (["generate", "RUN", "--prompt", "x", "--temperature", "-1"], "argument --temperature: -1 must be >= 0"),
         (["generate", "RUN", "--prompt", "x", "--max-new-tokens", "0"], "argument --max-new-tokens: 0 must be >= 1"),
         (["memory", "gqa", "--tokens", "0"], "argument --tokens: 0 must be >= 1"),
-        (["compare", "--policies", "snapkv", "--budgets", "0"], "argument --budgets: 0 must be in (0, 1]"),
+        (["compare", "--policy", "snapkv", "--ratios", "1"], "argument --ratios: 1 must be in (0, 1): the fraction"),
+        (["ruler", "gqa", "--ratios", "1"], "argument --ratios: 1 must be in (0, 1): the fraction"),
+        (["compare", "--policy", "snapkv", "--budgets", "0.25"], "--budgets is gone: it counted the fraction kept"),
+        (["compare", "--policies", "snapkv", "tova"], "--policies is gone: give --policy once per method"),
+        (["serve-bench", "gqa", "--policies", "int:8"], "--policies is gone: give --policy once per policy"),
     ],
 )
 def test_bad_flags_of_other_commands(argv, message, capsys):
@@ -134,14 +141,14 @@ def test_every_option_says_what_it_does_and_its_default():
 def test_running_out_of_memory_is_one_line(run, monkeypatch, capsys):
     import jax
 
-    import kvjax.commands.evaluate
+    import kvjax.training.trainer
 
     def exhausted(*args, **kwargs):
         raise jax.errors.JaxRuntimeError(
             "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 40000000000 bytes."
         )
 
-    monkeypatch.setattr(kvjax.commands.evaluate, "evaluate_model", exhausted)
+    monkeypatch.setattr(kvjax.training.trainer, "evaluate_model", exhausted)
     assert main(["eval", run, "--windows", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvjax: error: out of memory (RESOURCE_EXHAUSTED") and len(err.strip().splitlines()) == 1
@@ -182,7 +189,7 @@ def test_duo_train_never_writes_a_shipped_pattern(capsys):
 
 def test_compare_policies_without_a_model_says_how_to_get_one(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert main(["compare", "--quick", "--policies", "snapkv", "streaming", "kivi:2"]) == 2
+    assert main(["compare", "--quick", "--policy", "snapkv", "--policy", "streaming", "--policy", "kivi:2"]) == 2
     err = capsys.readouterr().err
     assert "pass --model" in err and "with `kvjax compare --quick`" in err
 
@@ -246,3 +253,179 @@ def test_a_redirected_log_gets_a_line_per_tenth_not_a_bar_per_step():
         len(lines) == 8 and lines[0].startswith("step 300/1000 (30%)") and lines[-1].startswith("step 1000/1000 (100%)")
     )
     assert "\r" not in log.getvalue() and lines[-1].endswith("loss=1.23")
+
+
+# Issue 53: what a new user ran into.
+
+
+def _docs_memory_commands() -> list[tuple[list[str], str]]:
+    """Every `kvjax memory` line of docs/cli.md's code blocks: (its arguments, its comment)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    lines = [line for block in blocks for line in block.splitlines() if "kvjax memory " in line]
+    return [(shlex.split(line.split("#")[0])[2:], line.partition("#")[2]) for line in lines]
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_every_memory_command_of_the_docs_runs_on_every_shipped_model(model, capsys):
+    """`kvjax memory` as docs/cli.md shows it, on each shipped model: gemma3's reference to MHA kept its
+    rings' section once they were gone, and every form failed. The figures the docs give are the table's."""
+    commands = _docs_memory_commands()
+    assert len(commands) >= 3
+    for args, comment in commands:
+        if args[0] in ("smollm2", "gemma3"):
+            args = [model, *args[1:]]
+        assert main(["memory", *args]) == 0, args
+        out = capsys.readouterr().out
+        if args[0] == "gemma3" and (documented := re.match(r"\s*([\d,]+) B/token", comment)):
+            kv_per_token = rows_by_variant(out)["gemma-3-270m"][6]
+            assert kv_per_token == documented.group(1).replace(",", ""), (args, out)
+    if model == "gemma3":  # a section the overrides set themselves is checked as given
+        assert main(["memory", model, "model.layer_pattern=[attention]", "model.local.rope_theta=5"]) == 2
+        assert "configures 'local' layers, and this model has none" in capsys.readouterr().err
+
+
+def rows_by_variant(out: str) -> dict[str, list[str]]:
+    rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells] for cells in rows[1:]}
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "is empty, not a GGUF file"),
+        (b"just some text\n", "is not a GGUF file (it does not start with the GGUF magic bytes)"),
+        (b"GGUF\x03\x00\x00\x00" + b"\x07" * 40, "is a damaged or truncated GGUF file"),
+    ],
+)
+def test_a_gguf_file_that_is_not_one_is_a_one_line_error(tmp_path, content, message, capsys):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    for argv in (["memory", str(path)], ["generate", str(path), "--prompt", "x"], ["eval", str(path)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, (argv, err)
+
+
+def test_a_truncated_real_gguf_file_is_one_line_from_the_entry_point(tmp_path):
+    from kvjax.training.gguf_import import resolve_gguf
+
+    path = tmp_path / "cut.gguf"
+    with resolve_gguf("smollm2").open("rb") as f:
+        path.write_bytes(f.read(3_000_000))  # the header and part of the first tensor
+    assert "is a damaged or truncated GGUF file (3,000,000 bytes" in one_line_error(kvjax("memory", str(path)))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ruler", "RUN", "--lengths", "512", "--out", "BAD"],
+        ["train", "gqa", "--run-dir", "BAD"],
+        ["uptrain", "RUN", "mqa", "--run-dir", "BAD"],
+        ["eval", "RUN", "--out", "BAD"],
+        ["serve-bench", "gqa", "--requests", "1", "--json", "BAD/figures.json"],
+        ["compare", "--policy", "snapkv", "--model", "RUN", "--out", "BAD"],
+        ["export", "RUN", "BAD"],
+        ["duo-train", "RUN", "--out", "BAD/pattern.json"],
+    ],
+)
+def test_every_output_path_is_checked_before_any_compute(run, tmp_path, argv, monkeypatch, capsys):
+    """An output that cannot be made (here: under a file) fails in one line before a model loads or
+    anything runs: serve-bench used to run the whole benchmark and then lose it to a traceback."""
+    import kvjax.serve_bench
+    import kvjax.training.loading
+    import kvjax.training.trainer
+    import kvjax.training.uptrain
+
+    def computed(*args, **kwargs):
+        raise AssertionError("computed before checking the output path")
+
+    for module, name in [
+        (kvjax.training.loading, "load_model"),
+        (kvjax.training.trainer, "Trainer"),
+        (kvjax.training.uptrain, "uptrain"),
+        (kvjax.serve_bench, "serve_bench"),
+    ]:
+        monkeypatch.setattr(module, name, computed)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    argv = [a.replace("RUN", run).replace("BAD", str(blocker / "out")) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{blocker} is a file, so no" in err, err
+
+
+def test_ruler_says_the_least_length_in_the_length_asked_and_leaves_nothing(run, tmp_path, capsys):
+    """A length too short for the model's template and the task: the message counts in the length given
+    (it printed the length less the template), and no results file is left behind."""
+    out = tmp_path / "ruler"
+    argv = ["ruler", run, "--tasks", "niah_single_1", "--lengths", "60", "--out", str(out), "--allow-long-context"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "ruler: length=60 must be at least 65 (1 of them the model's template)" in err
+    assert not out.exists()
+
+
+def test_help_imports_no_jax():
+    """`kvjax --help` and every command's help parse without loading the library (they took 15-19 s)."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from kvjax.commands import build_parser, COMMANDS\n"
+        "parser = build_parser()\n"
+        "for argv in [['--help'], *([c.__name__.rsplit('.', 1)[1].replace('_', '-').replace('evaluate', 'eval'), "
+        "'--help'] for c in COMMANDS)]:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        parser.parse_args(argv)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'numpy')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+def test_generate_reads_its_prompt_from_a_file(run, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("import os\nimport ")
+    common = ["generate", run, "--temperature", "0", "--max-new-tokens", "4", "--allow-long-context"]
+    assert main([*common, "--prompt", "import os\nimport "]) == 0
+    given = capsys.readouterr().out
+    assert main([*common, "--prompt-file", str(prompt)]) == 0
+    assert capsys.readouterr().out == given
+    prompt.write_bytes(b"caf\xe9")
+    assert main([*common, "--prompt-file", str(prompt)]) == 2
+    assert "is not UTF-8 text (byte 3)" in capsys.readouterr().err
+    assert main([*common, "--prompt-file", str(tmp_path / "none.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_eval_shows_progress_and_keeps_its_results(run, tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert main(["eval", run, "--windows", "3", "--batch", "1", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "window 3/3 (100%)" in captured.err  # a line per tenth in a log, a bar on a terminal
+    assert (out / "results.md").read_text().strip() in captured.out
+    assert json.loads((out / "results.json").read_text())["windows"] == 3
+
+
+def test_export_writes_a_hugging_face_directory_kvjax_and_transformers_read(run, tmp_path, capsys):
+    """`kvjax export RUN DIR`: the run's weights as LlamaForCausalLM and its byte tokenizer as
+    tokenizer.json; kvjax loads the directory back to the same logits and tokens, transformers'
+    fast tokenizer encodes as the byte tokenizer does; an earlier export is not overwritten silently."""
+    pytest.importorskip("safetensors")
+    from kvjax.training.loading import load_model
+
+    out = tmp_path / "hf"
+    assert main(["export", run, str(out)]) == 0
+    assert "a LlamaForCausalLM in fp32" in capsys.readouterr().out
+    source, exported = load_model(run), load_model(str(out))
+    tokens = np.array([[256, *b"import os"]], np.int32)
+    positions = np.arange(tokens.shape[1])[None]
+    np.testing.assert_allclose(exported.model(tokens, positions)[0], source.model(tokens, positions)[0], atol=1e-5)
+    text = "def f(x):\n\treturn 'caf\u00e9'"
+    assert exported.tokenizer.encode(text) == source.tokenizer.encode(text)
+    assert (exported.tokenizer.bos_id, exported.tokenizer.eos_id) == (256, 257)
+    transformers = pytest.importorskip("transformers")
+    fast = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert fast(text, add_special_tokens=False).input_ids == source.tokenizer.encode(text)
+    assert (fast.bos_token_id, fast.eos_token_id) == (256, 257)
+    assert main(["export", run, str(out)]) == 2
+    assert "already holds config.json, model.safetensors" in capsys.readouterr().err

@@ -85,14 +85,14 @@ def test_a_chat_model_gets_the_passkey_as_one_user_turn_with_the_reply_begun():
 def test_with_budget_inserts_the_ratio_before_the_options():
     assert ce.with_budget("snapkv", 0.5) == "snapkv:0.5"
     assert ce.with_budget("snapkv:obs_window=16", 0.75) == "snapkv:0.75:obs_window=16"
-    runs = ce.table_runs(["snapkv", "kivi:2", "snapkv:0.5+int:8", "h2o:normalize=true"], [0.25, 0.5])
-    assert runs == [
+    runs = ce.table_runs(["snapkv", "kivi:2", "snapkv:0.5+int:8", "h2o:normalize=true"], [0.75, 0.5])
+    assert runs == [  # a ratio is the fraction removed, the policy's own budget
         (None, None),
-        ("snapkv:0.75", 0.25),
+        ("snapkv:0.75", 0.75),
         ("snapkv:0.5", 0.5),
         ("kivi:2", None),
         ("snapkv:0.5+int:8", None),
-        ("h2o:0.75:normalize=true", 0.25),
+        ("h2o:0.75:normalize=true", 0.75),
         ("h2o:0.5:normalize=true", 0.5),
     ]
 
@@ -176,10 +176,11 @@ def test_compare_policy_table(run, tmp_path, capsys):
         main(
             [
                 "compare",
-                "--policies",
+                "--policy",
                 "snapkv:obs_window=8",
+                "--policy",
                 "kivi:2:group=8,residual=16",
-                "--budgets",
+                "--ratios",
                 "0.5",
                 "--model",
                 run,
@@ -194,7 +195,7 @@ def test_compare_policy_table(run, tmp_path, capsys):
     assert "snapkv:0.5:obs_window=8" in out and "kivi:2" in out
     (table,) = tmp_path.glob("policies-*.json")
     rows = json.loads(table.read_text())
-    assert [r["budget"] for r in rows] == [None, 0.5, None]
+    assert [r["ratio"] for r in rows] == [None, 0.5, None]
     assert rows[2]["policy"] == "kivi:2:group=8,residual=16"
     assert rows[1]["cache_bytes_per_token"] < rows[0]["cache_bytes_per_token"]
     assert all(r["decode_tokens_per_s"] > 0 for r in rows)

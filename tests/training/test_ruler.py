@@ -207,10 +207,10 @@ def test_the_metric_is_rulers_string_match():
     assert ruler.score("the KEY is Brave-Lion", ["brave-lion"], "all") == 1.0  # case-insensitive
 
 
-def test_a_policys_average_has_an_interval_over_every_answer():
-    """The average over tasks and its 95% interval: every (task, sample) answer one draw, so one sample
-    per task still gives an interval; equal to the interval computed over the answers directly."""
-    from kvjax.training.ruler_eval import average, summarize
+def test_a_policys_average_has_a_wilson_interval_over_every_answer():
+    """The average over tasks and its 95% interval: Wilson's score interval over every (task, sample)
+    answer, so one answer still has one, and two right answers of two are not "100 +- 0"."""
+    from kvjax.training.ruler_eval import average, shown, summarize, wilson
 
     scores = {"niah_single_1": [1.0, 1.0, 0.0], "fwe": [0.5, 0.0, 0.0], "vt": [1.0, 0.2, 0.4]}
     records = [
@@ -218,34 +218,92 @@ def test_a_policys_average_has_an_interval_over_every_answer():
         for t, xs in scores.items()
         for x in xs
     ]
-    answers = 100 * np.array([x for xs in scores.values() for x in xs])
-    mean, half = average(summarize(records))
-    assert mean == pytest.approx(answers.mean())
-    assert half == pytest.approx(1.96 * answers.std(ddof=1) / np.sqrt(len(answers)))
-    assert average(summarize(records[:1])) == (100.0, pytest.approx(float("nan"), nan_ok=True))
+    answers = np.array([x for xs in scores.values() for x in xs])
+    mean, low, high = average(summarize(records))
+    assert mean == pytest.approx(100 * answers.mean())
+    # Wilson (1927): the p whose normal-approximation interval reaches the observed mean, solved exactly
+    n, p, z = len(answers), answers.mean(), 1.96
+    for bound in (low / 100, high / 100):
+        assert abs(p - bound) == pytest.approx(z * np.sqrt(bound * (1 - bound) / n))
+    assert average(summarize(records[:1])) == pytest.approx((100.0, 100 * 1 / (1 + z * z), 100.0))
+    assert [round(100 * x, 1) for x in wilson(1.0, 2)] == [34.2, 100.0]
+    assert [round(100 * x, 1) for x in wilson(0.0, 2)] == [0.0, 65.8]
+    assert shown(50.0, 20.0, 80.0) == "50.0 (20.0-80.0)"
 
 
 def test_bad_requests_are_one_line_errors():
     with pytest.raises(ConfigError, match="task='niah_single_9' must be one of"):
         ruler.generate("niah_single_9", BYTES, 1024, 1)
-    with pytest.raises(ConfigError, match="length=16 must be >= 64"):
+    with pytest.raises(ConfigError, match="length=16 must be at least 64$"):
         ruler.generate("niah_single_1", BYTES, 16, 1)
-    with pytest.raises(ConfigError, match=r"length=400 leaves no room for a haystack: .* at least 8\d\d$"):
+    with pytest.raises(ConfigError, match=r"length=90 must be at least 94 \(30 of them the model's template\)"):
+        ruler.generate("niah_single_1", BYTES, 90, 1, template=30)
+    with pytest.raises(ConfigError, match=r"length=400 is too short for niah_multiquery: .* at least 8\d\d$"):
         ruler.generate("niah_multiquery", BYTES, 400, 1)
+    with pytest.raises(ConfigError, match=r"at least 8\d\d \(30 of them the model's template\)$"):
+        ruler.generate("niah_multiquery", BYTES, 400, 1, template=30)
 
 
-def test_the_command_sweeps_resumes_and_writes_its_tables(tmp_path, capsys):
+def test_cwe_takes_its_variant_from_the_nominal_length():
+    """RULER picks cwe's repeats (30/3 from 4,096 tokens, 6/1 below) by max_seq_length, template tokens
+    included: a chat model's 4k sample is the long variant though its list is fitted to fewer tokens."""
+    pytest.importorskip("tokenizers")
+    from kvjax.training.gguf_import import load_gguf_tokenizer
+
+    bpe = load_gguf_tokenizer("smollm2")  # a byte tokenizer fits no 30/3 list into 4k tokens
+    long, short = (ruler.generate("cwe", bpe, 4096, 1, template=t)[0] for t in (30, 0))
+    fitted = ruler.generate("cwe", bpe, 4066, 1)[0]
+
+    def repeats(sample):
+        words = re.findall(r"\d+\. (\S+)", sample.input[sample.input.rindex("Below is a numbered list") :])
+        counts = collections.Counter(words)
+        return counts[sample.outputs[0]], min(counts.values())
+
+    assert repeats(long) == repeats(short) == (30, 3)
+    assert repeats(fitted) == (6, 1)  # what a 4k sweep on a model with a template generated before
+    assert long.length <= 4066  # fitted to the room the template leaves
+
+
+def test_vt_samples_are_the_same_in_every_process():
+    """vt's variable names no longer pass through a set, whose order is the process's string hash: two
+    processes with different PYTHONHASHSEED generate the same samples."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from kvjax.training import ruler; from kvjax.training.tokenizer import ByteTokenizer; "
+        "print([s.input for s in ruler.generate('vt', ByteTokenizer(), 1024, 2)])"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": seed}
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outputs) == 1 and "VAR" in outputs.pop()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from kvjax.commands import main
+    from tests.training.test_cli import TINY
+
+    run = str(tmp_path_factory.mktemp("ruler") / "run")
+    assert main(["train", "gqa", *TINY, "--run-dir", run]) == 0
+    return run
+
+
+def test_the_command_sweeps_resumes_and_writes_its_tables(tiny_run, tmp_path, capsys):
     """`kvjax ruler` on a tiny run: every cell in the JSONL file, the tables and figures written; run again
     with one more sample, only the new cells are computed, and the full cache's answers are what greedy
-    generation gives without the sweep."""
+    generation gives without the sweep; the same directory with another seed is refused in one line."""
     from kvjax import DecodingConfig, generate
     from kvjax.commands import main
     from kvjax.training.loading import load_model
     from kvjax.training.ruler_eval import finished, prompt_ids
-    from tests.training.test_cli import TINY
 
-    run, out = str(tmp_path / "run"), tmp_path / "ruler"
-    assert main(["train", "gqa", *TINY, "--run-dir", run]) == 0
+    run, out = tiny_run, tmp_path / "ruler"
     args = ["ruler", run, "--tasks", "niah_single_1", "fwe", "--lengths", "1024", "--policy", "streaming"]
     args += ["--ratios", "0.75", "--allow-long-context", "--no-progress", "--out", str(out)]
     assert main([*args, "--samples", "2"]) == 0
@@ -253,19 +311,76 @@ def test_the_command_sweeps_resumes_and_writes_its_tables(tmp_path, capsys):
     assert main([*args, "--samples", "3"]) == 0
     printed = capsys.readouterr().out
     assert re.search(r"\b4 cells computed in [\d.]+ s, 8 read", printed) and "| streaming:0.75 |" in printed
+    assert "## 1024 tokens (3 samples per cell)" in printed
     for name in ("results.csv", "results.json", "results.md", "leaderboard.png", "tasks.png"):
         assert (out / name).stat().st_size > 0
     records = finished(out / "results.jsonl")
     assert len(records) == 12 and {r["policy"] for r in records.values()} == {"full", "streaming:0.75"}
+    loaded = load_model(run)
+    assert {(r["model"], r["seed"], r["template"], r["generator"]) for r in records.values()} == {
+        (loaded.config.model.name, 42, "plain+bos", ruler.VERSION)
+    }
     full, kept = (records[("fwe", 1024, p, 0)]["bytes_per_token"] for p in ("full", "streaming:0.75"))
     assert 0.24 < kept / full < 0.26  # ratio 0.75 removes three quarters (kvpress's compression_ratio)
-    loaded = load_model(run)
-    sample = ruler.generate("fwe", loaded.tokenizer, 1024 - int(loaded.bos), 3)[2]
+    sample = ruler.generate("fwe", loaded.tokenizer, 1024, 3, template=int(loaded.bos))[2]
     prompt = prompt_ids(sample, loaded.tokenizer, loaded.bos)
-    out = generate(loaded.model, [prompt], DecodingConfig(max_new_tokens=50, eos_id=loaded.tokenizer.eos_id))
-    ids = np.asarray(out.tokens[0, : out.lengths[0]]).tolist()
+    answer = generate(loaded.model, [prompt], DecodingConfig(max_new_tokens=50, eos_id=loaded.tokenizer.eos_id))
+    ids = np.asarray(answer.tokens[0, : answer.lengths[0]]).tolist()
     ids = ids[:-1] if ids[-1] == loaded.tokenizer.eos_id else ids
     assert records[("fwe", 1024, "full", 2)]["answer"] == loaded.tokenizer.decode(ids)
+    before = (out / "results.jsonl").read_bytes()
+    assert main([*args, "--samples", "3", "--seed", "7"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # past it, the context warning
+    assert len(errors) == 1 and "holds the cells of another sweep (seed 42 there, 7 now)" in errors[0]
+    assert (out / "results.jsonl").read_bytes() == before
+
+
+def test_a_sweep_keeps_each_models_cells_apart_and_recomputes_changed_inputs(make_model, tmp_path):
+    """A results file holds one sweep: another model's (another weights' digest, same name) is refused
+    before any compute, naming what differs; a stored cell whose input changed (a generator fixed since)
+    is computed again and replaces the old line."""
+    from kvjax.training import ruler_eval
+
+    first, second = (make_model("gqa", "model.n_layers=1", seed=s)[1] for s in (0, 1))
+    results, plan = tmp_path / "results.jsonl", ruler_eval.runs([], [0.5])
+    sweep = dict(bos=False, tasks=["niah_single_1"], lengths=[640], samples=2, runs_=plan, results=results)
+    done = ruler_eval.sweep(first, BYTES, **sweep)
+    assert (done.computed, done.stale) == (2, 0)
+    with pytest.raises(ConfigError, match=r"holds the cells of another sweep \(weights '[0-9a-f]{16}' there, '"):
+        ruler_eval.sweep(second, BYTES, **sweep)
+    lines = results.read_text().splitlines()
+    edited = json.loads(lines[1]) | {"input": "0" * 16, "answer": "stale"}
+    results.write_text("\n".join([lines[0], json.dumps(edited)]) + "\n")
+    again = ruler_eval.sweep(first, BYTES, **sweep)
+    assert (again.computed, again.stale) == (1, 1)
+    assert [r["answer"] for r in again.records] == [r["answer"] for r in done.records]
+    assert results.read_text().splitlines() == lines  # one line per cell, the recomputed one in its place
+
+
+def test_ctrl_c_in_ruler_stops_after_the_sample_and_says_how_to_resume(tiny_run, tmp_path):
+    """Ctrl-C once: the sample in progress finishes, its cells are kept, exit status 130 with the command
+    that resumes (it used to end in a segmentation fault)."""
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "ruler"
+    args = ["ruler", tiny_run, "--tasks", "fwe", "--lengths", "512", "--samples", "50"]
+    args += ["--allow-long-context", "--no-progress", "--out", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvjax.commands", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    results, deadline = out / "results.jsonl", time.monotonic() + 300
+    while not (results.is_file() and results.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "stopping after the sample in progress" in err
+    assert f"every finished cell is in {results}; resume with: {shlex.join(['kvjax', *args])}" in err
+    assert 1 <= results.read_text().count("\n") < 50
 
 
 def test_one_prefill_for_many_policies_answers_as_separate_prefills(make_model, tmp_path):
@@ -279,7 +394,7 @@ def test_one_prefill_for_many_policies_answers_as_separate_prefills(make_model, 
     plan = ruler_eval.runs(entries, [0.5])
     answers = []
     for share in (True, False):
-        records, computed = ruler_eval.sweep(
+        swept = ruler_eval.sweep(
             model,
             BYTES,
             bos=False,
@@ -290,8 +405,8 @@ def test_one_prefill_for_many_policies_answers_as_separate_prefills(make_model, 
             results=tmp_path / f"{share}.jsonl",
             share=share,
         )
-        assert computed == 2 * len(plan)
-        answers.append({(r["task"], r["policy"], r["index"]): r["answer"] for r in records})
+        assert swept.computed == 2 * len(plan)
+        answers.append({(r["task"], r["policy"], r["index"]): r["answer"] for r in swept.records})
     assert answers[0] == answers[1]
     assert len(set(answers[0].values())) > len(answers[0]) // 2  # the answers differ: a test that can fail
 

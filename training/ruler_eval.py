@@ -321,7 +321,8 @@ def wilson(mean: float, n: int, z: float = 1.96) -> tuple[float, float]:
     certainty: 2 right answers of 2 give (34%, 100%), not 100 +- 0."""
     centre, spread = mean + z * z / (2 * n), z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n))
     scale = 1 + z * z / n
-    return max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale)
+    # the interval holds the mean; min/max only keep rounding (1 - 1e-16 at a mean of 1) from saying otherwise
+    return max(0.0, min(mean, (centre - spread) / scale)), min(1.0, max(mean, (centre + spread) / scale))
 
 
 def write_outputs(rows: list[dict], out: Path, title: str) -> list[Path]:

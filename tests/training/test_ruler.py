@@ -7,6 +7,7 @@ import json
 import random
 import re
 import string
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -228,6 +229,7 @@ def test_a_policys_average_has_a_wilson_interval_over_every_answer():
     assert average(summarize(records[:1])) == pytest.approx((100.0, 100 * 1 / (1 + z * z), 100.0))
     assert [round(100 * x, 1) for x in wilson(1.0, 2)] == [34.2, 100.0]
     assert [round(100 * x, 1) for x in wilson(0.0, 2)] == [0.0, 65.8]
+    assert wilson(1.0, 3)[1] == 1.0 and all(lo <= p <= hi for p in (0.0, 0.3, 1.0) for lo, hi in [wilson(p, 7)])
     assert shown(50.0, 20.0, 80.0) == "50.0 (20.0-80.0)"
 
 
@@ -366,21 +368,26 @@ def test_ctrl_c_in_ruler_stops_after_the_sample_and_says_how_to_resume(tiny_run,
     import sys
     import time
 
-    out = tmp_path / "ruler"
     args = ["ruler", tiny_run, "--tasks", "fwe", "--lengths", "512", "--samples", "50"]
-    args += ["--allow-long-context", "--no-progress", "--out", str(out)]
+    args += ["--allow-long-context", "--no-progress"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvjax.commands", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "kvjax.commands", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
     )
-    results, deadline = out / "results.jsonl", time.monotonic() + 300
-    while not (results.is_file() and results.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+    results, deadline = Path("runs/ruler/run/results.jsonl"), time.monotonic() + 300  # the default, in runs/
+    while not ((tmp_path / results).is_file() and (tmp_path / results).read_text().count("\n") >= 1) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "stopping after the sample in progress" in err
     assert f"every finished cell is in {results}; resume with: {shlex.join(['kvjax', *args])}" in err
-    assert 1 <= results.read_text().count("\n") < 50
+    assert 1 <= (tmp_path / results).read_text().count("\n") < 50
 
 
 def test_one_prefill_for_many_policies_answers_as_separate_prefills(make_model, tmp_path):

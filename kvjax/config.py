@@ -24,7 +24,8 @@ from kvjax.kinds.retention import GRET_FORMS, RetNetConfig
 from kvjax.kinds.rwkv import RWKVConfig
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("xla", "pallas", "auto")  # kvjax.ops.attention's backends
+ATTENTION_IMPLS = ("xla", "pallas", "cudnn", "splash", "auto")  # kvjax.impls: the attention implementations
+KERNEL_IMPLS = ("pallas", "cudnn", "splash")  # those that decode with kvjax's Pallas kernels
 MLP_ACTS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU (Llama), GeGLU with tanh GELU (Gemma)
 TRAINABLE = ("all", "kv")  # train.trainable: every parameter, or only the K/V projections and norms
 YOCO_SELF_MIXERS = ("swa", "gret")
@@ -97,10 +98,11 @@ class AttentionConfig:
         require(self.impl in ATTENTION_IMPLS, f"{p}.impl", self.impl, f"must be one of {ATTENTION_IMPLS}")
         positive(p, self, "query_scale", "softcap", optional=True)
         require(
-            self.softcap is None or self.impl != "pallas",
+            self.softcap is None or self.impl not in KERNEL_IMPLS,
             f"{p}.impl",
             self.impl,
-            f"has no Pallas kernel with logit soft-capping ({p}.softcap={self.softcap}); use xla or auto",
+            f"decodes with kvjax's Pallas kernels, which have no logit soft-capping ({p}.softcap={self.softcap}); "
+            "use xla or auto",
         )
 
 
@@ -284,10 +286,11 @@ class ModelConfig:
                 f"must divide model.attention.n_heads={att.n_heads}",
             )
             require(
-                mla.rope_heads == 1 or att.impl != "pallas",
+                mla.rope_heads == 1 or att.impl not in KERNEL_IMPLS,
                 "model.attention.impl",
                 att.impl,
-                "has no Pallas kernel for MLA with several RoPE key heads (model.mla.rope_heads); use xla or auto",
+                "decodes with kvjax's Pallas kernels, which have none for MLA with several RoPE key heads "
+                "(model.mla.rope_heads); use xla or auto",
             )
             if mla.rope_pairs is not None:
                 require(

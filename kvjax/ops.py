@@ -19,10 +19,12 @@ products faster than one long product per head: in scripts/bench_decode.py the a
 from 13.5-14.0 ms to 9.2-9.3 ms and the whole step from 18-19.5 ms to 13.4-14.3 ms. MLA's absorbed
 decode calls `blocked_decode` with two logit parts (latent and RoPE).
 
-`impl` picks the backend (tokamax's pattern: the XLA path is the reference and always works): `xla`;
-`pallas`, the kernels of `pallas_kernels/` (flash attention for several queries per row, with its
-backward; flash-decoding for one), compiled by Mosaic on TPU, Triton on GPU, and interpreted on CPU;
-`auto`, Pallas on TPU and GPU where a kernel takes the shapes, XLA otherwise (CPU included). A pooled
+`impl` picks the backend (`kvjax.impls`, tokamax's pattern: the XLA path is the reference and always
+works): `xla`; `pallas`, the kernels of `pallas_kernels/` (flash attention for several queries per row,
+with its backward; flash-decoding for one), compiled by Mosaic on TPU, Triton on GPU, and interpreted on
+CPU; `cudnn` (GPU) and `splash` (TPU), the field's prefill and training kernels for a chunk over its own
+keys, Pallas for the rest; `auto`, the platform's best where it takes the call (cuDNN or splash, then
+Pallas), XLA otherwise (CPU included). A pooled
 (AdaKV) cache has no kernel: `pallas` refuses it, `auto` runs XLA. A decode step over an int or KIVI
 cache (`quant`, the codes a `QuantKVCache` stores) runs the fused dequantize-attend kernel under Pallas
 (KIVI's full-precision residual through the decode kernel, merged by `combine`); XLA attends to the
@@ -35,13 +37,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kvjax.impls import IMPLS, PLATFORM_IMPLS, Chunk, choose
 from kvjax.pallas_kernels import decode_attention, flash_attention
 from kvjax.pallas_kernels.decode_attention import combine, decode_partials
 from kvjax.pallas_kernels.paged_decode_attention import paged_decode_attention
 from kvjax.pallas_kernels.quant_decode_attention import check as check_quant_kernel
 from kvjax.pallas_kernels.quant_decode_attention import quant_decode_partials
 
-IMPLS = ("xla", "pallas", "auto")
 DECODE_BLOCK_RANGE = (32, 128, 256)  # smallest, preferred largest, largest key block of the decode path
 PREFILL_BLOCK = 256  # query rows per block of `causal_blocks` (128 and 256 ran alike; 512 slower)
 # Finite, so a fully masked row (a padding query) cannot produce NaN; its probabilities are then zeroed,
@@ -140,10 +142,14 @@ def attention(
     (XLA) `causal_blocks` skips what causality hides.
     """
     K = _check(q, k, v, q_pos, k_pos, window, impl, k_head, n_kv_heads)
-    backend = kernel_impl(impl, pooled=k_head is not None, softcap=softcap)
     T = q.shape[1]
-    if fresh == T and T > 1 and k_head is None:  # a chunk over its own keys (see the docstring)
+    own = fresh == T and T > 1 and k_head is None  # a chunk over its own keys (see the docstring)
+    chunk = Chunk(T, q.dtype.name, q.shape[-1], v.shape[-1], per_head=k_pos.ndim == 3) if own else None
+    backend = kernel_impl(impl, pooled=k_head is not None, softcap=softcap, chunk=chunk)
+    if own:
         k, v, k_pos = k[:, :, :T], v[:, :, :T], k_pos[..., :T]
+        if backend in PLATFORM_IMPLS:
+            return PLATFORM_IMPLS[backend].attention(q, k, v, q_pos, k_pos, window=window, scale=scale, softcap=softcap)
         if backend == "xla":
             return causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl, softcap=softcap)
     if backend == "pallas" and quant is not None and q.shape[1] == 1 and _fused_quant(quant, impl):
@@ -189,17 +195,10 @@ def causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl, block: int = PREFI
     return jnp.concatenate(outs, axis=1).astype(q.dtype)
 
 
-def kernel_impl(impl: str, *, pooled: bool = False, softcap: float | None = None) -> str:
-    """The backend `impl` runs on this device: xla or pallas (see the module docstring)."""
-    if impl not in IMPLS:
-        raise ValueError(f"attention impl={impl!r} must be one of {IMPLS}")
-    if impl == "pallas" and pooled:
-        raise ValueError("attention impl='pallas' has no kernel for a pooled (AdaKV) cache; use impl='auto' or 'xla'")
-    if impl == "pallas" and softcap is not None:
-        raise ValueError(f"attention impl='pallas' has no kernel with soft-capped logits (softcap={softcap}); use auto")
-    if impl == "auto":
-        return "pallas" if jax.default_backend() in ("tpu", "gpu") and not pooled and softcap is None else "xla"
-    return impl
+def kernel_impl(impl: str, *, pooled: bool = False, softcap: float | None = None, chunk: Chunk | None = None) -> str:
+    """What `impl` runs on this device (`kvjax.impls.choose`): xla, pallas, or for a `chunk` over its own
+    keys a platform kernel (cudnn, splash)."""
+    return choose(impl, jax.default_backend(), pooled=pooled, softcap=softcap, chunk=chunk)
 
 
 def _pallas_attention(q, k, v, q_pos, k_pos, window, scale, K: int) -> jax.Array:

@@ -1,13 +1,17 @@
 """Load a local Hugging Face checkpoint directory (config.json + safetensors) of the decoder families
 kvjax expresses (`training/families/`: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3), as a kvjax
 model, with its tokenizer (tokenizer.json). Each family module maps its config and tensor names; this
-loop reads the tensors, checks every shape and fills a model built from shapes only. What a config asks
+loop reads the tensors one at a time, straight to the default device in the model's dtype (an 8B
+checkpoint never has an fp32 copy on the host), checks every shape and fills a model built from shapes
+only. What a config asks
 for that kvjax cannot express (other RoPE scalings, activations, a non-zero output bias, Qwen's
 per-layer windows) is refused by name rather than loaded approximately.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -29,18 +33,19 @@ def is_hf_dir(ref: str | Path) -> bool:
     return (path / "config.json").is_file() and any((path / w).is_file() for w in WEIGHTS)
 
 
-def _tensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+@contextlib.contextmanager
+def _tensors(path: Path):
+    """Every tensor name of the checkpoint -> its open safetensors file (read with jax: a tensor, or a
+    slice of its rows, lands on the default device in the file's dtype, and only when asked for)."""
+    from safetensors import safe_open
 
     if (path / WEIGHTS[0]).is_file():
-        files = [path / WEIGHTS[0]]
+        names = [WEIGHTS[0]]
     else:
-        index = json.loads((path / WEIGHTS[1]).read_text())
-        files = [path / f for f in sorted(set(index["weight_map"].values()))]
-    out = {}
-    for f in files:
-        out.update({k: np.asarray(v, np.float32) for k, v in load_file(f).items()})
-    return out
+        names = sorted(set(json.loads((path / WEIGHTS[1]).read_text())["weight_map"].values()))
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(safe_open(path / name, framework="flax")) for name in names]
+        yield {key: f for f in files for key in f.keys()}
 
 
 def _model_config(path: Path):
@@ -62,28 +67,30 @@ def hf_config(directory: str | Path) -> Config:
     return Config(model=_model_config(Path(directory))[0])
 
 
-def load_hf_model(directory: str | Path) -> tuple[Config, Decoder]:
-    """A kvjax Decoder (fp32) with the checkpoint's weights, and the Config describing it."""
+def load_hf_model(directory: str | Path, dtype: str | None = None) -> tuple[Config, Decoder]:
+    """A kvjax Decoder with the checkpoint's weights in `dtype` (default float32; `bfloat16` halves an
+    accelerator's memory), and the Config describing it."""
     path = Path(directory)
     cfg, family = _model_config(path)
-    w = _tensors(path)
+    cfg = cfg if dtype is None else dataclasses.replace(cfg, dtype=dtype)
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # shapes only: every weight is set below
-
-    for weight in family.weights(cfg):
-        variable, name = parameter(model, weight.ours), weight.hf
-        if name not in w:
-            raise HFImportError(f"{path}: tensor {name} is missing")
-        value = w[name] if weight.hf_rows is None else w[name][slice(*weight.hf_rows)]
-        value = value.T if weight.transpose else value
-        if variable.shape != value.shape:
-            rows = "" if weight.hf_rows is None else f" (rows {weight.hf_rows[0]}:{weight.hf_rows[1]})"
-            raise HFImportError(f"{path}: {name}{rows} has shape {value.shape}, kvjax expects {variable.shape}")
-        variable.set_value(jnp.asarray(value, variable.dtype))
-    for i in range(cfg.n_layers):  # Llama's attention_bias also biases o_proj: only zeros map exactly
-        if np.any(w.get(f"model.layers.{i}.self_attn.o_proj.bias", 0.0)):
-            raise HFImportError(
-                f"{path}: model.layers.{i}.self_attn.o_proj.bias is not zero; kvjax's output projection has no bias"
-            )
+    with _tensors(path) as files:
+        for weight in family.weights(cfg):
+            variable, name = parameter(model, weight.ours), weight.hf
+            if name not in files:
+                raise HFImportError(f"{path}: tensor {name} is missing")
+            source = files[name].get_slice(name)
+            value = source[slice(*weight.hf_rows)] if weight.hf_rows is not None else source[:]
+            value = value.T if weight.transpose else value
+            if variable.shape != value.shape:
+                rows = "" if weight.hf_rows is None else f" (rows {weight.hf_rows[0]}:{weight.hf_rows[1]})"
+                raise HFImportError(f"{path}: {name}{rows} has shape {value.shape}, kvjax expects {variable.shape}")
+            # through fp32, as the reference does: a bf16 file into an fp32 model is exact either way
+            variable.set_value(value.astype(jnp.float32).astype(variable.dtype))
+        for i in range(cfg.n_layers):  # Llama's attention_bias also biases o_proj: only zeros map exactly
+            name = f"model.layers.{i}.self_attn.o_proj.bias"
+            if name in files and np.any(np.asarray(files[name].get_tensor(name))):
+                raise HFImportError(f"{path}: {name} is not zero; kvjax's output projection has no bias")
     return Config(model=cfg), model
 
 

@@ -57,7 +57,7 @@ def test_yaml_file_in_any_directory(tmp_path):
         (["model.attention.softcap=0"], "model.attention.softcap=0.0 must be > 0, or null"),
         (
             ["model.attention.softcap=50", "model.attention.impl=pallas"],
-            "model.attention.impl='pallas' has no Pallas kernel with logit soft-capping",
+            "model.attention.impl='pallas' decodes with kvjax's Pallas kernels, which have no logit soft-capping",
         ),
         (
             ["model.attention.softcap=50", "model.layer_pattern=[retnet]"],

@@ -3,9 +3,11 @@ compute what transformers computes, kvjax's own export reads back exactly, and w
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from kvjax.config import ConfigError
 from kvjax.training.hf_export import export_hf
@@ -100,6 +102,22 @@ def test_logits_match_transformers(tmp_path, family, extra):
     assert att.qkv_bias == (family == "Qwen2") and att.qk_norm == (family in ("Qwen3", "Gemma3"))
     assert att.softcap == extra.get("attn_logit_softcapping")
     assert (att.rope_scaling is not None) == ("rope_scaling" in extra)
+
+
+def test_a_bf16_checkpoint_loads_tensor_by_tensor_in_the_dtype_asked(tmp_path):
+    """A bfloat16 checkpoint (Phi-3's fused projections: row slices of one tensor) loads straight into a
+    bfloat16 model, each weight the file's own bits, and into float32 exactly; nothing is read as a whole
+    fp32 dictionary first."""
+    reference = _save("Phi3", tmp_path, torch_dtype=torch.bfloat16, sliding_window=5, pad_token_id=0)
+    reference.to(torch.bfloat16).save_pretrained(tmp_path)
+    _, half = load_hf_model(tmp_path, dtype="bfloat16")
+    _, full = load_hf_model(tmp_path)
+    for a, b in zip(jax.tree.leaves(nnx.state(half, nnx.Param)), jax.tree.leaves(nnx.state(full, nnx.Param))):
+        assert a.dtype == jnp.bfloat16 and b.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))  # bf16 values, exact in fp32
+    ids = jnp.asarray(_ids())
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    np.testing.assert_allclose(half(ids, positions)[0], full(ids, positions)[0], atol=0.05)  # bf16 activations
 
 
 @pytest.mark.parametrize(

@@ -368,7 +368,7 @@ def test_ctrl_c_in_ruler_stops_after_the_sample_and_says_how_to_resume(tiny_run,
     import sys
     import time
 
-    args = ["ruler", tiny_run, "--tasks", "fwe", "--lengths", "512", "--samples", "50"]
+    args = ["ruler", tiny_run, "--tasks", "fwe", "--lengths", "512", "--samples", "200"]
     args += ["--allow-long-context", "--no-progress"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvjax.commands", *args],
@@ -387,7 +387,7 @@ def test_ctrl_c_in_ruler_stops_after_the_sample_and_says_how_to_resume(tiny_run,
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "stopping after the sample in progress" in err
     assert f"every finished cell is in {results}; resume with: {shlex.join(['kvjax', *args])}" in err
-    assert 1 <= (tmp_path / results).read_text().count("\n") < 50
+    assert 1 <= (tmp_path / results).read_text().count("\n") < 200
 
 
 def test_one_prefill_for_many_policies_answers_as_separate_prefills(make_model, tmp_path):

@@ -19,6 +19,7 @@ from tests.training.test_cli import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALLEST = {
+    "accelerator_check.py": ["--tiny", "--out", "OUT"],
     "bench_decode.py": ["--batch", "1", "--context", "64", "--steps", "2", "--repeats", "1"],
     "bench_mla.py": ["--batch", "1", "--lengths", "64", "--steps", "2", "--repeats", "1"],
     "bench_yoco.py": ["--lengths", "64", "--chunk", "32", "--repeats", "1"],
@@ -157,6 +158,18 @@ def test_a_benchmark_runs_at_its_smallest_setting(script, benchmarks):
     result = benchmarks[script]
     assert result["rc"] == 0, result["stderr"]
     assert "|" in result["stdout"] or "{" in result["stdout"]  # a table or a JSON record of figures
+
+
+@pytest.mark.slow
+def test_the_accelerator_check_completes_every_section_at_toy_shapes(benchmarks, tmp_path_factory):
+    """scripts/accelerator_check.py --tiny: every section ran without an error and wrote its figures."""
+    assert benchmarks["accelerator_check.py"]["rc"] == 0, benchmarks["accelerator_check.py"]["stdout"][-3000:]
+    out = next(Path(tmp_path_factory.getbasetemp()).glob("benchmarks*/accelerator_check/out"))
+    results = json.loads((out / "results.json").read_text())
+    sections = ("device", "parity", "prefill", "decode", "compressed", "engine", "train")
+    assert all(results[name] and "error" not in results[name][0] for name in sections)
+    assert results["parity"][0]["max_abs_logit_diff"] < 0.05 * max(1.0, results["parity"][0]["logit_scale"])
+    assert (out / "results.md").read_text().startswith("# kvjax on ")
 
 
 def test_the_training_script_commands_parse(tmp_path):

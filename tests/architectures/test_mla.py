@@ -178,7 +178,10 @@ def test_gradient_causality(make_model):
         (["model.mla.rope_heads=3"], "model.mla.rope_heads=3 must divide model.attention.n_heads=8"),
         ([*ROPE_HEADS, "model.n_layers=3"], "must have one entry per layer (model.n_layers=3)"),
         (["model.mla.rope_pairs=[[[0]]]"], "must list rope_heads=1 heads of qk_rope_head_dim/2 pair indices"),
-        ([ROPE_HEADS[0], "model.attention.impl=pallas"], "decodes with kvjax's Pallas kernels, which have none for MLA with several RoPE key heads"),
+        (
+            [ROPE_HEADS[0], "model.attention.impl=pallas"],
+            "decodes with kvjax's Pallas kernels, which have none for MLA with several RoPE key heads",
+        ),
     ],
 )
 def test_invalid_settings_raise(overrides, message):

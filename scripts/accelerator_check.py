@@ -43,12 +43,13 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_compression import compressed  # noqa: E402
 from bench_mla import filled_cache  # noqa: E402
 
 from kvjax import DecodingConfig, Engine, Generator, Request  # noqa: E402
 from kvjax.architectures import Decoder  # noqa: E402
 from kvjax.cache import caches_nbytes  # noqa: E402
-from kvjax.compress import compress_caches, compressible, parse_policy, plan_stages, prepare_policy  # noqa: E402
+from kvjax.compress import parse_policy  # noqa: E402
 from kvjax.config import Config, DataConfig, TrainConfig  # noqa: E402
 from kvjax.plan import init_caches  # noqa: E402
 from kvjax.report import format_table  # noqa: E402
@@ -356,16 +357,7 @@ def compressed_section(plan, models, bandwidth: float) -> list[dict]:
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64))
     for text in plan["policies"]:
         policy = parse_policy(text)
-        prepared = prepare_policy(policy, model, calibration=tokens)
-        plans = plan_stages(cfg, policy.stages, lengths, headroom=room, **prepared)
-        caches, _ = compress_caches(
-            full,
-            (None,) * len(full),
-            tuple(p.static for p in plans),
-            tuple(p.arrays for p in plans),
-            jnp.asarray(lengths - 1),
-            compressible(cfg),
-        )
+        caches = compressed(model, full, lengths, room, policy, tokens)
         step = _step_time(
             Generator(model, capacity=context + room, policy=policy),
             caches,

@@ -40,6 +40,16 @@ LAYOUTS = ("streaming", "keynorm", "keynorm:allocator=adakv", "quest")
 QUANTIZED = ("int:8", "kivi:2", "kvquant:3", "gear:2", "palu:0.5")  # keep every token; attention rebuilds K/V
 
 
+def compressed(model, full, lengths, room: int, policy, calibration):
+    """`full` caches (prompts of `lengths` tokens) compressed by `policy` with `room` free slots after,
+    without an attention observation (its stages need none); Palu calibrates on `calibration` tokens."""
+    prepared = prepare_policy(policy, model, calibration=calibration)
+    plans = plan_stages(model.config, policy.stages, lengths, headroom=room, **prepared)
+    statics, arrays = tuple(p.static for p in plans), tuple(p.arrays for p in plans)
+    last = jnp.asarray(lengths - 1)
+    return compress_caches(full, (None,) * len(full), statics, arrays, last, compressible(model.config))[0]
+
+
 def load(model_ref: str):
     from kvjax.training.loading import load_model
 
@@ -76,7 +86,6 @@ def main() -> None:
     weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     full_bytes = caches_nbytes(full)
     rows = [["full", "0", format_bytes(full_bytes), f"{base * 1e3:.1f}", "1.00x", "1.00x", "1.00"]]
-    slots = compressible(cfg)
     rng_tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64))
     runs = [
         (f"{name}:{ratio:g}" + (f":{options}" if options else ""), f"{ratio:g}")
@@ -89,16 +98,7 @@ def main() -> None:
         runs += [(text, "-") for text in QUANTIZED]
     for text, ratio in runs:
         policy = parse_policy(text)
-        prepared = prepare_policy(policy, model, calibration=rng_tokens)  # Palu: random tokens calibrate here
-        plans = plan_stages(cfg, policy.stages, lengths, headroom=room, **prepared)
-        caches, _ = compress_caches(
-            full,
-            (None,) * len(full),
-            tuple(p.static for p in plans),
-            tuple(p.arrays for p in plans),
-            jnp.asarray(lengths - 1),
-            slots,
-        )
+        caches = compressed(model, full, lengths, room, policy, rng_tokens)  # Palu: random tokens calibrate
         step, _ = decode_step_time(gen, caches, logits, lengths, args.steps, args.repeats)
         # What the bytes predict: the step reads the weights and the cache (issue 23's yardstick).
         predicted = (weights + caches_nbytes(caches)) / (weights + full_bytes)

@@ -18,7 +18,13 @@ of the whole prompt, then eviction and/or `int:8` quantization), and only what i
 `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token, so
 more requests fit in the same memory. Decoding then appends every new token (no decode-time eviction).
 With a policy, pages hold compressed prompts, so the prefix cache is off; a preempted request is
-recomputed by compressing its prompt again and re-appending the tokens it generated.
+recomputed by compressing its prompt again and re-appending the tokens it generated. A request may name
+its own policy (`Request.policy`) when its pages have the engine's layout (positions shared by the heads
+or per head, full precision or int8): a plain engine serves `streaming:0.5` or `tova:0.5` beside
+uncompressed requests, whose prompts alone enter the prefix cache.
+
+`run` serves a list of requests to completion; a server drives the same engine one `step` at a time,
+`submit`ting requests as they arrive and `cancel`ling those whose clients left.
 """
 
 from __future__ import annotations
@@ -48,8 +54,13 @@ from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequenc
 
 @dataclasses.dataclass(frozen=True)
 class Request:
+    """A prompt, how to decode it, the policy that compresses it (None: the engine's; "none": no
+    compression) and how many of the likeliest tokens to report beside each generated one."""
+
     prompt: tuple[int, ...]
     decoding: DecodingConfig = DecodingConfig()
+    policy: str | None = None
+    top_logprobs: int = 0
 
 
 # The block tables `[slots,M]` and lengths `[slots]` live once on the device, pushed from the host
@@ -205,16 +216,18 @@ class Engine:
         self.model, self.pool = model, PagePool(n_pages, page_size)
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
         self.prefix_cache = prefix_cache and self.policy is None
+        self.windowed = windowed
         self.reset()  # the scheduler: it checks slots, chunk and decode_steps
         self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
         att = cfg.attention
-        self.gen = None
-        per_head = int8 = False
+        self.gens: dict[str, Generator] = {}  # the compressed prefill of each policy served, by its text
+        self.layout = (False, False)  # pages: (positions per head, int8 codes)
         if self.policy is not None:
-            per_head, int8 = check_engine_policy(self.policy)
+            self.layout = per_head, int8 = check_engine_policy(self.policy)
             if int8 and "mla" in cfg.mixers:
                 raise ConfigError("engine policy int:8 quantizes K/V pages; MLA's latent pages are not quantized")
-            self._prefill_capacity(self.width * page_size)
+            self._prefill_capacity(self.policy, self.width * page_size)
+        per_head, int8 = self.layout
         plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
         self.caches = tuple(
             PagedLatentCache.init(
@@ -259,6 +272,7 @@ class Engine:
     def reset(self) -> None:
         """Forget every sequence, the prefix cache and the statistics, keeping the compiled functions (a
         page's stale contents are never read: a row sees only the slots below its length)."""
+        self.requests: list[Request] = []
         self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
         self.scheduler = Scheduler(
             self.pool,
@@ -309,8 +323,14 @@ class Engine:
     def _pick(self, seq: Sequence, logp, greedy: tuple[int, float] | None = None) -> None:
         """Pick `seq`'s next token from log-probabilities `[V]`: argmax when greedy (`greedy`, the (token,
         log-probability) the device already chose, saves reading the row), else drawn with the request's
-        own key (sampling a shifted copy of the logits is the same distribution)."""
-        decoding = self.requests[seq.index].decoding
+        own key (sampling a shifted copy of the logits is the same distribution); with the request's
+        `top_logprobs` likeliest tokens when it asks for them."""
+        request = self.requests[seq.index]
+        decoding = request.decoding
+        top = None
+        if request.top_logprobs:
+            best = np.argsort(-logp, kind="stable")[: request.top_logprobs]
+            top = [(int(t), float(logp[t])) for t in best]
         if decoding.temperature == 0:
             tok = greedy[0] if greedy else int(np.argmax(logp))
             lp = greedy[1] if greedy else float(logp[tok])
@@ -327,59 +347,113 @@ class Engine:
                 )[0]
             )
             lp = float(logp[tok])
-        self.scheduler.picked(seq, tok, lp)
+        self.scheduler.picked(seq, tok, lp, top)
 
-    def _prefill_capacity(self, tokens: int) -> None:
-        """With a policy: a Generator whose dense prefill cache holds prompts of `tokens` (a prompt may
-        take more slots before compression than its pages hold after)."""
-        if self.policy is not None and (self.gen is None or self.gen.capacity < tokens):
-            self.gen = Generator(self.model, capacity=tokens, policy=self.policy)
+    def policy_of(self, request: Request) -> Policy | None:
+        """The policy that compresses `request`'s prompt: its own when it names one (`none`: no compression)
+        and the engine's pages can hold what that policy keeps, else the engine's. A policy the pages
+        cannot hold is a ConfigError saying why."""
+        if request.policy is None:
+            return self.policy
+        if request.policy == "none":
+            policy, layout = None, (False, False)
+        else:
+            policy = parse_policy(request.policy)
+            layout = check_engine_policy(policy)
+            if self.windowed:
+                raise ConfigError(
+                    f"policy {request.policy}: {self.model.config.name!r} has sliding-window layers "
+                    f"({', '.join(self.windowed)}), which the engine serves without a policy"
+                )
+        if layout != self.layout:
+            have = ("positions per head" if self.layout[0] else "one position per slot") + (
+                ", int8 codes" if self.layout[1] else ", full precision"
+            )
+            raise ConfigError(
+                f"policy {request.policy}: this engine's pages hold {have} (its policy: {self.policy or 'none'}), "
+                f"and {request.policy} needs {'positions per head' if layout[0] else 'one position per slot'}"
+                f"{', int8 codes' if layout[1] else ', full precision'}; serve it from an engine started with it"
+            )
+        return policy
 
-    def _work(self, requests: list[Request]) -> list[Work]:
-        """What the scheduler needs of each request, with the slots a compressed prompt keeps (the same in
-        every layer: budgets are uniform); an empty prompt or an impossible budget is a ConfigError here,
-        before any compute."""
-        out = []
-        for i, r in enumerate(requests):
-            if not r.prompt:
-                raise ConfigError(f"request {i}: the prompt is empty")
-            kept = None
-            if self.policy is not None:
-                kept = int(self.gen.compression_plan(np.array([len(r.prompt)]), 0)[-1].counts.max())
-            d = r.decoding
-            out.append(Work(tuple(r.prompt), d.max_new_tokens, d.eos_id, d.temperature == 0, kept))
-        return out
+    def _prefill_capacity(self, policy: Policy | None, tokens: int) -> Generator | None:
+        """A Generator of `policy` whose dense prefill cache holds prompts of `tokens` (a prompt may take
+        more slots before compression than its pages hold after); None without a policy."""
+        if policy is None:
+            return None
+        key = str(policy)
+        if key not in self.gens or self.gens[key].capacity < tokens:
+            self.gens[key] = Generator(
+                self.model, capacity=max(tokens, self.width * self.pool.page_size), policy=policy
+            )
+        return self.gens[key]
+
+    def _work(self, request: Request, index: int) -> Work:
+        """What the scheduler needs of a request, with the slots a compressed prompt keeps (the same in every
+        layer: budgets are uniform); an empty prompt or an impossible budget is a ConfigError here, before
+        any compute."""
+        if not request.prompt:
+            raise ConfigError(f"request {index}: the prompt is empty")
+        kept = None
+        gen = self._prefill_capacity(self.policy_of(request), len(request.prompt))
+        if gen is not None:
+            kept = int(gen.compression_plan(np.array([len(request.prompt)]), 0)[-1].counts.max())
+        d = request.decoding
+        greedy = d.temperature == 0 and not request.top_logprobs  # else each step reads the distribution
+        return Work(tuple(request.prompt), d.max_new_tokens, d.eos_id, greedy, kept)
 
     def check(self, requests: list[Request]) -> list[Work]:
         """Refuse, before any compute, a request this engine can never serve (an empty prompt, an
-        impossible policy budget, more pages than a sequence may hold); returns what the scheduler
-        needs of each."""
-        self._prefill_capacity(max((len(r.prompt) for r in requests), default=0))
-        work = self._work(requests)
+        impossible policy budget, a policy its pages cannot hold, more pages than a sequence may hold);
+        returns what the scheduler needs of each."""
+        work = [self._work(r, len(self.requests) + i) for i, r in enumerate(requests)]
         self.scheduler.check(work, self.width)
         return work
 
     def run(self, requests: list[Request]) -> list[Completion]:
         """Serve `requests` (in arrival order) to completion; returns one Completion per request."""
+        self.requests = []
         work = self.check(requests)
         self.requests = list(requests)
         done = self.scheduler.start(work)
-        while (plan := self.scheduler.next()) is not None:
-            if isinstance(plan, Prefill):
-                self._prefill(plan.seq)
-                continue
-            self.caches = tuple(c.copy_pages(plan.copies) for c in self.caches)
-            if plan.greedy_steps:
-                self._feed_greedy(plan)
-            else:
-                self._feed(plan)
+        while self.step():
+            pass
         return done
+
+    def submit(self, request: Request) -> int:
+        """Queue `request` behind those waiting (checked first, as `check` does); returns its index, whose
+        `Completion` (`done[index]`) fills in as `step` runs."""
+        (work,) = self.check([request])
+        self.requests.append(request)
+        return self.scheduler.submit(work)
+
+    def cancel(self, index: int) -> None:
+        """End request `index` now; its pages are free for the next step."""
+        self.scheduler.cancel(index)
+
+    def step(self) -> bool:
+        """Run the scheduler's next plan on the device (a prefill, one step, or several greedy steps);
+        False when no request waits or runs."""
+        plan = self.scheduler.next()
+        if plan is None:
+            return False
+        if isinstance(plan, Prefill):
+            self._prefill(plan.seq)
+            return True
+        self.caches = tuple(c.copy_pages(plan.copies) for c in self.caches)
+        if plan.greedy_steps:
+            self._feed_greedy(plan)
+        else:
+            self._feed(plan)
+        return True
 
     def _prefill(self, seq: Sequence) -> None:
         """Prefill `seq`'s prompt whole, compress it as `Generator` does and load the kept tokens into its
         pages; what it generated before a preemption (if anything) is then fed by the steps."""
-        padded, lengths = self.gen.pad([self.requests[seq.index].prompt], 0)
-        logits, dense, _ = self.gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
+        request = self.requests[seq.index]
+        gen = self._prefill_capacity(self.policy_of(request), len(request.prompt))
+        padded, lengths = gen.pad([request.prompt], 0)
+        logits, dense, _ = gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
         self._sync([seq.index])
         self.caches, self._length = _load_row(self.caches, self._table, self._length, dense, 0)
         if self.scheduler.prefilled(seq):  # nothing was generated yet: the prefill's logits give the first token
@@ -415,8 +489,8 @@ class Engine:
         self.stats.prefill_chunks += bool(piece)
         best, best_lp = np.asarray(best), np.asarray(best_lp)
         fed = [(r, 1, i) for i, r in enumerate(rows)] + ([(filling, len(piece), R)] if filling else [])
-        sampling = any(self.requests[r.index].decoding.temperature > 0 for r, _, _ in fed)
-        logp = np.asarray(logp) if sampling else None  # the whole distribution only when some request samples
+        reading = any(not self.scheduler.work[r.index].greedy for r, _, _ in fed)
+        logp = np.asarray(logp) if reading else None  # the distribution only when a request samples or asks for it
         for r, n, out in fed:
             if self.scheduler.fed(r, n):
                 self._pick(r, None if logp is None else logp[out], (int(best[out]), float(best_lp[out])))

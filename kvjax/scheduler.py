@@ -9,6 +9,8 @@ Requests wait in arrival order; one is admitted while fewer than `slots` run, no
 prefilled, and the pool has pages for every token it brings (after prefix-cache hits). When a decode row
 needs a page and none is free, the newest request is preempted: its pages are released and it waits at
 the front, to be recomputed from its prompt and what it generated (vLLM V1's only preemption mode).
+Requests may arrive while others run (`submit`) and leave before they end (`cancel`, a client gone: its
+pages are freed at once).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class Completion:
     tokens: list[int]
     logprobs: list[float]
     preempted: int = 0  # times it was preempted and recomputed
+    # why it ended (None while it runs): "stop" at its end token, "length" at max_new_tokens, "cancelled"
+    finish: str | None = None
+    top: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)  # per token, when asked
 
 
 @dataclasses.dataclass
@@ -121,12 +126,37 @@ class Scheduler:
                 )
 
     def start(self, work: list[Work]) -> list[Completion]:
-        """Queue `work` in arrival order; returns the completions it fills in."""
-        self.work = list(work)
-        self.done = [Completion([], []) for _ in work]
-        self.waiting = collections.deque(range(len(work)))
+        """Forget every request and queue `work` in arrival order; returns the completions it fills in."""
+        self.work, self.done = [], []
+        self.waiting: collections.deque[int] = collections.deque()
         self.running: dict[int, Sequence] = {}
+        for w in work:
+            self.submit(w)
         return self.done
+
+    def submit(self, work: Work) -> int:
+        """Queue one more request behind those waiting; returns its index (its Completion: `done[index]`)."""
+        self.work.append(work)
+        self.done.append(Completion([], []))
+        self.waiting.append(len(self.work) - 1)
+        return len(self.work) - 1
+
+    def cancel(self, index: int) -> None:
+        """End request `index` now (a client gone): out of the queue or the running set, its pages freed;
+        nothing if it has ended already."""
+        if self.done[index].finish is not None:
+            return
+        if index in self.running:
+            self.pool.release(index)
+            del self.running[index]
+        else:
+            self.waiting.remove(index)
+        self.done[index].finish = "cancelled"
+
+    @property
+    def idle(self) -> bool:
+        """Whether no request waits or runs."""
+        return not (self.waiting or self.running)
 
     # --- planning ---------------------------------------------------------------------------------
     def next(self) -> Prefill | Step | None:
@@ -227,16 +257,27 @@ class Scheduler:
         self.stats.prefill_tokens += max(0, min(seq.at + n, seq.fill) - seq.at)
         seq.at += n
         length, size = self.pool.lengths[seq.index], self.pool.page_size
-        if self.prefix_cache and length // size > (length - n) // size:
+        if self.prefix_cache and not self.work[seq.index].compressed and length // size > (length - n) // size:
             self.pool.register(seq.index, seq.tokens)  # every page once it fills, generated ones too (vLLM V1)
         return seq.pending == 0
 
-    def picked(self, seq: Sequence, token: int, logprob: float) -> None:
-        """`seq` generated `token`; it retires (its pages freed) when that ends it."""
+    def picked(self, seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]] | None = None) -> None:
+        """`seq` generated `token` (`top`: the likeliest tokens there, when its request asks); it retires
+        (its pages freed) when that ends it."""
         seq.done.tokens.append(token)
         seq.done.logprobs.append(logprob)
+        if top is not None:
+            seq.done.top.append(top)
         seq.tokens.append(token)
         w, out = self.work[seq.index], seq.done.tokens
-        if len(out) >= w.max_new_tokens or (w.eos_id is not None and out[-1] == w.eos_id):
+        ended = (
+            "stop"
+            if w.eos_id is not None and out[-1] == w.eos_id
+            else "length"
+            if len(out) >= w.max_new_tokens
+            else None
+        )
+        if ended:
+            seq.done.finish = ended
             self.pool.release(seq.index)
             del self.running[seq.index]

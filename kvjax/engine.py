@@ -431,6 +431,11 @@ class Engine:
         """End request `index` now; its pages are free for the next step."""
         self.scheduler.cancel(index)
 
+    def forget(self, index: int) -> None:
+        """Drop ended request `index`'s prompt and completion (read them first)."""
+        self.scheduler.forget(index)
+        self.requests[index] = None
+
     def step(self) -> bool:
         """Run the scheduler's next plan on the device (a prefill, one step, or several greedy steps);
         False when no request waits or runs."""

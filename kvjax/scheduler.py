@@ -153,6 +153,12 @@ class Scheduler:
             self.waiting.remove(index)
         self.done[index].finish = "cancelled"
 
+    def forget(self, index: int) -> None:
+        """Drop an ended request's prompt and completion (a long-running server keeps only its index)."""
+        if self.done[index] is None or self.done[index].finish is None:
+            raise ValueError(f"request {index} has not ended; cancel it first")
+        self.work[index] = self.done[index] = None
+
     @property
     def idle(self) -> bool:
         """Whether no request waits or runs."""

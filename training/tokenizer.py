@@ -6,6 +6,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvjax.chat import render
+
 # Text read from files keeps bytes that are not valid UTF-8 as lone surrogates (Python's
 # "surrogateescape"), so that a byte-level tokenizer sees the file's exact bytes.
 FILE_ERRORS = "surrogateescape"
@@ -62,21 +64,20 @@ class HFTokenizer:
         model's chat template (its default system prompt included), or None without a template."""
         if not self.chat_template:
             return None
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         marker = "\x00message\x00"
-        text = (
-            ImmutableSandboxedEnvironment()
-            .from_string(self.chat_template)
-            .render(
-                messages=[{"role": "user", "content": marker}],
-                add_generation_prompt=True,
-                bos_token=self.tokenizer.id_to_token(self.bos_id) or "",
-                eos_token=self.tokenizer.id_to_token(self.eos_id) or "",
-            )
-        )
+        text = self.render_chat([{"role": "user", "content": marker}])
         before, _, after = text.partition(marker)
         return before, after
+
+    def render_chat(self, messages: list[dict], generation: bool = True) -> str:
+        """`messages` in the model's chat template (`kvjax.chat.render`, with its BOS and EOS tokens)."""
+        return render(
+            self.chat_template,
+            messages,
+            bos=self.tokenizer.id_to_token(self.bos_id) or "",
+            eos=self.tokenizer.id_to_token(self.eos_id) or "",
+            generation=generation,
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids; bytes of a file that are not UTF-8 become U+FFFD (a BPE vocabulary works on text)."""

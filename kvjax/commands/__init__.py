@@ -20,6 +20,7 @@ from kvjax.commands import (
     launch,
     memory,
     ruler,
+    serve,
     serve_bench,
     train,
     uptrain,
@@ -30,7 +31,7 @@ from kvjax.interrupt import Interrupted
 
 DESCRIPTION = "Train, decode, compress and compare KV-cache-efficient language models (see docs/cli.md)."
 # In --help order.
-COMMANDS = (memory, train, evaluate, generate, uptrain, export, duo_train, compare, ruler, serve_bench, launch)
+COMMANDS = (memory, train, evaluate, generate, uptrain, export, duo_train, compare, ruler, serve, serve_bench, launch)
 # Commands that run as several processes (JAX's multi-controller runtime; `kvjax launch`); the others refuse.
 SEVERAL = ("train", "uptrain", "eval", "compare")
 

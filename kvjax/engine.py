@@ -521,6 +521,34 @@ class Engine:
                 if tok >= 0 and self.scheduler.fed(r, 1):
                     self.scheduler.picked(r, int(tok), float(lp))
 
+    def warm(self) -> int:
+        """Compile every step this engine can run (each row bucket with each chunk bucket, and each row
+        bucket's multi-step greedy call) on empty rows, which write nothing, so that serving never stops
+        to compile; a policy's prefill still compiles per prompt bucket when first met. Returns the
+        programs run."""
+        self._sync([])
+        rows = sorted({self._rows(n) for n in range(1, self.slots + 1)})
+        chunks = sorted({self._chunk_bucket(n) for n in range(self.chunk + 1)})
+        for R in rows:
+            idle, none = np.full(R, -1, np.int32), np.zeros(R, np.int32)
+            for C in chunks:
+                args = (none, idle, np.zeros(C, np.int32), np.full(C, -1, np.int32), np.int32(R), np.int32(0))
+                *_, self.caches = self._step(self._leaves, self.caches, self._table, self._length, *args)
+            if self.decode_steps > 1:
+                _, _, self.caches = self._greedy_steps(
+                    self._leaves,
+                    self.caches,
+                    self._table,
+                    self._length,
+                    none,
+                    idle,
+                    none,
+                    idle,
+                    steps=self.decode_steps,
+                )
+        jax.block_until_ready(self.caches)
+        return len(rows) * (len(chunks) + (self.decode_steps > 1))
+
     def _chunk_bucket(self, n: int) -> int:
         """Padded length of a prompt chunk of n tokens: 0 for none, else the next power of two from
         chunk / 8 up, capped at `chunk` (a prompt's last chunk computes at most twice its tokens, for

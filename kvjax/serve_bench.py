@@ -128,10 +128,14 @@ def serve_bench(
     decode_steps: int = 8,
     policies: tuple[str, ...] = (),
     log: Callable[[str], None] = lambda line: None,
+    http: int | None = None,
+    tokenizer=None,
 ) -> dict:
     """Run every server on the workload at `memory_mib` MiB of K/V and return the figures (see the module
     docstring); a budget too small for the longest request, or a policy budget a prompt cannot meet, is
-    a ConfigError before any compute. `log` hears each pass as it ends."""
+    a ConfigError before any compute. `log` hears each pass as it ends. With `http` (a concurrency),
+    each engine also serves the workload through its thread and through `kvjax serve`'s HTTP app at that
+    many streams at once (`kvjax.serve.bench`; `tokenizer` decodes the text the server sends)."""
     cfg = model.config
     requests = workload.sample(cfg.vocab_size)
     budget = int(memory_mib * 2**20)
@@ -209,6 +213,11 @@ def serve_bench(
                 "preemptions": s.preemptions,
             }
         )
+        if http:
+            from kvjax.serve.bench import http_figures
+
+            figures = out["servers"][-1]["http"] = http_figures(engine, tokenizer, requests, http)
+            log(f"engine{f' + {policy}' if policy else ''}: in process / HTTP {figures['http_vs_in_process']:.2f}x")
     return out
 
 
@@ -255,4 +264,30 @@ def render(figures: dict) -> str:
         ],
         rows,
     )
-    return f"{head}\n{table}"
+    return f"{head}\n{table}" + (_http_table(figures) if any("http" in s for s in figures["servers"]) else "")
+
+
+def _http_table(figures: dict) -> str:
+    """Each engine through its thread and through HTTP: tokens/s, time to first token, gaps between chunks."""
+    rows = []
+    for s in figures["servers"]:
+        if "http" not in s:
+            continue
+        h = s["http"]
+        for way in ("in_process", "http"):
+            f = h[way]
+            rows.append(
+                [
+                    "engine" + (f" + {s['policy']}" if s["policy"] else ""),
+                    way.replace("_", " "),
+                    f"{f['tokens_per_s']:,.1f}",
+                    f"{f['ttft']['p50_ms']:,.0f} / {f['ttft']['p99_ms']:,.0f}",
+                    f"{f['chunk_gap']['p50_ms']:,.0f} / {f['chunk_gap']['p99_ms']:,.0f}",
+                    f"{h['http_vs_in_process']:.2f}x" if way == "http" else "",
+                ]
+            )
+    concurrency = next(s["http"]["concurrency"] for s in figures["servers"] if "http" in s)
+    table = format_table(
+        ["server", "through", "tokens/s", "TTFT p50 / p99 ms", "chunk gap p50 / p99 ms", "in-process / HTTP"], rows
+    )
+    return f"\n\n{concurrency} streams at once, the same engine through its thread and through HTTP:\n{table}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 import sys
@@ -52,6 +53,8 @@ def run(args) -> None:
             max_tokens=max_tokens,
             policy=args.policy,
         )
+        if args.warm:
+            engine.warm()
         tokenizer = loaded.tokenizer
         name = args.served_model_name or loaded.config.model.name
         print(
@@ -130,4 +133,11 @@ def register(sub) -> None:
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="uvicorn's log level (default: warning)")  # fmt: skip
     p.add_argument("--allow-long-context", action="store_true", help=LONG_HELP)
+    p.add_argument(
+        "--warm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile every step shape before serving (/health says 503 until then), so no request waits "
+        "on a compile (default: on)",
+    )
     p.set_defaults(run=run)

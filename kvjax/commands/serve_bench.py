@@ -27,7 +27,15 @@ def run(args) -> None:
         shared_prefix=args.shared_prefix,
         seed=args.seed,
     )
-    model = _bench_model(args.model, args.overrides)
+    if args.http:
+        try:
+            import starlette  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(
+                f"--http needs the serve extra ({e.name} is missing): pip install 'kvjax[serve]'"
+            ) from None
+    model, tokenizer = _bench_model(args.model, args.overrides)
     memory_mib = args.memory_mib or default_memory(model.config, workload)
     figures = serve_bench(
         model,
@@ -39,6 +47,8 @@ def run(args) -> None:
         decode_steps=args.decode_steps,
         policies=tuple(policies),
         log=lambda line: print(f"serve-bench: {line}", file=sys.stderr, flush=True),
+        http=args.http,
+        tokenizer=tokenizer,
     )
     print(render(figures))
     if args.json:
@@ -55,12 +65,14 @@ def _bench_model(ref: str, overrides: list[str]):
     from kvjax.architectures import Decoder
     from kvjax.config import CONFIG_ROOT, load_config
     from kvjax.training.loading import load_model
+    from kvjax.training.tokenizer import ByteTokenizer
 
     if ref.endswith((".yaml", ".yml")) or (CONFIG_ROOT / "models" / f"{ref}.yaml").is_file():
-        return Decoder(load_config(ref, overrides).model, rngs=nnx.Rngs(0))
+        return Decoder(load_config(ref, overrides).model, rngs=nnx.Rngs(0)), ByteTokenizer()
     if overrides:
         raise ConfigError(f"overrides {overrides} apply to a model config; {ref!r} is a trained or imported model")
-    return load_model(ref).model
+    loaded = load_model(ref)
+    return loaded.model, loaded.tokenizer
 
 
 def register(sub) -> None:
@@ -110,4 +122,11 @@ def register(sub) -> None:
     )
     renamed(sb, "--policies", "give --policy once per policy (--policy snapkv:0.5 --policy int:8)")
     sb.add_argument("--json", help="also write the figures to this file")
+    sb.add_argument(
+        "--http",
+        type=POSITIVE,
+        metavar="STREAMS",
+        help="also serve the workload through each engine's thread and through kvjax serve's HTTP app, this "
+        "many streams at once (e.g. 32): tokens/s, time to first token, gaps between chunks (default: off)",
+    )
     sb.set_defaults(run=run)

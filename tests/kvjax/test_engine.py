@@ -186,6 +186,16 @@ def test_requests_submitted_while_others_run_and_cancelled_midway(gqa, requests,
     assert {engine.done[i].finish for i in kept} == {"length"} and engine.pool.used_pages == 0
 
 
+def test_a_warmed_engine_compiles_nothing_while_serving(gqa, requests, alone):
+    """`warm` runs every step shape on empty rows: serving then compiles nothing, and what it serves is
+    unchanged (the empty rows wrote nothing)."""
+    engine = Engine(gqa, n_pages=40, page_size=4, slots=3, chunk=8)
+    assert engine.warm() == 3 * (5 + 1)  # rows 1, 2, 3; chunks 0, 1, 2, 4, 8; a greedy call per row bucket
+    compiled = engine._step._cache_size(), engine._greedy_steps._cache_size()
+    _check(engine.run(requests), alone)
+    assert (engine._step._cache_size(), engine._greedy_steps._cache_size()) == compiled
+
+
 def test_a_request_may_bring_its_own_policy_and_top_logprobs(gqa, requests):
     """A plain engine serves a request compressed by its own `streaming:0.5` (pages of one position per
     slot) beside uncompressed ones, each equal to Generator with that policy; a request that asks for its

@@ -64,7 +64,7 @@ class Live:
         template.write_text(CHAT)
         argv = [sys.executable, "-m", "kvjax.commands", "serve", run, "--port", str(self.port), "--slots", "8"]
         argv += ["--max-tokens", "256", "--allow-long-context", "--served-model-name", NAME]
-        argv += ["--chat-template", str(template), "--grace", "2", *extra]
+        argv += ["--chat-template", str(template), "--grace", "2", "--no-warm", *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline, self.loading = time.monotonic() + 300, set()
         while time.monotonic() < deadline:

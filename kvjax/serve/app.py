@@ -27,6 +27,7 @@ from kvjax.chat import render
 from kvjax.config import DecodingConfig
 from kvjax.engine import Engine, Request
 from kvjax.errors import ConfigError
+from kvjax.report import plural
 from kvjax.serve import protocol
 from kvjax.serve.metrics import Metrics
 from kvjax.serve.protocol import APIError, Params
@@ -243,8 +244,11 @@ class Job:
         server, params = self.server, self.params
         waiting = await server.worker.waiting()
         if waiting + len(self.prompts) > server.max_waiting:
-            raise APIError(429, f"{waiting} requests are waiting (at most {server.max_waiting}); retry later",
-                           kind="rate_limit_exceeded")  # fmt: skip
+            raise APIError(
+                429,
+                f"{waiting} {plural(waiting, 'request')} waiting (at most {server.max_waiting}); retry later",
+                kind="rate_limit_exceeded",
+            )
         server.inflight += 1
         try:
             self.echoed = await self._echo() if params.echo and params.logprobs is not None else None

@@ -1,6 +1,8 @@
 """The server's Prometheus metrics (`GET /metrics`): requests running and waiting, pages used and free,
-the K/V bytes a page slot takes under the server's policy, tokens generated (a counter and the recent
-rate), preemptions, prompt tokens and the time to each request's first token."""
+the K/V bytes a page slot takes under the server's policy and the bytes the running requests hold per
+token of theirs (less than a slot's under a policy that evicts, more while pages are partly filled),
+tokens generated (a counter and the recent rate), preemptions, prompt tokens and the time to each
+request's first token."""
 
 from __future__ import annotations
 
@@ -19,6 +21,11 @@ class Metrics:
         self.slot_bytes = Gauge(
             "kvjax_kv_bytes_per_slot",
             "bytes one token slot of the pages takes, every layer (policy's layout)",
+            registry=r,
+        )
+        self.per_token = Gauge(
+            "kvjax_kv_bytes_per_token",
+            "K/V page bytes the running requests hold per token of theirs (prompt and generated)",
             registry=r,
         )
         self.rate = Gauge("kvjax_generation_tokens_per_second", "generated tokens/s, moving average", registry=r)
@@ -41,6 +48,8 @@ class Metrics:
         self.waiting.set(len(scheduler.waiting))
         self.pages_used.set(pool.used_pages)
         self.pages_free.set(pool.n_pages - 1 - pool.used_pages)
+        tokens = sum(len(seq.tokens) for seq in scheduler.running.values())
+        self.per_token.set(pool.used_pages * engine.page_nbytes() / tokens if tokens else 0.0)
         self.preemptions.inc(engine.stats.preemptions - self._preempted)
         self._preempted = engine.stats.preemptions
         self.tokens.inc(tokens)

@@ -128,7 +128,7 @@ def test_the_openai_client_gets_the_engines_greedy_tokens(live, loaded):
     tokens make; a request's own kv_policy gives what Generator with that policy gives; /health answered
     503 while the model loaded."""
     client, tok = live.client(), loaded.tokenizer
-    assert live.loading <= {503}
+    assert live.loading == {503}  # while the weights loaded
     prompt = "import json\nfrom os import "
     want = tok.decode(greedy(loaded, text_prompt(loaded, prompt), 12))
     whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
@@ -208,7 +208,8 @@ def test_tokenizer_endpoints_and_metrics(live, loaded):
     models = json.loads(_get(f"{live.url}/v1/models")[1])
     assert models["data"][0]["id"] == NAME
     metrics = _get(f"{live.url}/metrics")[1].decode()
-    for name in ("kvjax_requests_running", "kvjax_pages_free", "kvjax_kv_bytes_per_slot", "kvjax_preemptions_total"):
+    names = ("kvjax_requests_running", "kvjax_pages_free", "kvjax_kv_bytes_per_slot", "kvjax_kv_bytes_per_token")
+    for name in (*names, "kvjax_preemptions_total", "kvjax_generation_tokens_per_second"):
         assert name in metrics
     assert "kvjax_time_to_first_token_seconds_count" in metrics and "kvjax_generation_tokens_total" in metrics
 
@@ -263,10 +264,13 @@ def test_sixty_four_streams_with_sixteen_clients_leaving(live, loaded):
     assert used == 0
 
 
-def test_a_shutdown_ends_streams_with_a_last_chunk_and_exits_0(run, tmp_path):
-    """SIGINT: new connections are refused, a stream in flight gets its last chunk (finish_reason abort
-    after the grace period, else its own) and [DONE], and the process exits 0."""
-    server = Live(run, tmp_path)
+def test_a_full_queue_says_429_and_a_shutdown_ends_streams_with_a_last_chunk_and_exits_0(run, tmp_path):
+    """One slot and room for one waiting request: a third request while one runs and one waits is a 429.
+    Then SIGINT: a stream in flight gets its last chunk (finish_reason abort after the grace period, else
+    its own) and [DONE], and the process exits 0."""
+    import threading
+
+    server = Live(run, tmp_path, "--slots", "1", "--max-waiting", "1")
     request = urllib.request.Request(
         f"{server.url}/v1/completions",
         json.dumps({"prompt": "import ", "max_tokens": 240, "temperature": 0.7, "stream": True}).encode(),
@@ -275,12 +279,22 @@ def test_a_shutdown_ends_streams_with_a_last_chunk_and_exits_0(run, tmp_path):
     response = urllib.request.urlopen(request, timeout=60)
     first = response.readline()
     assert first.startswith(b"data: ")
+    body = {"prompt": "def ", "max_tokens": 200, "temperature": 0.7}
+    waiting = threading.Thread(target=_post, args=(f"{server.url}/v1/completions", body))
+    waiting.start()
+    deadline = time.monotonic() + 60
+    while "kvjax_requests_waiting 1.0" not in _get(f"{server.url}/metrics")[1].decode():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    status, answer = _post(f"{server.url}/v1/completions", body)
+    assert status == 429 and "1 request waiting (at most 1)" in answer["error"]["message"]
     server.proc.send_signal(signal.SIGINT)
     rest = response.read().decode()
     code, _ = server.proc.communicate(timeout=120)
     assert rest.rstrip().endswith("data: [DONE]")
     last = json.loads([line for line in rest.splitlines() if line.startswith("data: {")][-1][6:])
     assert last["choices"][0]["finish_reason"] in ("abort", "length", "stop")
+    waiting.join(timeout=60)
     assert server.proc.returncode == 0
 
 

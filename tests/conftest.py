@@ -74,20 +74,23 @@ def _release_compiled_programs():
 
 
 # The longest test files, longest first: seconds on one worker of a cold 2-core run, from
-# `pytest -n 2 --dist loadfile --durations=0` summed per file (2026-12-04). Only the order matters.
+# `pytest -n 2 --dist loadfile --durations=0` summed per file (2026-12-04; the files added since, estimated
+# 2026-12-05). Only the order matters.
 LONGEST_FILES = (
     "tests/training/test_distributed.py",  # 60, its processes on both cores
+    "tests/test_scripts.py",  # 100, in one fixture: every benchmark in one process (the accelerator check: 35)
     "tests/kvjax/test_compress.py",  # 90 s
-    "tests/kvjax/test_engine.py",  # 78
-    "tests/test_scripts.py",  # 65, in one fixture: every benchmark in one process
+    "tests/kvjax/test_engine.py",  # 85
+    "tests/kvjax/test_serve.py",  # 65, a live server and lm-evaluation-harness
     "tests/training/test_smollm2.py",  # 65
     "tests/kvjax/test_quant.py",  # 65
     "tests/training/test_gemma3.py",  # 52
     "tests/training/test_trainer.py",  # 49
+    "tests/training/test_ruler.py",  # 45
+    "tests/training/test_cli_inputs.py",  # 45
     "tests/training/test_uptrain.py",  # 44
     "tests/training/test_cli.py",  # 40
     "tests/training/test_compression_eval.py",  # 40
-    "tests/training/test_cli_inputs.py",  # 38
     "tests/kvjax/test_methods.py",  # 38
 )
 

@@ -66,7 +66,7 @@ class Live:
         argv += ["--max-tokens", "256", "--allow-long-context", "--served-model-name", NAME]
         argv += ["--chat-template", str(template), "--grace", "2", "--no-warm", *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline, self.loading = time.monotonic() + 300, set()
+        deadline, self.loading, self.early = time.monotonic() + 300, set(), None
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.proc.stdout.read()
             try:
@@ -77,6 +77,8 @@ class Live:
             if status == 200:
                 break
             self.loading.add(status)
+            if self.early is None:  # a completion asked for while the weights load
+                self.early = _post(f"{self.url}/v1/completions", {"prompt": "x"})
             time.sleep(0.2)
 
     def client(self):
@@ -129,6 +131,8 @@ def test_the_openai_client_gets_the_engines_greedy_tokens(live, loaded):
     503 while the model loaded."""
     client, tok = live.client(), loaded.tokenizer
     assert live.loading == {503}  # while the weights loaded
+    status, answer = live.early
+    assert status == 503 and "the model is loading; try again later" in answer["error"]["message"]
     prompt = "import json\nfrom os import "
     want = tok.decode(greedy(loaded, text_prompt(loaded, prompt), 12))
     whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)

@@ -11,6 +11,7 @@ import functools
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import jax
@@ -136,7 +137,12 @@ class Worker:
             if self.stopping or self.engine.scheduler.idle:
                 continue
             start = time.perf_counter()
-            self.engine.step()
+            try:
+                self.engine.step()
+            except Exception:  # the device failed a step (memory, a bug): end what runs, keep serving
+                traceback.print_exc()
+                for index in list(self.listeners):
+                    self.engine.cancel(index)
             tokens = self._publish()
             if self.on_step is not None:
                 self.on_step(self.engine, time.perf_counter() - start, tokens)

@@ -372,3 +372,39 @@ def test_lm_evaluation_harness_scores_what_kvjax_computes(live, loaded, tmp_path
     (tmp_path / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gens))
     compressed = evaluate(gen_kwargs={"kv_policy": policy})
     assert compressed["kvjax_gen"]["exact_match,none"] == pytest.approx(2 / 6)
+
+
+def test_a_failed_step_ends_the_requests_in_flight_and_the_worker_goes_on(make_model, capsys):
+    """A step the device fails (memory, a bug) ends the requests it was serving ("cancelled", pages
+    freed) instead of killing the engine's thread: the next request is served."""
+    from kvjax.engine import Engine, Request
+    from kvjax.serve.worker import Listener, Worker
+
+    engine = Engine(make_model("gqa", "model.n_layers=1")[1], n_pages=16, page_size=4, slots=2)
+    step, calls = engine.step, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("RESOURCE_EXHAUSTED: the device ran out of memory")
+        return step()
+
+    engine.step = failing
+    worker = Worker(engine)
+
+    async def serve(prompt):
+        events = asyncio.Queue()
+        await worker.submit(
+            Request(prompt, DecodingConfig(max_new_tokens=3)), Listener(asyncio.get_running_loop(), events)
+        )
+        while True:
+            _, event = await events.get()
+            if event.finish is not None:
+                return event.finish
+
+    try:
+        assert asyncio.run(serve((1, 2, 3))) == "cancelled"
+        assert asyncio.run(serve((4, 5, 6))) == "length" and engine.pool.used_pages == 0
+    finally:
+        worker.stop()
+    assert "RESOURCE_EXHAUSTED" in capsys.readouterr().err

@@ -156,13 +156,7 @@ class Decoder(nnx.Module):
                 isinstance(cache, KVCache | PooledKVCache | LatentCache)
                 or (observe[2] and isinstance(cache, RingKVCache))
             ):
-                obs_index, reduce, _ = observe
-                x_obs = jnp.take_along_axis(x_in, jnp.maximum(obs_index, 0)[:, :, None], axis=1)
-                obs_pos = jnp.where(
-                    obs_index >= 0, jnp.take_along_axis(positions, jnp.maximum(obs_index, 0), axis=1), -1
-                )
-                probs, queries = block.observe(x_obs, obs_pos, views[i])
-                observed[slot] = reduce(probs, obs_pos, views[i], queries)
+                observed[slot] = _observed(block, x_in, positions, views[i], *observe[:2])
         return x, None if new_caches is None else tuple(new_caches), tuple(observed)
 
     @property
@@ -206,3 +200,32 @@ class Decoder(nnx.Module):
             logits = self.lm_head(hidden).astype(jnp.float32)
         cap = self.config.final_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+OBS_BLOCK = 512  # observed queries at a time for an additive statistic: [B,K,512,G,S] probabilities, never [T,S]
+
+
+def _observed(block, x, positions, view, obs_index, reduce):
+    """`reduce` of the attention the queries at token indices obs_index `[B,W]` (-1: none) pay to `view`.
+    A statistic that is a sum over those queries (`reduce.additive`: H2O's over a whole prompt) is reduced
+    OBS_BLOCK queries at a time in a scan and the blocks' statistics added, so no [W, S] probabilities
+    exist at once (32k prompt tokens would need 4 GiB of them per KV head)."""
+
+    def part(index):
+        x_obs = jnp.take_along_axis(x, jnp.maximum(index, 0)[:, :, None], axis=1)
+        pos = jnp.where(index >= 0, jnp.take_along_axis(positions, jnp.maximum(index, 0), axis=1), -1)
+        probs, queries = block.observe(x_obs, pos, view)
+        return reduce(probs, pos, view, queries)
+
+    W = obs_index.shape[1]
+    if W <= OBS_BLOCK or not getattr(reduce, "additive", False):
+        return part(obs_index)
+    n = -(-W // OBS_BLOCK)
+    padded = jnp.pad(obs_index, ((0, 0), (0, n * OBS_BLOCK - W)), constant_values=-1)  # -1: no query
+    blocks = padded.reshape(padded.shape[0], n, OBS_BLOCK).transpose(1, 0, 2)
+    zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(part, blocks[0]))
+
+    def add(total, index):
+        return jax.tree.map(jnp.add, total, part(index)), None
+
+    return jax.lax.scan(add, zero, blocks)[0]

@@ -223,6 +223,8 @@ def observe_fn(stages: tuple[Stage, ...]):
             visible = grouped_mask(obs_pos, view.pos, None, getattr(view, "head", None), probs.shape[1])
         return tuple(scorers.observe(stage, probs, obs_pos, pooled, visible, queries) for stage in stages)
 
+    # blocks of the observed queries may be reduced one at a time and their statistics added
+    reduce.additive = all(scorers.additive(stage) for stage in stages)
     return reduce
 
 

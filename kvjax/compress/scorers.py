@@ -30,6 +30,12 @@ def score(stage: Stage, cache, stat: jax.Array | None, last_pos: jax.Array) -> j
     return method.score(stage, cache, stat, last_pos)
 
 
+def additive(stage: Stage) -> bool:
+    """Whether the stage's statistic (if any) is a sum over the observed queries (`Method.additive`)."""
+    method = METHODS.get(stage.method)
+    return method is None or not method.observed_queries(stage, 2) or method.additive
+
+
 def accumulates(stage: Stage) -> bool:
     """Whether the stage's decode-time statistic adds up over steps (H2O's attention sums)."""
     method = METHODS.get(stage.method)

@@ -228,6 +228,40 @@ def test_h2o_accumulates_attention_of_every_prompt_and_decode_query(gqa):
             np.testing.assert_allclose(np.asarray(stat)[b, :, :T], np.asarray(observed[slot][0])[0], atol=1e-5)
 
 
+def test_h2o_observes_a_whole_prompt_a_block_of_queries_at_a_time(gqa, monkeypatch):
+    """H2O's statistic sums over every prompt query, so the prefill observes them OBS_BLOCK at a time
+    (a scan) and adds the blocks: the same tokens and statistic as one block, and no intermediate the
+    size of [prompt, cache] exists (at 1,024 tokens in blocks of 128)."""
+    import kvjax.architectures.decoder as decoder
+    from kvjax.generate import _programs
+
+    cfg, model = gqa
+    outs = []
+    for block in (10**9, 8):  # one block; 40-token prompts in 5
+        monkeypatch.setattr(decoder, "OBS_BLOCK", block)
+        _programs.cache_clear()  # trace again under this block size
+        outs.append(_generate(model, "h2o:0.5:every=4"))
+    want, got = outs
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    for a, b in zip(got.stats, want.stats):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    monkeypatch.setattr(decoder, "OBS_BLOCK", 128)
+    T, stage = 1024, parse_policy("h2o:0.5").stages[0]
+    caches = init_caches(cfg, 1, T, fresh=True)  # as a prefill's: the chunk attends in causal blocks
+    jaxpr = jax.make_jaxpr(
+        lambda t: model.observe(t, jnp.arange(T)[None], caches, jnp.arange(T)[None], observe_fn((stage,)))
+    )(jnp.zeros((1, T), jnp.int32))
+
+    def shapes(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield from (v.aval.shape for v in eqn.outvars if hasattr(v.aval, "shape"))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from shapes(sub)
+
+    assert not [s for s in shapes(jaxpr.jaxpr) if sum(d >= T for d in s) >= 2]
+
+
 def test_streaming_keeps_exactly_sinks_and_recent_tokens_during_decoding(gqa):
     cfg, model = gqa
     out = _generate(model, "streaming:10:sinks=4,every=1", new=12)

@@ -83,6 +83,9 @@ class Method:
     sinks: ClassVar[int] = 0  # first positions always kept, unless the stage says `sinks=`
     per_head: ClassVar[bool] = False  # each KV head keeps its own tokens (positions stored per head)
     accumulates: ClassVar[bool] = False  # a decode-time statistic adds up over steps (H2O's attention sums)
+    # its statistic is a sum over the observed queries, so blocks of them can be observed one at a time
+    # and added (no [T, S] probabilities when it observes a whole prompt)
+    additive: ClassVar[bool] = False
     counts_visible: ClassVar[bool] = False  # `observe` needs which keys each query could see
     pageable: ClassVar[bool] = False  # the serving engine holds what it keeps in pages (kvjax.engine)
     head_keys: ClassVar[bool] = False  # it needs each KV head's own keys (not MLA's one shared latent)

@@ -16,6 +16,7 @@ class H2O(Method):
     pageable = True
     per_head = True
     accumulates = True
+    additive = True  # attention received, summed over every prompt query: observed a block at a time
 
     @dataclasses.dataclass(frozen=True)
     class Options(Options):

@@ -46,6 +46,7 @@ from kvjax.pallas_kernels.quant_decode_attention import quant_decode_partials
 
 DECODE_BLOCK_RANGE = (32, 128, 256)  # smallest, preferred largest, largest key block of the decode path
 PREFILL_BLOCK = 256  # query rows per block of `causal_blocks` (128 and 256 ran alike; 512 slower)
+KEY_BLOCK_RANGE = (512, 2048)  # key blocks of `key_blocks`: a chunk's fp32 scores are [C, block] per head
 # Finite, so a fully masked row (a padding query) cannot produce NaN; its probabilities are then zeroed,
 # so it outputs 0 and every masked key gets exactly zero probability and zero gradient.
 _MASKED = -1e30
@@ -158,6 +159,9 @@ def attention(
         return _paged_decode(q, paged, q_pos, window, scale, K)
     if backend == "pallas":
         return _pallas_attention(q, k, v, q_pos, k_pos, window, scale, K)
+    block = key_block(k.shape[2]) if T > 1 and k_head is None else None
+    if block is not None:  # a chunk over a long cache (see `key_blocks`)
+        return key_blocks(q, k, v, q_pos, k_pos, window, scale, block, softcap)
     block = decode_block(k.shape[2]) if q.shape[1] == 1 and k_head is None else None
     if block is not None:  # a decode step (see the module docstring)
         B, _, N, H = q.shape
@@ -193,6 +197,53 @@ def causal_blocks(q, k, v, q_pos, k_pos, window, scale, impl, block: int = PREFI
         )
         outs.append(attend(probs, v[:, :, lo:end]))
     return jnp.concatenate(outs, axis=1).astype(q.dtype)
+
+
+def key_block(n_slots: int) -> int | None:
+    """Key-block size of `key_blocks` for a cache of n_slots: its largest divisor in KEY_BLOCK_RANGE
+    leaving at least two blocks; None (one softmax over every key) for a shorter cache or no divisor."""
+    low, high = KEY_BLOCK_RANGE
+    return next((b for b in range(min(high, n_slots // 2), low - 1, -1) if n_slots % b == 0), None)
+
+
+def key_blocks(q, k, v, q_pos, k_pos, window, scale, block: int, softcap=None) -> jax.Array:
+    """Attention of a chunk of queries `[B,T,N,H]` over a long cache `[B,K,S,H]`, `block` keys at a time
+    with a running max and sum (the online softmax of FlashAttention, Dao et al. 2022, Alg. 1, in XLA):
+    the fp32 scores held are `[T, block]` per query head instead of `[T, S]` (a 2,048-token chunk of
+    Llama-3.1-8B's 32 heads over a 128k cache: 32 GiB of scores at once, 0.5 GiB a block). Blocks with no
+    key any query sees (empty slots, beyond the chunk, outside every window) are skipped. Same result
+    as one softmax up to fp32 rounding; returns `[B,T,N,Hv]` in q's dtype."""
+    B, T, N, H = q.shape
+    K, S, Hv = k.shape[1], k.shape[2], v.shape[-1]
+    scale = H**-0.5 if scale is None else scale
+    q5 = q.reshape(B, T, K, N // K, H)
+    state = (
+        jnp.full((B, K, T, N // K), _MASKED, jnp.float32),  # running max of the visible logits
+        jnp.zeros((B, K, T, N // K), jnp.float32),  # running sum of exp(logit - max)
+        jnp.zeros((B, K, T, N // K, Hv), jnp.float32),  # running probability-weighted values
+    )
+
+    def add(start, carry):
+        best, total, acc = carry
+        kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2)
+        vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2)
+        mask = grouped_mask(q_pos, jax.lax.dynamic_slice_in_dim(k_pos, start, block, axis=-1), window, None, K)
+        logits = capped(jnp.einsum("BTKGH,BKSH->BKTGS", q5, kb, preferred_element_type=jnp.float32) * scale, softcap)
+        logits = jnp.where(mask, logits, _MASKED)
+        new = jnp.maximum(best, logits.max(axis=-1))
+        p = jnp.where(mask, jnp.exp(logits - new[..., None]), 0.0)
+        fade = jnp.exp(best - new)
+        pv = jnp.einsum("BKTGS,BKSH->BKTGH", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
+        return new, total * fade + p.sum(axis=-1), acc * fade[..., None] + pv
+
+    def step(i, carry):
+        start = i * block
+        seen = visible(q_pos, jax.lax.dynamic_slice_in_dim(k_pos, start, block, axis=-1), window).any()
+        return jax.lax.cond(seen, add, lambda _, c: c, start, carry)
+
+    _, total, acc = jax.lax.fori_loop(0, S // block, step, state)
+    out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+    return out.transpose(0, 2, 1, 3, 4).reshape(B, T, N, Hv).astype(q.dtype)
 
 
 def kernel_impl(impl: str, *, pooled: bool = False, softcap: float | None = None, chunk: Chunk | None = None) -> str:

@@ -172,6 +172,16 @@ def test_the_accelerator_check_completes_every_section_at_toy_shapes(benchmarks,
     assert (out / "results.md").read_text().startswith("# kvjax on ")
 
 
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_the_shipped_llama_shapes_are_the_accelerator_checks(shape, monkeypatch):
+    """configs/models/llama-*.yaml (what `kvjax memory` plans) equal the config.json fields the accelerator
+    check gives transformers, read by kvjax's Llama mapping."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import accelerator_check
+
+    assert load_config(shape).model == accelerator_check.kvjax_config(shape)
+
+
 def test_the_training_script_commands_parse(tmp_path):
     """train_retrieval.sh trains for 50 minutes: its commands are recorded by a stand-in for `kvjax`, then
     parsed here and their configs validated (train.init names runs the script would have made)."""

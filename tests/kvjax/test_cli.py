@@ -1,5 +1,6 @@
 import re
 
+import jax
 import pytest
 
 from kvjax import memory
@@ -38,6 +39,38 @@ def test_memory_applies_overrides_and_reports_errors(capsys):
     with pytest.raises(SystemExit, match="2"):
         main(["memory", "gqa", "--batch", "0"])
     assert "argument --batch: 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_compiled_generation_holds_what_its_budget_counts(capsys):
+    """`kvjax memory --compiled`: the weights counted equal the model's, the compiled programs take
+    exactly the weights, the caches and the step's small inputs, write the caches in place (donated),
+    and a chunk over an 8,192-slot cache holds scores a key block at a time (one softmax over every key
+    holds more than one [C, S] fp32 score matrix per query head)."""
+    from flax import nnx
+
+    from kvjax import footprint
+    from kvjax.architectures import Decoder
+
+    cfg = load_config("gqa").model
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)))
+    caches, (B, S, C, V, D) = memory.cache_bytes(cfg, 8192, 2), (2, 8192, 512, cfg.vocab_size, cfg.d_model)
+    prefill, decode = footprint.compiled(cfg, B, S, C)
+    budget = footprint.budgets(cfg, B, S, C)
+    assert budget[0].weights == footprint.weight_bytes(cfg) == weights and budget[0].caches == caches
+    assert prefill.arguments == weights + caches + B * D * 4 + B * C * 4 + B * 4 + 4  # hidden, tokens, lengths, start
+    assert prefill.aliased == caches + B * D * 4
+    assert decode.arguments == weights + caches + B * V * 4 + B * 4 + 8  # logits, lengths, key
+    assert decode.aliased == caches
+    assert prefill.temporaries < min(1.6 * budget[0].activations, B * cfg.attention.n_heads * C * S * 4)
+    assert decode.temporaries < 1.6 * budget[1].activations
+    assert main(["memory", "gqa", "--tokens", "8192", "--batch", "2", "--chunk", "512", "--compiled"]) == 0
+    out = capsys.readouterr().out
+    assert "compiled for this host's cpu backend" in out
+    row = [c.strip() for c in next(line for line in out.splitlines() if "prefill chunk of 512" in line).split("|")]
+    assert row[1:5] + row[-3:-1] == ["8192", "prefill chunk of 512", "3.0 MiB", "16.3 MiB"] + [
+        footprint.gib(prefill.peak),
+        f"{prefill.peak / budget[0].total:.2f}",
+    ]
 
 
 def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.ops import attend, attention, attention_probs, causal_blocks, decode_block
+from kvjax.ops import attend, attention, attention_probs, causal_blocks, decode_block, key_block, key_blocks
 
 
 def loop_reference(q, k, v, q_pos, k_pos, window):
@@ -86,6 +86,29 @@ def test_a_chunk_over_its_own_keys_in_causal_blocks(window):
     )
     for got, expected in zip(grads, dense):
         np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("window, softcap, per_head", [(None, None, False), (7, None, False), (None, 5.0, True)])
+def test_a_chunk_over_a_long_cache_in_key_blocks(window, softcap, per_head):
+    """A chunk of 6 queries (row 1 padded) over 64 slots, 16 keys a block with a running softmax: equal
+    to one softmax over every key; the last block (empty slots) and, with a window, blocks out of it are
+    skipped without changing a value; a padding query outputs zeros."""
+    assert (key_block(1024), key_block(4096), key_block(131072), key_block(1000), key_block(600)) == (
+        512,
+        2048,
+        2048,
+        None,
+        None,
+    )
+    q, k, v, q_pos, k_pos = random_inputs(T=6, S=64, N=4, K=2, seed=5)
+    k_pos = np.where(np.arange(64) < 48, np.arange(64), -1)[None].repeat(2, 0).astype(np.int32)
+    q_pos = np.stack([np.arange(42, 48), np.where(np.arange(6) < 4, np.arange(30, 36), -1)]).astype(np.int32)
+    k_pos = np.stack([k_pos, np.where(np.arange(64) % 5 == 0, -1, k_pos)], axis=1) if per_head else k_pos
+    args = tuple(map(jnp.asarray, (q, k, v, q_pos, k_pos)))
+    dense = attend(attention_probs(*args, window=window, softcap=softcap), args[2])
+    got = key_blocks(*args, window, None, 16, softcap)
+    np.testing.assert_allclose(got, dense, atol=2e-6)
+    assert np.all(np.asarray(got)[1, 4:] == 0)
 
 
 def test_blocked_decode_with_per_head_positions_matches_dense_path():

@@ -484,6 +484,10 @@ class TrainConfig:
     seed: int = 0
     trainable: str = "all"  # all, or kv: only K/V projections and K/V norms (what uptraining converted)
     init: str | None = None  # a run directory whose trained weights start this run (a curriculum's earlier stage)
+    # Mixed precision: `float32` keeps the weights the optimizer updates (and its moments) in fp32 while
+    # the model computes in model.dtype (bf16 compute over fp32 master weights, Micikevicius et al. 2018,
+    # arXiv 1710.03740, sec. 3.1); None trains the weights in model.dtype itself.
+    master_dtype: str | None = None
 
     def __post_init__(self):
         p = "train"
@@ -516,6 +520,12 @@ class TrainConfig:
         require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{p}.b1/b2", (self.b1, self.b2), "must be in [0, 1)")
         positive(p, self, "grad_clip")
         require(self.trainable in TRAINABLE, f"{p}.trainable", self.trainable, f"must be one of {TRAINABLE}")
+        require(
+            self.master_dtype in (None, "float32"),
+            f"{p}.master_dtype",
+            self.master_dtype,
+            "must be float32 (fp32 master weights under a bf16 model) or null (train the model's own dtype)",
+        )
 
     def warmup_for(self, steps: int) -> int:
         """This warm-up scaled to a run of `steps` (the same fraction of it; at least 1 and below `steps`)."""

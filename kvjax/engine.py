@@ -50,6 +50,7 @@ from kvjax.plan import LayerPlan
 from kvjax.quant.cache import QuantKVCache
 from kvjax.sampling import sample
 from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequence, Step, Work
+from kvjax.sharding import place_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +196,8 @@ class Engine:
         decode_steps: int = 8,
     ):
         """`mesh` (axes `data` and `tensor`) spreads the step's rows (sequences) over `data` and the pages' KV
-        heads over `tensor`, as training splits batch and heads; the parameters are replicated.
+        heads over `tensor`, as training splits batch and heads; the weights lie as `kvjax.sharding`
+        lays them (heads and MLP hidden units over `tensor`). A policy's prefill runs on one device.
         `policy`: token eviction applied once after the prefill, optionally ending in `int:8` (see the
         module docstring). `decode_steps`: while no prompt is being prefilled and every running request
         decodes greedily, up to this many decode steps run in one device call (1: a call per step)."""
@@ -264,7 +266,7 @@ class Engine:
                     f"slots={slots} must divide over data={mesh.shape['data']} and "
                     f"n_kv_heads={att.n_kv_heads} over tensor={mesh.shape['tensor']}"
                 )
-            self.params = jax.device_put(self.params, NamedSharding(mesh, P()))
+            self.params = place_params(self.params, mesh)
             self._leaves = jax.tree.leaves(self.params)
             self.caches = tuple(self._placed(c) for c in self.caches)
         self._sync([])

@@ -33,6 +33,7 @@ from kvjax.config import ConfigError, DecodingConfig
 from kvjax.memory import cache_bytes
 from kvjax.plan import init_caches
 from kvjax.sampling import sample
+from kvjax.sharding import axis, check_mesh, place_params
 
 MIN_BUCKET = 8
 FINE_BUCKETS_FROM = 1024  # prompts longer than this are padded to quarter-octave buckets
@@ -279,14 +280,29 @@ class Generator:
     `capacity` is the prefill cache: it must hold the prompt plus the new tokens, or only the prompt
     when the policy holds a fixed budget during decoding (`every=`). The model's weights are captured
     when the Generator is made (`nnx.split`); make a new one after changing them.
+
+    `mesh` (axes among `data`, `fsdp`, `tensor`; `kvjax.sharding.generation_mesh`) spreads generation over
+    devices: the weights by `kvjax.sharding.param_spec` (attention heads and MLP hidden units over
+    `tensor`), the prompts' rows over `data`, and so the caches (rows over `data`, KV heads over `tensor`),
+    for a model or a context one device cannot hold. Same tokens as on one device.
     """
 
     def __init__(
-        self, model: nnx.Module, *, capacity: int, policy: Policy | None = None, calibration: np.ndarray | None = None
+        self,
+        model: nnx.Module,
+        *,
+        capacity: int,
+        policy: Policy | None = None,
+        calibration: np.ndarray | None = None,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         if capacity <= 0:
             raise ValueError(f"capacity={capacity} must be > 0")
         graphdef, self.params = nnx.split(model)
+        self.mesh = mesh
+        if mesh is not None:
+            check_mesh(mesh, model.config)
+            self.params = place_params(self.params, mesh)
         if not all(x.is_fully_addressable for x in jax.tree.leaves(self.params)):
             raise ValueError(
                 "the model's weights are spread over several processes, and generation runs in one: "
@@ -321,10 +337,21 @@ class Generator:
     def _holds_budget(self) -> bool:
         return self.policy is not None and self.policy.decode_stage is not None
 
+    def _rows(self, *arrays) -> tuple:
+        """Per-row arrays (first axis: the prompts) laid over the mesh's `data` axis; as given without one."""
+        if self.mesh is None or axis(self.mesh, "data") == 1:
+            return arrays
+        rows = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("data"))
+        return tuple(jax.device_put(x, rows) for x in arrays)
+
     def pad(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Right-pad prompts to their bucket length; checks everything before any compute."""
         if len(prompts) == 0:
             raise ValueError("prompts must hold at least one prompt")
+        if self.mesh is not None and len(prompts) % axis(self.mesh, "data"):
+            raise ConfigError(
+                f"{len(prompts)} prompts do not split over mesh data={axis(self.mesh, 'data')}: give a multiple"
+            )
         lengths = np.array([len(p) for p in prompts], np.int32)
         if lengths.min() == 0:
             raise ValueError(f"prompt {int(lengths.argmin())} is empty; every prompt needs >= 1 token")
@@ -350,19 +377,18 @@ class Generator:
         per head instead of `[T, T]` (an 8 x 8k prefill of the small shape needs 17 GB of scores
         unchunked, 1 GB in chunks of 512); one compile per chunk size."""
         if chunk is None or chunk >= tokens.shape[1]:
-            return self._prefill(self.params, tokens, lengths, capacity=self.capacity)
+            return self._prefill(self.params, *self._rows(tokens, lengths), capacity=self.capacity)
         if chunk < 1:
             raise ValueError(f"chunk={chunk} must be >= 1 (or None for one pass)")
         B, T = tokens.shape
         padded = np.zeros((B, -(-T // chunk) * chunk), np.int32)
         padded[:, :T] = tokens
-        lengths = jnp.asarray(lengths, jnp.int32)
+        (lengths,) = self._rows(jnp.asarray(lengths, jnp.int32))
         caches = init_caches(self.config, B, self.capacity)
-        hidden = jnp.zeros((B, self.config.d_model), self.config.dtype)
+        (hidden,) = self._rows(jnp.zeros((B, self.config.d_model), self.config.dtype))
         for start in range(0, T, chunk):
-            hidden, caches = self._prefill_chunk(
-                self.params, caches, hidden, padded[:, start : start + chunk], lengths, jnp.int32(start)
-            )
+            (columns,) = self._rows(padded[:, start : start + chunk])
+            hidden, caches = self._prefill_chunk(self.params, caches, hidden, columns, lengths, jnp.int32(start))
         return self._logits(self.params, hidden), caches
 
     def cache_bytes(self, lengths: Sequence[int], max_new_tokens: int) -> int:
@@ -408,7 +434,11 @@ class Generator:
         slots = compressible(self.config, self.policy.local)
         if self._budgets_at_prefill:  # layer budgets from the prefill's attention, then compress
             logits, caches, observed, sigma = self._prefill_densities(
-                self.params, tokens, lengths, obs_index, capacity=self.capacity, stages=self.policy.stages, slots=slots
+                self.params,
+                *self._rows(tokens, lengths, obs_index),
+                capacity=self.capacity,
+                stages=self.policy.stages,
+                slots=slots,
             )
             last = self.policy.stages[-1]
             never = int(lengths.max()) + max_new_tokens
@@ -427,9 +457,7 @@ class Generator:
         plans = self.compression_plan(lengths, max_new_tokens, sized_for)
         return self._prefill_compressed(
             self.params,
-            tokens,
-            lengths,
-            obs_index,
+            *self._rows(tokens, lengths, obs_index),
             tuple(p.arrays for p in plans),
             capacity=self.capacity,
             statics=tuple(p.static for p in plans),
@@ -466,11 +494,12 @@ class Generator:
         forced = np.asarray(continuations, np.int32)
         if forced.min() < 0 or forced.max() >= self.config.vocab_size:
             raise ValueError(f"continuation token ids must be in [0, {self.config.vocab_size})")
+        placed, forced = self._rows(jnp.asarray(lengths), forced)
         logprobs, full = self._score(
             self.params,
             caches,
             logits,
-            jnp.asarray(lengths),
+            placed,
             stats,
             arrays,
             forced,
@@ -496,7 +525,7 @@ class Generator:
             self.params,
             caches,
             logits,
-            jnp.asarray(lengths),
+            *self._rows(jnp.asarray(lengths)),
             rng,
             stats if stats is not None else (None,) * len(caches),
             arrays,
@@ -534,14 +563,16 @@ def prefill_shared(gens: Sequence[Generator], tokens: np.ndarray, lengths: np.nd
     with its slots sized for the prompts' bucket (`compression_plan(sized_for=)`: prompts of one bucket
     share every compile)."""
     first = gens[0]
-    if any(g.config != first.config or g.capacity != first.capacity for g in gens) or not all(map(shareable, gens)):
-        raise ValueError("prefill_shared takes Generators of one model and capacity whose policies compress once")
+    if any(g.config != first.config or g.capacity != first.capacity or g.mesh != first.mesh for g in gens) or not all(
+        map(shareable, gens)
+    ):
+        raise ValueError("prefill_shared takes Generators of one model, capacity and mesh whose policies compress once")
     stages = tuple(st for g in gens for st in g.policy.stages)
     window = max(1, *(observed_queries(st, tokens.shape[1]) for st in stages))
     obs_index = np.asarray(lengths)[:, None] - window + np.arange(window)[None, :]
     obs_index = np.where(obs_index >= 0, obs_index, -1).astype(np.int32)
     logits, caches, observed = _programs(first._graphdef).prefill_observed(
-        first.params, tokens, lengths, obs_index, capacity=first.capacity, stages=stages
+        first.params, *first._rows(tokens, lengths, obs_index), capacity=first.capacity, stages=stages
     )
     out, start = [], 0
     for g in gens:
@@ -572,8 +603,10 @@ def generate(
     rng: jax.Array | None = None,
     policy: Policy | None = None,
     calibration: np.ndarray | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> GenerationResult:
     """Generate from a batch of token-id prompts, optionally compressing the cache with `policy` (Palu's
-    needs `calibration` tokens). One-off convenience; use `Generator` to reuse compiles."""
+    needs `calibration` tokens), over `mesh` if given. One-off convenience; use `Generator` to reuse compiles."""
     capacity = default_capacity(prompts, decoding.max_new_tokens) if capacity is None else capacity
-    return Generator(model, capacity=capacity, policy=policy, calibration=calibration)(prompts, decoding, rng=rng)
+    gen = Generator(model, capacity=capacity, policy=policy, calibration=calibration, mesh=mesh)
+    return gen(prompts, decoding, rng=rng)

@@ -9,6 +9,8 @@ Sections (each timed as the median of rounds after one that compiles; a section 
 with its error and the others go on):
   device     the chip, jax and torch versions; HBM bandwidth of a device copy; bf16 matmul FLOP/s
   parity     the 1B shape's logits in kvjax and transformers on the same weights (bf16)
+  memory     XLA's memory analysis of the prefill chunk and decode of each shape at 32k and 128k,
+             compiled for the device from abstract inputs, against `kvjax memory --budget`
   prefill    tokens/s at each context, batch 1: kvjax (model.attention.impl=auto) and transformers (SDPA),
              and MFU against the measured matmul rate
   decode     tokens/s at each batch and context from a cache filled to the context: kvjax, transformers
@@ -20,7 +22,8 @@ with its error and the others go on):
              against the full cache and against their bytes (policies that need no attention
              observation, since random caches have none)
   engine     kvjax.Engine serving random requests at the largest batch (tokens/s, peak pages)
-  train      a training step of the smallest shape: tokens/s and MFU (6 N FLOPs per token plus attention)
+  train      a training step of the smallest shape, fp32 master weights under bf16 compute: tokens/s and
+             MFU (6 N FLOPs per token plus attention)
 
     python scripts/accelerator_check.py [--tiny] [--out runs/accelerator] [--only decode prefill]
 """
@@ -108,6 +111,7 @@ PLANS = {  # what each section runs: full on an accelerator, tiny in the test su
         prefill=(8192, 32768),
         batches=(1, 8, 64),
         contexts=(4096, 32768),
+        memory=(32768, 131072),
         policies=("keynorm:0.75", "streaming:0.75", "quest:0.875", "int:8", "kivi:2"),
         requests=256,
         train=("llama-3.2-1b", 8, 2048),
@@ -122,6 +126,7 @@ PLANS = {  # what each section runs: full on an accelerator, tiny in the test su
         prefill=(128,),
         batches=(2,),
         contexts=(64, 128),
+        memory=(128,),
         policies=("keynorm:0.75", "int:8"),
         requests=4,
         train=("tiny", 2, 64),
@@ -131,7 +136,7 @@ PLANS = {  # what each section runs: full on an accelerator, tiny in the test su
         steps=4,
     ),
 }
-SECTIONS = ("device", "parity", "prefill", "decode", "compressed", "engine", "train")
+SECTIONS = ("device", "parity", "memory", "prefill", "decode", "compressed", "engine", "train")
 DTYPE = "bfloat16"
 
 
@@ -411,6 +416,7 @@ def train_section(plan, peak: float) -> list[dict]:
             eval_every=10**9,
             checkpoint_every=10**9,
             log_every=1,
+            master_dtype="float32",  # mixed precision: fp32 master weights, bf16 compute
         ),
     )
     with tempfile.TemporaryDirectory() as where:
@@ -421,6 +427,33 @@ def train_section(plan, peak: float) -> list[dict]:
     att = cfg.attention
     flops_per_token = 6 * n_params + 12 * cfg.n_layers * seq * att.n_heads * att.head_dim
     return [dict(shape=shape, batch=batch, seq_len=seq, tok_s=rate, mfu=rate * flops_per_token / peak)]
+
+
+def memory_section(plan) -> list[dict]:
+    """`kvjax memory --compiled` on the device: XLA's memory analysis of the prefill chunk and the decode
+    of each shape at each context, compiled for this device from abstract inputs, against the budget."""
+    from kvjax import footprint
+
+    rows = []
+    for shape in plan["shapes"]:
+        cfg = kvjax_config(shape)
+        for context in plan["memory"]:
+            chunk = min(2048, context)
+            for budget, got in zip(
+                footprint.budgets(cfg, 1, context, chunk), footprint.compiled(cfg, 1, context, chunk)
+            ):
+                rows.append(
+                    dict(
+                        shape=shape,
+                        context=context,
+                        program=got.program,
+                        budget_gib=budget.total / 2**30,
+                        compiled_peak_gib=got.peak / 2**30,
+                        temps_gib=got.temporaries / 2**30,
+                        caches_in_place=got.aliased >= budget.caches,
+                    )
+                )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     device = section("device", device_section, plan)[0]
     bandwidth, peak = device["hbm_gb_s"] * 1e9, device["matmul_tflops"] * 1e12
     section("parity", parity_section, plan, torch_device)
+    section("memory", memory_section, plan)
     models = {}
     if wanted & {"prefill", "decode", "compressed", "engine"}:
         models = {s: (Decoder(kvjax_config(s), rngs=nnx.Rngs(0)), torch_model(s, torch_device)) for s in plan["shapes"]}

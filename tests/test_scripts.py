@@ -166,7 +166,7 @@ def test_the_accelerator_check_completes_every_section_at_toy_shapes(benchmarks,
     assert benchmarks["accelerator_check.py"]["rc"] == 0, benchmarks["accelerator_check.py"]["stdout"][-3000:]
     out = next(Path(tmp_path_factory.getbasetemp()).glob("benchmarks*/accelerator_check/out"))
     results = json.loads((out / "results.json").read_text())
-    sections = ("device", "parity", "prefill", "decode", "compressed", "engine", "train")
+    sections = ("device", "parity", "memory", "prefill", "decode", "compressed", "engine", "train")
     assert all(results[name] and "error" not in results[name][0] for name in sections)
     assert results["parity"][0]["max_abs_logit_diff"] < 0.05 * max(1.0, results["parity"][0]["logit_scale"])
     assert (out / "results.md").read_text().startswith("# kvjax on ")

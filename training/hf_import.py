@@ -15,12 +15,15 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from kvjax.architectures import Decoder
 from kvjax.config import Config
+from kvjax.sharding import named_spec
 from kvjax.training.families import BY_HF_ARCHITECTURE, HFImportError
 from kvjax.training.families.llama import parameter
 from kvjax.training.tokenizer import HFTokenizer
@@ -67,9 +70,11 @@ def hf_config(directory: str | Path) -> Config:
     return Config(model=_model_config(Path(directory))[0])
 
 
-def load_hf_model(directory: str | Path, dtype: str | None = None) -> tuple[Config, Decoder]:
+def load_hf_model(directory: str | Path, dtype: str | None = None, mesh=None) -> tuple[Config, Decoder]:
     """A kvjax Decoder with the checkpoint's weights in `dtype` (default float32; `bfloat16` halves an
-    accelerator's memory), and the Config describing it."""
+    accelerator's memory), and the Config describing it. Each tensor goes from the file to the device as
+    it is read; with `mesh`, straight to its devices as `kvjax.sharding` lays it out (no device ever
+    holds the whole model)."""
     path = Path(directory)
     cfg, family = _model_config(path)
     cfg = cfg if dtype is None else dataclasses.replace(cfg, dtype=dtype)
@@ -86,7 +91,11 @@ def load_hf_model(directory: str | Path, dtype: str | None = None) -> tuple[Conf
                 rows = "" if weight.hf_rows is None else f" (rows {weight.hf_rows[0]}:{weight.hf_rows[1]})"
                 raise HFImportError(f"{path}: {name}{rows} has shape {value.shape}, kvjax expects {variable.shape}")
             # through fp32, as the reference does: a bf16 file into an fp32 model is exact either way
-            variable.set_value(value.astype(jnp.float32).astype(variable.dtype))
+            value = value.astype(jnp.float32).astype(variable.dtype)
+            if mesh is not None:
+                spec = named_spec(weight.ours.split("."), value.shape, mesh)
+                value = jax.device_put(value, NamedSharding(mesh, spec))
+            variable.set_value(value)
         for i in range(cfg.n_layers):  # Llama's attention_bias also biases o_proj: only zeros map exactly
             name = f"model.layers.{i}.self_attn.o_proj.bias"
             if name in files and np.any(np.asarray(files[name].get_tensor(name))):

@@ -16,6 +16,7 @@ from flax import nnx
 
 from kvjax.architectures import Decoder
 from kvjax.config import Config, ConfigError, load_config
+from kvjax.sharding import check_mesh, place_model
 from kvjax.training.gguf_import import (
     SHIPPED,
     gguf_adds_bos,
@@ -62,8 +63,10 @@ class _GGUF:
     decoder = staticmethod(load_gguf_model)
 
     @staticmethod
-    def load(ref: str) -> LoadedModel:
+    def load(ref: str, mesh=None) -> LoadedModel:
         config, model = load_gguf_model(ref)
+        if mesh is not None:
+            place_model(model, mesh)
         tokenizer, context = load_gguf_tokenizer(ref), gguf_context_length(ref)
         return LoadedModel(config, model, tokenizer, context, gguf_adds_bos(ref), "kjv")
 
@@ -76,8 +79,8 @@ class _HF:
     decoder = staticmethod(load_hf_model)
 
     @staticmethod
-    def load(ref: str) -> LoadedModel:
-        config, model = load_hf_model(ref)
+    def load(ref: str, mesh=None) -> LoadedModel:
+        config, model = load_hf_model(ref, mesh=mesh)
         context = json.loads((Path(ref) / "config.json").read_text()).get("max_position_embeddings")
         return LoadedModel(config, model, load_hf_tokenizer(ref), context, False, "kjv")
 
@@ -99,8 +102,10 @@ class _Run:
         return config, model
 
     @staticmethod
-    def load(ref: str) -> LoadedModel:
+    def load(ref: str, mesh=None) -> LoadedModel:
         config, model, tokenizer = load_trained(ref)
+        if mesh is not None:
+            place_model(model, mesh)
         context = config.data.seq_len
         if (record := Path(ref) / "uptrain.json").is_file():  # an uptrained model keeps its source's context
             context = max(context, json.loads(record.read_text())["context"] or 0)
@@ -117,9 +122,14 @@ def _source(ref: str):
     raise _missing(ref)
 
 
-def load_model(ref: str) -> LoadedModel:
-    """Load `ref` without writing anything; a reference that names nothing is a ModelRefError."""
-    return _source(ref).load(ref)
+def load_model(ref: str, mesh=None) -> LoadedModel:
+    """Load `ref` without writing anything; a reference that names nothing is a ModelRefError. With `mesh`
+    (`kvjax.sharding.generation_mesh`) its weights lie over the mesh's devices (a Hugging Face checkpoint's
+    go there tensor by tensor), checked against the model's heads before any weight is read."""
+    source = _source(ref)
+    if mesh is not None:
+        check_mesh(mesh, source.config(ref).model)
+    return source.load(ref, mesh)
 
 
 def load_decoder(ref: str) -> tuple[Config, Decoder]:

@@ -1,8 +1,9 @@
 """Device mesh and parameter / batch shardings.
 
 Axes: `data` and `fsdp` split the batch; `tensor` splits attention heads and the MLP hidden dimension;
-`fsdp` also splits each parameter along its largest remaining dimension (ZeRO-3 style). A dimension is
-split only when the axis size divides it. Over several processes (`training.distributed`) the mesh spans
+`fsdp` also splits each parameter along its largest remaining dimension (ZeRO-3 style): the layout rule
+is `kvjax.sharding.param_spec`, shared with generation. A dimension is split only when the axis size
+divides it. Over several processes (`training.distributed`) the mesh spans
 every process's devices, the batch axes across processes and `tensor` within one.
 """
 
@@ -13,12 +14,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvjax.config import ConfigError, MeshConfig
+from kvjax.sharding import param_spec
 from kvjax.training.distributed import from_host
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = PartitionSpec(("data", "fsdp"))
-# Which dimension of a kernel is the heads / hidden one that `tensor` splits, by projection name.
-_TENSOR_DIM = {"q": 1, "k": 1, "v": 1, "gate": 1, "up": 1, "o": 0, "down": 0}
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
@@ -39,19 +39,6 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
             "parallelism stays within a host (its collectives run every layer)"
         )
     return Mesh(np.asarray(devices).reshape(sizes), AXES)
-
-
-def param_spec(path: tuple, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    """The partition of one parameter, from its module name and shape."""
-    spec: list = [None] * len(shape)
-    names = [str(p.key) for p in path if hasattr(p, "key")]  # dict keys; skips the Variable's `.value`
-    owner = names[-2] if len(names) >= 2 else ""
-    if names[-1] == "kernel" and owner in _TENSOR_DIM and shape[_TENSOR_DIM[owner]] % mesh.shape["tensor"] == 0:
-        spec[_TENSOR_DIM[owner]] = "tensor"
-    free = [i for i in range(len(shape)) if spec[i] is None and shape[i] % mesh.shape["fsdp"] == 0]
-    if free and len(shape) >= 2:
-        spec[max(free, key=lambda i: shape[i])] = "fsdp"
-    return PartitionSpec(*spec)
 
 
 def shard_params(params, mesh: Mesh):

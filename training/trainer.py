@@ -136,6 +136,23 @@ def make_optimizer(cfg: TrainConfig, lr=None) -> optax.GradientTransformation:
     )
 
 
+def master(params, dtype: str | None):
+    """The weights the optimizer keeps: every floating parameter in `dtype` (`train.master_dtype`), or the
+    parameters as they are (None)."""
+    if dtype is None:
+        return params
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def computed(params, dtypes: tuple[str, ...] | None):
+    """The parameters the model computes with: each leaf in its own dtype of the model (`dtypes`, in leaf
+    order), so a gradient through this cast reaches the master weights in theirs; None: as they are."""
+    if dtypes is None:
+        return params
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten([x.astype(d) for x, d in zip(leaves, dtypes, strict=True)])
+
+
 def token_losses(graphdef, params, windows: jax.Array) -> jax.Array:
     """Next-token negative log-likelihood (nats) of windows `[B, L+1]`: predict tokens 1..L from 0..L-1."""
     inputs, targets = windows[:, :-1], windows[:, 1:]
@@ -144,14 +161,15 @@ def token_losses(graphdef, params, windows: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
-def _train_step(graphdef, cfg: TrainConfig, state: TrainState, batch, weights, lr):
+def _train_step(graphdef, cfg: TrainConfig, dtypes, state: TrainState, batch, weights, lr):
     """One optimizer step on windows `[B, L+1]` at peak learning rate `lr` (an argument, not a constant of
     the program); with `weights` `[B, L]` (a TrainingMix's) the objective is the mean of weighted token
-    losses, while the logged `loss` stays the plain mean NLL."""
+    losses, while the logged `loss` stays the plain mean NLL. With master weights the model computes with
+    them cast to its `dtypes`."""
     tx, schedule, accum = make_optimizer(cfg, lr), learning_rate(cfg, lr), cfg.grad_accum
 
     def loss_fn(params, windows, weights):
-        nll = token_losses(graphdef, params, windows)
+        nll = token_losses(graphdef, computed(params, dtypes), windows)
         return (nll if weights is None else nll * weights).mean(), nll.mean()
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -173,12 +191,13 @@ def _train_step(graphdef, cfg: TrainConfig, state: TrainState, batch, weights, l
 
 
 @functools.lru_cache(maxsize=32)
-def _programs(graphdef, cfg: TrainConfig):
+def _programs(graphdef, cfg: TrainConfig, dtypes: tuple[str, ...] | None):
     """The jitted train step and evaluation of one model structure under one optimizer setting, shared by
     every Trainer of them: the learning rate is an argument and the seed only sets values, so an LR grid
-    or another seed compiles nothing new (`cfg` comes with lr and seed fixed, see `Trainer`)."""
-    step = jax.jit(partial(_train_step, graphdef, cfg), donate_argnums=(0,))
-    return step, jax.jit(partial(_eval_sums, graphdef))
+    or another seed compiles nothing new (`cfg` comes with lr and seed fixed, see `Trainer`). `dtypes`:
+    the model's own parameter dtypes when the optimizer keeps master weights in others."""
+    step = jax.jit(partial(_train_step, graphdef, cfg, dtypes), donate_argnums=(0,))
+    return step, jax.jit(lambda params, *rest: _eval_sums(graphdef, computed(params, dtypes), *rest))
 
 
 def _eval_sums(graphdef, params, windows, weights, token_bytes):
@@ -286,16 +305,19 @@ class Trainer:
             raise ValueError("init's model config differs from config.model")
         model = Decoder(config.model, rngs=nnx.Rngs(cfg.seed)) if init is None else init
         self.graphdef, params = nnx.split(model)
+        self.dtypes = _model_dtypes(params, cfg.master_dtype)
         tx = make_optimizer(cfg)
         with jax.set_mesh(self.mesh):
-            params = shard_params(params, self.mesh)
+            params = shard_params(master(params, cfg.master_dtype), self.mesh)
             self.state = TrainState(
                 params=params,
                 opt_state=jax.jit(tx.init)(params),
                 step=replicated(np.int32(0), self.mesh),
                 rng=replicated(jax.random.key_data(jax.random.key(cfg.seed)), self.mesh),
             )
-        self._step, self._eval = _programs(self.graphdef, dataclasses.replace(cfg, lr=1.0, seed=0, init=None))
+        self._step, self._eval = _programs(
+            self.graphdef, dataclasses.replace(cfg, lr=1.0, seed=0, init=None), self.dtypes
+        )
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
         self.position = None
         self.extended_from = None  # train.steps of the checkpoint, when this run changes it
@@ -314,7 +336,7 @@ class Trainer:
     def model(self) -> Decoder:
         """The model being trained; over several processes a whole copy on this process (`whole_here`: every
         process calls this together)."""
-        return nnx.merge(self.graphdef, whole_here(self.state.params))
+        return nnx.merge(self.graphdef, computed(whole_here(self.state.params), self.dtypes))
 
     def evaluate(self, windows: np.ndarray | None = None) -> dict:
         """Validation scores on the first eval_windows windows of the validation documents (the reported
@@ -448,6 +470,8 @@ def load_trained(run_dir: str | Path) -> tuple[Config, Decoder, Tokenizer]:
     config = from_dict(Config, record["config"])
     model = Decoder(config.model, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
+    dtypes = _model_dtypes(params, config.train.master_dtype)
+    params = master(params, config.train.master_dtype)
     tx = make_optimizer(config.train)
     state = TrainState(params, jax.eval_shape(tx.init, params), jnp.int32(0), jnp.zeros((2,), jnp.uint32))
     # Onto this process's first device, whatever mesh or process count saved it (orbax restores a checkpoint
@@ -455,4 +479,9 @@ def load_trained(run_dir: str | Path) -> tuple[Config, Decoder, Tokenizer]:
     here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), state)
     restored, _ = checkpoints.restore(target)
-    return config, nnx.merge(graphdef, restored.params), get_tokenizer(config.data.tokenizer)
+    return config, nnx.merge(graphdef, computed(restored.params, dtypes)), get_tokenizer(config.data.tokenizer)
+
+
+def _model_dtypes(params, master_dtype: str | None) -> tuple[str, ...] | None:
+    """The dtypes of a model's parameters in leaf order when the optimizer keeps master weights, else None."""
+    return None if master_dtype is None else tuple(str(x.dtype) for x in jax.tree.leaves(params))

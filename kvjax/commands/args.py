@@ -85,6 +85,24 @@ MODEL_HELP = "a run directory, a Hugging Face checkpoint directory, a .gguf file
 LONG_HELP = "go past the model's trained context (data.seq_len of a run; the GGUF file's context_length)"
 
 
+def add_tensor(parser) -> None:
+    """`--tensor N`: the model over N devices (`kvjax.sharding`)."""
+    parser.add_argument(
+        "--tensor",
+        type=POSITIVE,
+        default=1,
+        help="split the model over this many devices: attention and KV heads and the MLP's hidden units "
+        "(tensor parallelism), for a model or context one device cannot hold (default: 1)",
+    )
+
+
+def mesh_of(args):
+    """The generation mesh `--tensor` asks for, or None for one device."""
+    from kvjax.sharding import generation_mesh
+
+    return generation_mesh(args.tensor) if args.tensor > 1 else None
+
+
 def split_overrides(items: list[str]) -> tuple[list[str], list[str]]:
     """Positional arguments containing '=' are overrides; the rest name configs."""
     return [a for a in items if "=" not in a], [a for a in items if "=" in a]

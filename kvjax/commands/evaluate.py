@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from kvjax.commands.args import LONG_HELP, MODEL_HELP, POSITIVE, UNIT, check_output
+from kvjax.commands.args import LONG_HELP, MODEL_HELP, POSITIVE, UNIT, add_tensor, check_output, mesh_of
 from kvjax.commands.common import CONTINUATION, LENGTHS, PREFIX
 from kvjax.errors import ConfigError
 from kvjax.report import plural
@@ -28,7 +28,7 @@ def run(args) -> None:
         refuse_several(f"kvjax eval --task {task}")
         return _eval_compressed(args, task)
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, mesh=mesh_of(args))
     config = loaded.config
     data = dataclasses.replace(config.data, corpus=args.corpus or loaded.corpus)
     seq_len = args.seq_len or data.seq_len
@@ -73,7 +73,7 @@ def _eval_compressed(args, task: str) -> None:
     from kvjax.training.loading import check_context, load_model
 
     parsed = [parse_policy(p) for p in args.policy or []]  # every policy is checked before compute
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, mesh=mesh_of(args))
     policies = resolve_duo([str(p) for p in parsed], args.model, loaded)
     check_policies(policies, loaded)
     fit_to_context(args, loaded)
@@ -190,6 +190,7 @@ def register(sub) -> None:
     )
     ev.add_argument("--trials", type=POSITIVE, default=4, help="passkey/needle prompts per cell (default: 4)")
     ev.add_argument("--allow-long-context", action="store_true", help=LONG_HELP)
+    add_tensor(ev)
     ev.add_argument("--out", help="also keep the results here: results.md (the table) and results.json")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(run=run)

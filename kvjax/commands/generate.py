@@ -12,6 +12,8 @@ from kvjax.commands.args import (
     NON_NEGATIVE_FLOAT,
     OPEN_UNIT,
     POSITIVE,
+    add_tensor,
+    mesh_of,
 )
 from kvjax.errors import ConfigError
 
@@ -25,7 +27,7 @@ def run(args) -> None:
 
     given = args.prompt if args.prompt is not None else prompt_file(args.prompt_file)
     policy = parse_policy(args.policy) if args.policy else None
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, mesh=mesh_of(args))
     if policy is not None:
         text = resolve_duo([str(policy)], args.model, loaded)
         check_policies(text, loaded)
@@ -103,4 +105,5 @@ def register(sub) -> None:
     gen.add_argument("--policy", help="compress the cache, e.g. snapkv:0.5 or streaming:256:every=1")
     gen.add_argument("--corpus", help="palu: calibration corpus (default: the run's own; kjv for GGUF models)")
     gen.add_argument("--allow-long-context", action="store_true", help=LONG_HELP)
+    add_tensor(gen)
     gen.set_defaults(run=run)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvjax.commands.args import MODEL_HELP, POSITIVE, RATIO, RATIO_HELP, check_output
+from kvjax.commands.args import MODEL_HELP, POSITIVE, RATIO, RATIO_HELP, add_tensor, check_output, mesh_of
 from kvjax.errors import ConfigError
 
 STOPPING = "kvjax: stopping after the sample in progress (its cells are kept); Ctrl-C again to stop at once"
@@ -36,7 +36,7 @@ def run(args) -> None:
         parse_policy(r.policy)  # every policy is checked before compute
     out = check_output(args.out or Path("runs/ruler") / Path(args.model).stem, "--out", directory=True)
     results = out / "results.jsonl"
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, mesh=mesh_of(args))
     texts = resolve_duo([r.policy for r in plan[1:]], args.model, loaded)
     plan = [plan[0], *(re_.Run(t, r.method, r.ratio) for t, r in zip(texts, plan[1:]))]
     check_policies(texts, loaded)
@@ -115,6 +115,7 @@ def register(sub) -> None:
         "sweep's cells only (one model, seed, haystack and template)",
     )
     p.add_argument("--allow-long-context", action="store_true", help="run lengths past the model's trained context")
+    add_tensor(p)
     p.add_argument(
         "--separate-prefills",
         action="store_true",

@@ -236,9 +236,11 @@ SHARDED = textwrap.dedent(
     import jax, numpy as np
     from flax import nnx
     from jax.sharding import Mesh
-    from kvjax import DecodingConfig, Engine, Request
+    from kvjax import DecodingConfig, Engine, Generator, Request
+    from kvjax.compress import parse_policy
     from kvjax.config import load_config
     from kvjax.architectures import Decoder
+    from kvjax.sharding import generation_mesh
 
     model = Decoder(load_config("gqa", ["model.n_layers=2"]).model, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
@@ -251,6 +253,34 @@ SHARDED = textwrap.dedent(
         out[name] = {"tokens": [d.tokens for d in done], "logprobs": [d.logprobs for d in done],
                      "pool_devices": len(engine.caches[0].k.sharding.device_set),
                      "preemptions": engine.stats.preemptions}
+    prompts = [list(r.prompt) for r in requests[:4]]
+    scored = [list(map(int, rng.integers(0, 258, 4))) for _ in prompts]
+    for name, mesh in [("alone", None), ("tensor", generation_mesh(2)), ("both", generation_mesh(2, data=4))]:
+        for policy in [None, "snapkv:0.5", "int:8"]:
+            gen = Generator(model, capacity=40, policy=policy and parse_policy(policy), mesh=mesh)
+            res = gen(prompts, DecodingConfig(max_new_tokens=6))
+            k = res.caches[0].k if policy != "int:8" else res.caches[0].k_codes
+            out[f"{name} {policy}"] = {"tokens": res.tokens.tolist(), "logprobs": res.logprobs.tolist(),
+                                       "score": gen.score(prompts, scored)[0].tolist(),
+                                       "cache": str(k.sharding.spec) if mesh else "",
+                                       "q": str(gen.params["blocks"][0]["mixer"]["q"]["kernel"].get_value()
+                                                .sharding.spec) if mesh else ""}
+        out[f"{name} chunked"] = np.asarray(gen.prefill(*gen.pad(prompts, 4), chunk=8)[0]).tolist()
+    # A Hugging Face checkpoint read straight onto the mesh, and `kvjax generate --tensor`
+    import contextlib, io, sys, tempfile
+    from kvjax.commands import main
+    from kvjax.training.hf_export import export_hf, export_tokenizer
+    from kvjax.training.loading import load_model
+    from kvjax.training.tokenizer import ByteTokenizer
+    hf = export_hf(model, tempfile.mkdtemp(), bos_id=256, eos_id=257, max_positions=64)
+    export_tokenizer(ByteTokenizer(), hf)
+    q = load_model(str(hf), mesh=generation_mesh(2)).model.blocks[0].mixer.q.kernel.get_value()
+    out["hf q"] = [str(q.sharding.spec), bool(np.array_equal(q, model.blocks[0].mixer.q.kernel.get_value()))]
+    for tensor in ("1", "2", "3"):
+        text, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(err):
+            code = main(["generate", str(hf), "--prompt", "In the", "--max-new-tokens", "6", "--tensor", tensor])
+        out[f"cli {tensor}"] = [code, text.getvalue(), err.getvalue()]
     print(json.dumps(out))
     """
 )
@@ -258,7 +288,8 @@ SHARDED = textwrap.dedent(
 
 @pytest.mark.slow
 def test_eight_devices_serve_what_one_device_serves():
-    """Slots over data (4) and KV heads over tensor (2) on 8 simulated CPU devices: the same tokens."""
+    """Slots over data (4) and KV heads over tensor (2) on 8 simulated CPU devices: the same tokens; and
+    the Generator on such meshes generates and scores what it does on one device."""
     env = {
         **os.environ,
         "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8",
@@ -270,3 +301,18 @@ def test_eight_devices_serve_what_one_device_serves():
     assert out["eight"]["tokens"] == out["one"]["tokens"]
     for a, b in zip(out["eight"]["logprobs"], out["one"]["logprobs"]):
         np.testing.assert_allclose(a, b, atol=1e-5)
+    # The Generator on a mesh (eval, ruler, generate): weights' heads over tensor, rows over data, the
+    # caches' KV heads over tensor; the tokens and log-probabilities of one device, under each policy.
+    for name, rows in [("tensor", "None"), ("both", "'data'")]:
+        for policy in ["None", "snapkv:0.5", "int:8"]:
+            got, want = out[f"{name} {policy}"], out[f"alone {policy}"]
+            assert got["tokens"] == want["tokens"], (name, policy)
+            # int8 codes: a key 5e-7 apart may round to the next code (a 6e-5 change in a log-probability)
+            atol = 2e-4 if policy == "int:8" else 1e-5
+            np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=atol)
+            np.testing.assert_allclose(got["score"], want["score"], atol=atol)
+            assert got["cache"].startswith(f"P({rows}, 'tensor'") and got["q"] == "P(None, 'tensor')"
+        np.testing.assert_allclose(out[f"{name} chunked"], out["alone chunked"], atol=1e-5)
+    assert out["hf q"] == ["P(None, 'tensor')", True]
+    assert out["cli 2"][:2] == out["cli 1"][:2] and out["cli 1"][0] == 0 and "In the" in out["cli 1"][1]
+    assert out["cli 3"][0] == 2 and "mesh tensor=3 must divide model.attention.n_kv_heads=2" in out["cli 3"][2]

@@ -22,9 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.commands.launch import environments, free_port
 from kvjax.config import load_config
+from kvjax.sharding import param_spec
 from kvjax.training.data import BatchIterator, TrainingMix
 from kvjax.training.distributed import ADDRESS, COUNT, INDEX, TIMEOUT, DistributedError, initialize
-from kvjax.training.sharding import param_spec
 from kvjax.training.trainer import Trainer, load_trained
 from kvjax.training.vocab import get_tokenizer
 from tests.training.conftest import SMALL_RUN

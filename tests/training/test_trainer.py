@@ -139,7 +139,9 @@ def test_weighted_steps_unit_weights_are_the_plain_step_and_accumulation_keeps_t
 
     def step(accum, w):
         train = dataclasses.replace(cfg.train, grad_accum=accum)
-        new, metrics = jax.jit(partial(_train_step, trainer.graphdef, train))(trainer.state, windows, w, cfg.train.lr)
+        new, metrics = jax.jit(partial(_train_step, trainer.graphdef, train, None))(
+            trainer.state, windows, w, cfg.train.lr
+        )
         return jax.tree.leaves(new.params), float(metrics["loss"]), float(metrics["grad_norm"])
 
     plain, loss, norm = step(1, None)
@@ -153,3 +155,34 @@ def test_weighted_steps_unit_weights_are_the_plain_step_and_accumulation_keeps_t
     for a, b, c, d in zip(plain, unit, weighted, accumulated):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-8)
         np.testing.assert_allclose(d, c, rtol=1e-5, atol=1e-7)
+
+
+def test_fp32_master_weights_keep_the_updates_bf16_weights_lose(small_config, tmp_path):
+    """`train.master_dtype=float32` on a bf16 model: the optimizer's weights and moments are fp32, the model
+    computes with them cast to bf16 (the first loss is the bf16 model's), updates far below bf16's
+    resolution accumulate (a bf16 model's own weights barely move), a run resumes exactly, and
+    `load_trained` and `Trainer.model` give the bf16 model of the master weights."""
+    small = ("model.dtype=bfloat16", "train.lr=1e-5", "train.warmup_steps=0", "train.steps=4")
+    mixed_config = small_config(*small, "train.master_dtype=float32")
+    plain = Trainer(small_config(*small), tmp_path / "bf16", progress=False)
+    mixed = Trainer(mixed_config, tmp_path / "fp32", progress=False)
+    start = [np.asarray(x, np.float32) for x in jax.tree.leaves(plain.state.params)]
+    assert {x.dtype.name for x in jax.tree.leaves(mixed.state.params)} == {"float32"}
+    assert {x.dtype.name for x in jax.tree.leaves(mixed.state.opt_state) if x.ndim > 0} == {"float32"}
+    first = plain.run()[0]["loss"], mixed.run(stop_at=1)[0]["loss"]
+    assert first[0] == first[1]  # the same bf16 forward: the master weights cast to bf16 are the model's
+    resumed = Trainer(mixed_config, tmp_path / "fp32", progress=False)  # an interruption after step 1
+    rest, straight = losses(resumed.run()), losses(Trainer(mixed_config, tmp_path / "b", progress=False).run())
+    assert [first[1], *rest] == straight
+
+    def moved(params):
+        matrices = [(np.asarray(x, np.float32), s) for x, s in zip(jax.tree.leaves(params), start) if x.ndim == 2]
+        return np.mean([np.mean(x != s) for x, s in matrices])
+
+    assert moved(plain.state.params) < 0.2 and moved(resumed.state.params) > 0.95
+    _, model, _ = load_trained(tmp_path / "fp32")
+    bf16 = [x.astype("bfloat16") for x in jax.tree.leaves(resumed.state.params)]
+    for got, mine, want in zip(jax.tree.leaves(model), jax.tree.leaves(resumed.model()), bf16, strict=True):
+        assert got.dtype == mine.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(mine, want)

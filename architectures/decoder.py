@@ -14,6 +14,7 @@ from kvjax.architectures.mixers import MIXERS
 from kvjax.cache import KVCache, LatentCache, LayerCache, PooledKVCache, RingKVCache
 from kvjax.config import ModelConfig
 from kvjax.plan import LayerPlan, sharable_kinds
+from kvjax.slot_states import SlotStates
 
 Caches = tuple[LayerCache, ...]
 
@@ -149,7 +150,10 @@ class Decoder(nnx.Module):
             if joined:
                 cache = cache.replace(merged=new_caches[cache.source])
             x_in = x
-            x, cache, views[i] = block(x, positions, cache)
+            if isinstance(cache, SlotStates):  # the engine's states of a recurrent layer (kvjax.slot_states)
+                x, cache, views[i] = cache.run(block, x, positions)
+            else:
+                x, cache, views[i] = block(x, positions, cache)
             if new_caches is not None:
                 new_caches[slot] = cache.replace(merged=None) if joined else cache
             if observe is not None and (

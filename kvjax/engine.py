@@ -10,8 +10,10 @@ request decodes greedily, several decode steps run in one call.
 
 Works for attention models whose layers produce or share K/V (MHA/GQA/MQA, CLA, MLKV), sliding-window
 layers included (Gemma's local layers, Mistral's window: the window is a mask over the pages, whose
-tokens stay paged until the request ends, so a local layer takes as many pages as a global one), or MLA
-latents (`PagedLatentCache`).
+tokens stay paged until the request ends, so a local layer takes as many pages as a global one), MLA
+latents (`PagedLatentCache`), and recurrent layers (Mamba, RWKV-7, RetNet, YOCO's gated retention, the
+hybrids), which keep one state slot per running request instead of pages (`kvjax.slot_states`; the
+prefix cache is then off: a prefix hit would skip tokens a state must see).
 
 A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Generator` does (one prefill
 of the whole prompt, then eviction and/or `int:8` quantization), and only what is kept goes into pages:
@@ -44,6 +46,7 @@ from kvjax.compress import Policy, parse_policy
 from kvjax.compress.methods import METHODS
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import Generator
+from kvjax.kinds import KINDS
 from kvjax.page_pool import PagePool
 from kvjax.paged import PagedKVCache, PagedLatentCache
 from kvjax.plan import LayerPlan
@@ -51,6 +54,7 @@ from kvjax.quant.cache import QuantKVCache
 from kvjax.sampling import sample
 from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequence, Step, Work
 from kvjax.sharding import place_params
+from kvjax.slot_states import SlotStates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +72,18 @@ class Request:
 # (`Engine._sync`) for the sequences a step feeds, in its row order (a sequence has no fixed row: its
 # pages and table say where its tokens are), and every jitted function sets them into each layer's
 # cache: one transfer per step, not one per layer.
-def _with_rows(caches, table, length, chunk_row=None):
-    return tuple(c.replace(table=table, length=length, chunk_row=chunk_row) for c in caches)
+def _with_rows(caches, table, length, states, chunk_row=None):
+    """Each layer's cache with the step's rows: paged caches their block tables, recurrent layers their
+    state slots (`kvjax.slot_states`), both the rows' lengths."""
+    return tuple(
+        c.replace(rows=states, length=length, chunk_row=chunk_row)
+        if isinstance(c, SlotStates)
+        else c.replace(table=table, length=length, chunk_row=chunk_row)
+        for c in caches
+    )
 
 
-def _forward(model, caches, table, length, tokens, pos, chunk, chunk_pos, chunk_row, last):
+def _forward(model, caches, table, length, states, tokens, pos, chunk, chunk_pos, chunk_row, last):
     """One pass over a step's tokens: a decode token for each of the first R table rows (tokens, pos
     `[R]`; position -1 where a row feeds none), then, when C > 0, a prompt chunk of row `chunk_row`
     (chunk, chunk_pos `[C]`, padded with position -1), all through the weights once (`kvjax.paged`'s
@@ -81,7 +92,7 @@ def _forward(model, caches, table, length, tokens, pos, chunk, chunk_pos, chunk_
     back), the caches and the rows' new lengths."""
     R, C = tokens.shape[0], chunk.shape[0]
     ids, at = jnp.concatenate([tokens, chunk])[None], jnp.concatenate([pos, chunk_pos])[None]
-    hidden, rows = model.hidden(ids, at, _with_rows(caches, table[:R], length[:R], chunk_row))
+    hidden, rows = model.hidden(ids, at, _with_rows(caches, table[:R], length[:R], states[:R], chunk_row))
     picked = jnp.arange(R) if C == 0 else jnp.concatenate([jnp.arange(R), R + last[None]])
     logp = jax.nn.log_softmax(model.logits(hidden[0, picked]))
     best = jnp.argmax(logp, axis=-1)
@@ -89,14 +100,14 @@ def _forward(model, caches, table, length, tokens, pos, chunk, chunk_pos, chunk_
     return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches, rows[0].length
 
 
-def _step(graphdef, treedef, leaves, caches, table, length, tokens, pos, chunk, chunk_pos, chunk_row, last):
+def _step(graphdef, treedef, leaves, caches, table, length, states, tokens, pos, chunk, chunk_pos, chunk_row, last):
     """`_forward` of the model whose parameters come as their flat leaves (`treedef` rebuilds them):
     flattening the NNX state on every call cost more host time than a small model's whole step."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    return _forward(model, caches, table, length, tokens, pos, chunk, chunk_pos, chunk_row, last)[:4]
+    return _forward(model, caches, table, length, states, tokens, pos, chunk, chunk_pos, chunk_row, last)[:4]
 
 
-def _greedy_steps(graphdef, treedef, leaves, caches, table, length, tokens, pos, stop, eos, *, steps):
+def _greedy_steps(graphdef, treedef, leaves, caches, table, length, states, tokens, pos, stop, eos, *, steps):
     """Up to `steps` greedy decode steps of R rows in one call (vLLM's multi-step scheduling: a small
     model's step is shorter than the host's round trip): row r feeds tokens[r] at pos[r], then each
     token it picks, for stop[r] steps (0: an empty row) or until it picks eos[r]. Returns the tokens and
@@ -108,7 +119,17 @@ def _greedy_steps(graphdef, treedef, leaves, caches, table, length, tokens, pos,
     def body(carry):
         i, caches, length, tok, pos, active, out_tok, out_lp = carry
         _, best, best_lp, caches, length = _forward(
-            model, caches, table, length, tok, jnp.where(active, pos, -1), none, none, jnp.int32(0), jnp.int32(0)
+            model,
+            caches,
+            table,
+            length,
+            states,
+            tok,
+            jnp.where(active, pos, -1),
+            none,
+            none,
+            jnp.int32(0),
+            jnp.int32(0),
         )
         out_tok = out_tok.at[i].set(jnp.where(active, best, -1).astype(jnp.int32))
         out_lp = out_lp.at[i].set(jnp.where(active, best_lp, 0.0))
@@ -145,9 +166,10 @@ def _jitted(graphdef, treedef):
 @functools.partial(jax.jit, donate_argnums=0)
 def _load_row(caches, table, length, dense, row):
     """Load row 0 of each layer's dense (compressed) prefill cache into table row `row`'s pages;
-    the caches and the lengths with the row's new one."""
+    the caches and the lengths with the row's new one (attention and MLA layers only: the engine takes
+    no policy for a model with recurrent layers)."""
     out = []
-    for paged, d in zip(_with_rows(caches, table, length), dense):
+    for paged, d in zip(_with_rows(caches, table, length, None), dense):
         if isinstance(d, QuantKVCache):
             values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
         elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
@@ -202,12 +224,18 @@ class Engine:
         module docstring). `decode_steps`: while no prompt is being prefilled and every running request
         decodes greedily, up to this many decode steps run in one device call (1: a call per step)."""
         cfg = model.config
-        if not set(cfg.mixers) <= {"attention", "local", "mla"}:
+        recurrent = sorted({k for k in cfg.mixers if KINDS[k].recurrent})
+        if unknown := sorted(set(cfg.mixers) - {"attention", "local", "mla", *recurrent}):
             raise ConfigError(
-                f"the engine pages attention K/V and MLA latents; model mixers {sorted(set(cfg.mixers))} "
-                "are not supported yet"
+                f"the engine pages attention K/V and MLA latents and keeps recurrent states; model mixers "
+                f"{unknown} are not supported yet"
             )
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
+        if self.policy is not None and recurrent:
+            raise ConfigError(
+                f"engine policy {policy!s}: {cfg.name!r} has recurrent layers ({', '.join(recurrent)}), whose "
+                "states hold no tokens to compress, and the engine compresses whole prompts; serve it without a policy"
+            )
         windowed = sorted({k for k in cfg.mixers if k != "mla" and cfg.attention_for(k).window is not None})
         if self.policy is not None and windowed:
             raise ConfigError(
@@ -217,8 +245,9 @@ class Engine:
             )
         self.model, self.pool = model, PagePool(n_pages, page_size)
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
-        self.prefix_cache = prefix_cache and self.policy is None
-        self.windowed = windowed
+        # A prefix hit skips the prefix's tokens, and a recurrent layer's state would miss them.
+        self.prefix_cache = prefix_cache and self.policy is None and not recurrent
+        self.windowed, self.recurrent = windowed, recurrent
         self.reset()  # the scheduler: it checks slots, chunk and decode_steps
         self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
         att = cfg.attention
@@ -243,6 +272,8 @@ class Engine:
                 value_dim=mla.rope_heads * mla.qk_rope_head_dim,
             )
             if plan.mixers[i] == "mla"
+            else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
+            if KINDS[plan.mixers[i]].recurrent
             else PagedKVCache.init(
                 n_pages,
                 page_size,
@@ -276,6 +307,8 @@ class Engine:
         page's stale contents are never read: a row sees only the slots below its length)."""
         self.requests: list[Request] = []
         self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
+        self._slot_of: dict[int, int] = {}  # a running sequence's recurrent-state slot
+        self._free_slots = list(range(self.slots))[::-1]
         self.scheduler = Scheduler(
             self.pool,
             slots=self.slots,
@@ -298,13 +331,39 @@ class Engine:
 
     def page_nbytes(self) -> int:
         """Bytes one page takes over every K/V-producing layer."""
-        return sum(c.page_nbytes for c in self.caches)
+        return sum(c.page_nbytes for c in self.caches if not isinstance(c, SlotStates))
+
+    def fit(self, budget: int, slots: int, max_tokens: int) -> tuple[int, int]:
+        """(slots, pages with the null page) that `budget` bytes buy for an engine of this model, policy and
+        page size: each running sequence's recurrent states come out of the budget first (so a model with
+        states runs at most as many sequences as the budget holds, each with room for a request of
+        `max_tokens`), the rest are pages. A model with no paged layer gets every slot that request's pages
+        (they hold nothing)."""
+        state, page = self.state_nbytes(), self.page_nbytes()
+        request = state + page * -(-max_tokens // self.pool.page_size)
+        if budget < request:
+            raise ConfigError(
+                f"a budget of {budget:,} bytes holds no request of {max_tokens} tokens: it needs {request:,} "
+                f"({state:,} of recurrent states, {request - state:,} of pages)"
+            )
+        if state:
+            slots = min(slots, budget // request)
+        if page == 0:
+            return slots, slots * -(-max_tokens // self.pool.page_size) + 1
+        return slots, (budget - slots * state) // page + 1
+
+    def state_nbytes(self) -> int:
+        """Bytes of one sequence's recurrent states over every recurrent layer (a slot each)."""
+        return sum(c.nbytes() // c.slots for c in self.caches if isinstance(c, SlotStates))
 
     # --- device state -----------------------------------------------------------------------------
     def _placed(self, cache: PagedKVCache) -> PagedKVCache:
         """A cache laid out on the mesh: pages' KV heads over `tensor`, slots' tables over `data`."""
         if self.mesh is None:
             return cache
+        if isinstance(cache, SlotStates):  # states stay whole on every device (rows gather them)
+            whole = NamedSharding(self.mesh, P())
+            return cache.replace(state=jax.device_put(cache.state, whole), rows=self._rows_placed(cache.rows))
         put = lambda x, *spec: jax.device_put(x, NamedSharding(self.mesh, P(*spec)))  # noqa: E731
         split = lambda n: "tensor" if n > 1 and n % self.mesh.shape["tensor"] == 0 else None  # noqa: E731
         heads = {name: put(x, None, split(x.shape[1])) for name, x in cache._pools().items()}
@@ -321,6 +380,24 @@ class Engine:
         table = self.pool.table(seqs, self.width)
         length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
         self._table, self._length = self._rows_placed(table), self._rows_placed(length)  # numpy: jit moves it
+        self._states = self._rows_placed(self._state_slots(seqs))
+
+    @property
+    def _pushed(self) -> tuple:
+        """What `_sync` last pushed, as the jitted steps take it: block tables, lengths, state slots."""
+        return self._table, self._length, self._states
+
+    def _state_slots(self, seqs) -> np.ndarray:
+        """The recurrent-state slot of each row's sequence (`slots`: none), given to a sequence when it is
+        first fed and back when it no longer runs (at most `slots` run at once); a recomputed sequence
+        starts from zeros again (`SlotStates.run`)."""
+        running = self.scheduler.running
+        for index in [i for i in self._slot_of if i not in running]:
+            self._free_slots.append(self._slot_of.pop(index))
+        for index in seqs:
+            if index is not None and index not in self._slot_of:
+                self._slot_of[index] = self._free_slots.pop()
+        return np.asarray([self.slots if i is None else self._slot_of[i] for i in seqs], np.int32)
 
     def _pick(self, seq: Sequence, logp, greedy: tuple[int, float] | None = None) -> None:
         """Pick `seq`'s next token from log-probabilities `[V]`: argmax when greedy (`greedy`, the (token,
@@ -479,17 +556,9 @@ class Engine:
         chunk, chunk_pos = np.zeros(C, np.int32), np.full(C, -1, np.int32)
         chunk[: len(piece)], chunk_pos[: len(piece)] = piece, np.arange(len(piece)) + (filling.at if filling else 0)
         self._sync([r.index for r in order])
+        last = np.int32(max(len(piece) - 1, 0))
         logp, best, best_lp, self.caches = self._step(
-            self._leaves,
-            self.caches,
-            self._table,
-            self._length,
-            ids,
-            pos,
-            chunk,
-            chunk_pos,
-            np.int32(len(rows)),
-            np.int32(max(len(piece) - 1, 0)),
+            self._leaves, self.caches, *self._pushed, ids, pos, chunk, chunk_pos, np.int32(len(rows)), last
         )
         self.stats.steps += 1
         self.stats.calls += 1
@@ -513,7 +582,7 @@ class Engine:
             eos[i] = -1 if self.requests[r.index].decoding.eos_id is None else self.requests[r.index].decoding.eos_id
         self._sync([r.index for r in rows])
         tokens, logprobs, self.caches = self._greedy_steps(
-            self._leaves, self.caches, self._table, self._length, ids, pos, stops, eos, steps=plan.greedy_steps
+            self._leaves, self.caches, *self._pushed, ids, pos, stops, eos, steps=plan.greedy_steps
         )
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         self.stats.steps += int((tokens >= 0).any(axis=1).sum())
@@ -535,18 +604,10 @@ class Engine:
             idle, none = np.full(R, -1, np.int32), np.zeros(R, np.int32)
             for C in chunks:
                 args = (none, idle, np.zeros(C, np.int32), np.full(C, -1, np.int32), np.int32(R), np.int32(0))
-                *_, self.caches = self._step(self._leaves, self.caches, self._table, self._length, *args)
+                *_, self.caches = self._step(self._leaves, self.caches, self._table, self._length, self._states, *args)
             if self.decode_steps > 1:
                 _, _, self.caches = self._greedy_steps(
-                    self._leaves,
-                    self.caches,
-                    self._table,
-                    self._length,
-                    none,
-                    idle,
-                    none,
-                    idle,
-                    steps=self.decode_steps,
+                    self._leaves, self.caches, *self._pushed, none, idle, none, idle, steps=self.decode_steps
                 )
         jax.block_until_ready(self.caches)
         return len(rows) * (len(chunks) + (self.decode_steps > 1))

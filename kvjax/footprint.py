@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.config import DecodingConfig, ModelConfig
+from kvjax.config import DecodingConfig
 from kvjax.memory import cache_bytes
 from kvjax.ops import key_block
 
@@ -53,28 +53,21 @@ class Compiled:
         return self.arguments + self.outputs - self.aliased + self.temporaries
 
 
-def weight_bytes(cfg: ModelConfig) -> int:
-    """Bytes of the model's parameters, from their abstract shapes."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(_abstract(cfg)[1]))
+def weight_bytes(model: nnx.Module) -> int:
+    """Bytes of a model's parameters (an abstract one's too: `nnx.eval_shape` of its constructor)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
 
 
-def _abstract(cfg: ModelConfig):
-    """(graphdef, parameters as ShapeDtypeStructs) of a model of this config; nothing is allocated."""
-    from kvjax.architectures import Decoder
-
-    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    return nnx.split(model)
-
-
-def budgets(cfg: ModelConfig, batch: int, context: int, chunk: int) -> tuple[Budget, Budget]:
+def budgets(model: nnx.Module, batch: int, context: int, chunk: int) -> tuple[Budget, Budget]:
     """Analytic budgets of a prefill chunk and of a decode step at `context` tokens of cache.
 
     Activations counted: the residual stream and one layer's widest intermediates (the MLP's gate and up
     `[B, C, F]`, or q/k/v and the attention output), the fp32 attention scores and probabilities of the
     XLA path (a chunk's queries against one key block of `kvjax.ops.key_block`, the whole cache when it
     has none; a decode step's one query against every slot), and the fp32 logits `[B, V]`."""
+    cfg = model.config
     att, item = cfg.attention, jnp.dtype(cfg.dtype).itemsize
-    weights, caches = weight_bytes(cfg), cache_bytes(cfg, context, batch)
+    weights, caches = weight_bytes(model), cache_bytes(cfg, context, batch)
     keys = key_block(context) or context
 
     def activations(c: int, keys: int) -> int:
@@ -88,13 +81,17 @@ def budgets(cfg: ModelConfig, batch: int, context: int, chunk: int) -> tuple[Bud
     )
 
 
-def compiled(cfg: ModelConfig, batch: int, context: int, chunk: int, new_tokens: int = 16) -> tuple[Compiled, Compiled]:
+def compiled(
+    model: nnx.Module, batch: int, context: int, chunk: int, new_tokens: int = 16
+) -> tuple[Compiled, Compiled]:
     """Compile (for this host's backend, from abstract inputs) a prefill chunk into caches of `context`
-    slots and a greedy decode of `new_tokens`, and report XLA's memory analysis of each."""
+    slots and a greedy decode of `new_tokens` of `model` (abstract: `nnx.eval_shape` of its constructor),
+    and report XLA's memory analysis of each."""
     from kvjax.generate import _programs
     from kvjax.plan import init_caches
 
-    graphdef, params = _abstract(cfg)
+    cfg = model.config
+    graphdef, params = nnx.split(model)
     programs = _programs(graphdef)
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))  # noqa: E731
     caches = jax.eval_shape(lambda: init_caches(cfg, batch, context))

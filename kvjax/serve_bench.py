@@ -78,9 +78,9 @@ def default_memory(cfg, workload: Workload) -> float:
     return rows * memory.cache_bytes(cfg, reservation(workload.sample(cfg.vocab_size))) / 2**20
 
 
-def page_bytes(model, page_size: int, policy: str | None) -> int:
-    """Bytes one page takes over every K/V-producing layer under `policy` (K, V, positions, int8 scales)."""
-    return Engine(model, n_pages=2, page_size=page_size, slots=1, policy=policy).page_nbytes()
+def probe(model, page_size: int, policy: str | None) -> Engine:
+    """A one-slot engine of the model, page size and policy, for its page and state bytes."""
+    return Engine(model, n_pages=2, page_size=page_size, slots=1, policy=policy)
 
 
 def _timed(name: str, serve: Callable[[], None], log: Callable[[str], None]) -> float:
@@ -151,12 +151,12 @@ def serve_bench(
         )
     engines = {}
     for policy in (None, *policies):  # each layout's pages in the budget; every request checked before compute
-        n_pages = budget // page_bytes(model, page_size, policy) + 1  # + the null page
+        fitted, n_pages = probe(model, page_size, policy).fit(budget, slots, longest)
         engines[policy] = Engine(
             model,
             n_pages=n_pages,
             page_size=page_size,
-            slots=slots,
+            slots=fitted,
             chunk=chunk,
             max_tokens=longest,
             policy=policy,
@@ -204,7 +204,7 @@ def serve_bench(
                 "peak_pages": s.peak_pages,
                 "page_bytes": per_page,
                 "bytes_allocated": engine.nbytes(),
-                "peak_bytes_used": s.peak_pages * per_page,
+                "peak_bytes_used": s.peak_pages * per_page + s.peak_running * engine.state_nbytes(),
                 "prefill_tokens": s.prefill_tokens,
                 "cached_tokens": s.cached_tokens,
                 "prefix_hit_rate": pool.hits / lookups if lookups else 0.0,

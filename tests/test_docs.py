@@ -27,7 +27,7 @@ def _implemented() -> dict[str, set[str]]:
     """Backquoted names per row of the README's 'What is implemented' table."""
     text = ROOT.joinpath("README.md").read_text().split("## What is implemented", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| ") and "---" not in line]
-    return {cells[1].strip(): set(re.findall(r"`([\w-]+)`", cells[2])) for cells in rows[1:]}
+    return {cells[1].strip(): set(re.findall(r"`([\w.-]+)`", cells[2])) for cells in rows[1:]}
 
 
 def test_the_readme_is_short_and_its_implemented_table_names_what_the_code_accepts():

@@ -77,17 +77,20 @@ def device_table(name: str, overrides: list[str], tokens: list[int], batch: int,
     """One model's generation memory at each context: the analytic budget of a prefill chunk and of a
     decode step (weights, caches, activations) and, with `compile`, XLA's analysis of the programs."""
     import jax
+    from flax import nnx
 
     from kvjax import footprint
+    from kvjax.architectures import Decoder
     from kvjax.report import format_table
 
     cfg = _config(name, overrides).model
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # shapes only: nothing is allocated
     headers = ["context", "program", "weights", "caches", "activations", "budget"]
     headers += ["compiled temps", "compiled peak", "peak / budget"] if compile else []
     rows = []
     for t in tokens:
-        budgets = footprint.budgets(cfg, batch, t, min(chunk, t))
-        analysed = footprint.compiled(cfg, batch, t, min(chunk, t)) if compile else (None, None)
+        budgets = footprint.budgets(model, batch, t, min(chunk, t))
+        analysed = footprint.compiled(model, batch, t, min(chunk, t)) if compile else (None, None)
         for plan, got in zip(budgets, analysed):
             row = [t, plan.program, *map(footprint.gib, (plan.weights, plan.caches, plan.activations, plan.total))]
             if got is not None:

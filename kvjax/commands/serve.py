@@ -38,17 +38,19 @@ def run(args) -> None:
         loaded = load_model(args.model)
         max_tokens = args.max_tokens or min(loaded.context or DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS)
         probe = Engine(loaded.model, n_pages=2, page_size=args.page_size, slots=1, policy=args.policy)
+        slots = args.slots
         if args.pages:
             pages = args.pages
-        elif args.memory_mib:
-            pages = int(args.memory_mib * 2**20 // probe.page_nbytes())
+        elif args.memory_mib:  # recurrent states first (as many slots as they fit), then pages
+            slots, pages = probe.fit(int(args.memory_mib * 2**20), args.slots, max_tokens)
+            pages -= 1
         else:  # every slot can hold a whole request
             pages = args.slots * -(-max_tokens // args.page_size)
         engine = Engine(
             loaded.model,
             n_pages=pages + 1,  # + the null page
             page_size=args.page_size,
-            slots=args.slots,
+            slots=slots,
             chunk=args.chunk,
             max_tokens=max_tokens,
             policy=args.policy,
@@ -59,7 +61,7 @@ def run(args) -> None:
         name = args.served_model_name or loaded.config.model.name
         print(
             f"kvjax serve: {name} on http://{args.host}:{args.port}/v1, {pages} pages of {args.page_size} tokens "
-            f"({pages * probe.page_nbytes() / 2**20:.1f} MiB), {args.slots} slots, policy {args.policy or 'none'}",
+            f"({pages * probe.page_nbytes() / 2**20:.1f} MiB), {slots} slots, policy {args.policy or 'none'}",
             file=sys.stderr,
             flush=True,
         )

@@ -41,6 +41,7 @@ class Kind:
     in_pattern: ClassVar[bool] = True  # `model.layer_pattern` may name it (else only YOCO places it)
     shares_kv: ClassVar[bool] = False  # its K/V cache may serve later layers (CLA, MLKV, YOCO)
     caches_tokens: ClassVar[bool] = False  # it caches something per token (K/V or a latent)
+    recurrent: ClassVar[bool] = False  # its cache is a constant-size state (the engine keeps one per sequence)
     # Its own options: the `model.<section>` of a model config, a frozen dataclass `Config` that checks
     # itself. A model config holds the section only while one of its layers is of this kind.
     section: ClassVar[str | None] = None

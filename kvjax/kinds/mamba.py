@@ -42,6 +42,7 @@ class MambaConfig:
 @register
 class Mamba(Kind):
     name = "mamba"
+    recurrent = True
     section = "mamba"
     Config = MambaConfig
 

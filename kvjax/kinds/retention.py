@@ -27,6 +27,8 @@ class RetNetConfig:
 
 
 class _Retention(Kind):
+    recurrent = True
+
     def value_dim(self, cfg) -> int:
         return cfg.attention.head_dim
 

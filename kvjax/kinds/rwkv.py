@@ -29,6 +29,7 @@ class RWKVConfig:
 @register
 class RWKV(Kind):
     name = "rwkv"
+    recurrent = True
     section = "rwkv"
     Config = RWKVConfig
 

@@ -53,10 +53,11 @@ def test_compiled_generation_holds_what_its_budget_counts(capsys):
 
     cfg = load_config("gqa").model
     weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     caches, (B, S, C, V, D) = memory.cache_bytes(cfg, 8192, 2), (2, 8192, 512, cfg.vocab_size, cfg.d_model)
-    prefill, decode = footprint.compiled(cfg, B, S, C)
-    budget = footprint.budgets(cfg, B, S, C)
-    assert budget[0].weights == footprint.weight_bytes(cfg) == weights and budget[0].caches == caches
+    prefill, decode = footprint.compiled(model, B, S, C)
+    budget = footprint.budgets(model, B, S, C)
+    assert budget[0].weights == footprint.weight_bytes(model) == weights and budget[0].caches == caches
     assert prefill.arguments == weights + caches + B * D * 4 + B * C * 4 + B * 4 + 4  # hidden, tokens, lengths, start
     assert prefill.aliased == caches + B * D * 4
     assert decode.arguments == weights + caches + B * V * 4 + B * 4 + 8  # logits, lengths, key

@@ -118,8 +118,42 @@ def test_mla_latents_in_pages_with_prefix_hits_and_preemptions(make_model, reque
 def test_requests_that_cannot_fit_and_models_it_cannot_page_are_refused(gqa, make_model):
     with pytest.raises(ConfigError, match="request 0: 30 tokens need 8 pages; a sequence may hold 4"):
         Engine(gqa, n_pages=5, page_size=4).run([Request(tuple(range(20)), DecodingConfig(max_new_tokens=10))])
-    with pytest.raises(ConfigError, match=r"mixers \['mamba'\] are not supported yet"):
-        Engine(make_model("mamba", "model.n_layers=2")[1], n_pages=8)
+    with pytest.raises(ConfigError, match=r"mixers \['swa'\] are not supported yet"):
+        Engine(make_model("yoco-swa")[1], n_pages=8)
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [("mamba", ("model.n_layers=2",)), ("rwkv7", ("model.n_layers=2",)), ("retnet", ("model.n_layers=2",)),
+     ("hybrid-mamba-attn", ("model.n_layers=3",)), ("yoco-gret", ())],
+)  # fmt: skip
+def test_recurrent_layers_keep_a_state_slot_per_request(make_model, requests, name, overrides):
+    """Mamba, RWKV-7, RetNet, a Mamba/attention hybrid and YOCO's gated-retention self-decoder: each
+    recurrent layer keeps one state per running request (`SlotStates`), attention layers pages; mixed
+    prefill/decode steps, multi-step calls and preemptions (a recomputed request starts from a zero state)
+    give each request what Generator gives it alone; a state slot takes the bytes `kvjax.memory` counts;
+    a policy is refused by name."""
+    from kvjax.memory import layer_memory
+    from kvjax.slot_states import SlotStates
+
+    model = make_model(name, *overrides)[1]
+    gen = Generator(model, capacity=40)
+    engine = Engine(model, n_pages=10, page_size=4, slots=4, chunk=4, decode_steps=4)
+    _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
+    assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps and engine.pool.used_pages == 0
+    states = [c for c in engine.caches if isinstance(c, SlotStates)]
+    per_sequence = sum(m.bytes_per_sequence for m in layer_memory(model.config) if m.kv_bytes_per_slot == 0)
+    assert states and engine.state_nbytes() == per_sequence and sum(c.nbytes() for c in states) == 4 * per_sequence
+    assert engine.prefix_cache is False  # a prefix hit would skip tokens a state must see
+    # A memory budget pays for running requests' states first: as many slots as it holds, then pages.
+    page, request = engine.page_nbytes(), per_sequence + engine.page_nbytes() * 10  # 40 tokens: 10 pages
+    budget = 3 * request + 5 * page
+    pages = 1 + (budget - 3 * per_sequence) // page if page else 1 + 3 * 10  # no paged layer: room, no bytes
+    assert engine.fit(budget, 8, 40) == (3, pages)
+    with pytest.raises(ConfigError, match=f"holds no request of 40 tokens: it needs {request:,}"):
+        engine.fit(request - 1, 8, 40)
+    with pytest.raises(ConfigError, match=r"has recurrent layers \(.*\), whose states hold no tokens to compress"):
+        Engine(model, n_pages=8, policy="snapkv:0.5")
 
 
 def test_local_and_global_layers_in_pages(make_model, requests):

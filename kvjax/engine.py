@@ -16,9 +16,9 @@ hybrids), which keep one state slot per running request instead of pages (`kvjax
 prefix cache is then off: a prefix hit would skip tokens a state must see).
 
 A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Generator` does (one prefill
-of the whole prompt, then eviction and/or `int:8` quantization), and only what is kept goes into pages:
-`snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token, so
-more requests fit in the same memory. Decoding then appends every new token (no decode-time eviction).
+of the whole prompt, then eviction and/or `int:8` / `int:4` quantization), and only what is kept goes into
+pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token
+(`int:4` two codes a byte), so more requests fit in the same memory. Decoding then appends every new token (no decode-time eviction).
 With a policy, pages hold compressed prompts, so the prefix cache is off; a preempted request is
 recomputed by compressing its prompt again and re-appending the tokens it generated. A request may name
 its own policy (`Request.policy`) when its pages have the engine's layout (positions shared by the heads
@@ -180,23 +180,26 @@ def _load_row(caches, table, length, dense, row):
     return tuple(out), out[0].length
 
 
-def check_engine_policy(policy: Policy) -> tuple[bool, bool]:
-    """What the engine's pages need for `policy` (positions per head, int8 codes); a policy it cannot
-    page is a ConfigError naming the stage."""
+def check_engine_policy(policy: Policy) -> tuple[bool, int | None]:
+    """What the engine's pages need for `policy` (positions per head; the codes' bits, None for full
+    precision); a policy it cannot page is a ConfigError naming the stage."""
     for stage in policy.stages:
         where = f"engine policy stage {stage.method!r}"
         if stage.quantizes:
-            spec = stage.quant_spec  # int8 pages: codes and one symmetric scale per token and head
-            if spec.blocked or not spec.scheme.plain or spec.bits != 8 or spec.asym:
-                raise ConfigError(f"{where}:{stage.bits}: quantized pages are int:8 (symmetric) only")
+            spec = stage.quant_spec  # quantized pages: codes and one symmetric scale per token and head
+            if spec.blocked or not spec.scheme.plain or spec.bits not in (4, 8) or spec.asym:
+                raise ConfigError(f"{where}:{stage.bits}: quantized pages are int:8 or int:4 (symmetric) only")
         elif not (stage.method in METHODS and METHODS[stage.method].pageable):
-            raise ConfigError(f"{where}: the engine pages token eviction and int:8; {stage.method} is not supported")
+            raise ConfigError(
+                f"{where}: the engine pages token eviction, int:8 and int:4; {stage.method} is not supported"
+            )
         elif stage.every or not stage.allocation.same_everywhere:
             raise ConfigError(
                 f"{where}: the engine compresses once after the prefill with one budget for every "
                 f"layer and head (every={stage.every}, allocator={stage.allocator!r} are not supported)"
             )
-    return any(s.per_head for s in policy.stages if not s.quantizes), policy.stages[-1].quantizes
+    last = policy.stages[-1]
+    return any(s.per_head for s in policy.stages if not s.quantizes), last.quant_spec.bits if last.quantizes else None
 
 
 class Engine:
@@ -220,7 +223,7 @@ class Engine:
         """`mesh` (axes `data` and `tensor`) spreads the step's rows (sequences) over `data` and the pages' KV
         heads over `tensor`, as training splits batch and heads; the weights lie as `kvjax.sharding`
         lays them (heads and MLP hidden units over `tensor`). A policy's prefill runs on one device.
-        `policy`: token eviction applied once after the prefill, optionally ending in `int:8` (see the
+        `policy`: token eviction applied once after the prefill, optionally ending in `int:8` or `int:4` (see the
         module docstring). `decode_steps`: while no prompt is being prefilled and every running request
         decodes greedily, up to this many decode steps run in one device call (1: a call per step)."""
         cfg = model.config
@@ -252,13 +255,13 @@ class Engine:
         self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
         att = cfg.attention
         self.gens: dict[str, Generator] = {}  # the compressed prefill of each policy served, by its text
-        self.layout = (False, False)  # pages: (positions per head, int8 codes)
+        self.layout = (False, None)  # pages: (positions per head, the codes' bits or None)
         if self.policy is not None:
-            self.layout = per_head, int8 = check_engine_policy(self.policy)
-            if int8 and "mla" in cfg.mixers:
-                raise ConfigError("engine policy int:8 quantizes K/V pages; MLA's latent pages are not quantized")
+            self.layout = per_head, bits = check_engine_policy(self.policy)
+            if bits and "mla" in cfg.mixers:
+                raise ConfigError(f"engine policy int:{bits} quantizes K/V pages; MLA's latent pages are not quantized")
             self._prefill_capacity(self.policy, self.width * page_size)
-        per_head, int8 = self.layout
+        per_head, bits = self.layout
         plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
         self.caches = tuple(
             PagedLatentCache.init(
@@ -283,7 +286,7 @@ class Engine:
                 att.head_dim,
                 dtype,
                 per_head_positions=per_head,
-                int8=int8,
+                bits=bits,
             )
             for i in plan.producers
         )
@@ -435,7 +438,7 @@ class Engine:
         if request.policy is None:
             return self.policy
         if request.policy == "none":
-            policy, layout = None, (False, False)
+            policy, layout = None, (False, None)
         else:
             policy = parse_policy(request.policy)
             layout = check_engine_policy(policy)
@@ -445,13 +448,15 @@ class Engine:
                     f"({', '.join(self.windowed)}), which the engine serves without a policy"
                 )
         if layout != self.layout:
-            have = ("positions per head" if self.layout[0] else "one position per slot") + (
-                ", int8 codes" if self.layout[1] else ", full precision"
-            )
+
+            def said(layout):
+                heads = "positions per head" if layout[0] else "one position per slot"
+                return heads + (f", int{layout[1]} codes" if layout[1] else ", full precision")
+
             raise ConfigError(
-                f"policy {request.policy}: this engine's pages hold {have} (its policy: {self.policy or 'none'}), "
-                f"and {request.policy} needs {'positions per head' if layout[0] else 'one position per slot'}"
-                f"{', int8 codes' if layout[1] else ', full precision'}; serve it from an engine started with it"
+                f"policy {request.policy}: this engine's pages hold {said(self.layout)} (its policy: "
+                f"{self.policy or 'none'}), and {request.policy} needs {said(layout)}; serve it from an engine "
+                "started with it"
             )
         return policy
 

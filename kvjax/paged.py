@@ -27,7 +27,7 @@ from flax import struct
 from kvjax.cache import KVView, LatentView, _Arrays
 from kvjax.ops import attention, capped, kernel_impl, masked_probs, visible
 from kvjax.page_pool import NULL_PAGE
-from kvjax.quant.packing import pack, unpack
+from kvjax.quant.packing import pack, packed_width, unpack
 from kvjax.quant.quantizers import dequantize, quantize
 
 
@@ -73,9 +73,10 @@ class PagedKVCache(_Arrays):
     a head-wise policy keeps different tokens per head), and per sequence slot its block table `[B,M]`
     (page ids, the null page as padding) and length `[B]` (slots filled: a compressed row's slots hold
     fewer tokens than its positions count). With `chunk_row` (a scalar) the cache takes mixed steps (see
-    the module docstring) and its view is a `RowSplit`. Quantized pages (`int:8`, as `QuantKVCache`'s int codes)
-    hold per-token symmetric 8-bit codes in k, v (uint8 `[P,K,page_size,H]`) and their scales in
-    k_scale, v_scale `[P,K,page_size,1]`; the view dequantizes the gathered pages."""
+    the module docstring) and its view is a `RowSplit`. Quantized pages (`int:8` or `int:4`, as
+    `QuantKVCache`'s int codes) hold per-token symmetric codes in k, v, packed (uint8 `[P,K,page_size,
+    H * bits / 8]`), and their scales in k_scale, v_scale `[P,K,page_size,1]`; the view dequantizes the
+    gathered pages."""
 
     k: jax.Array
     v: jax.Array
@@ -85,6 +86,7 @@ class PagedKVCache(_Arrays):
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
     chunk_row: jax.Array | None = None
+    bits: int | None = struct.field(pytree_node=False, default=None)  # 8 or 4: the codes' width
 
     @classmethod
     def init(
@@ -99,20 +101,25 @@ class PagedKVCache(_Arrays):
         *,
         value_dim: int | None = None,
         per_head_positions: bool = False,
-        int8: bool = False,
+        bits: int | None = None,
     ):
+        """`bits` (8 or 4): pages of symmetric integer codes, packed, with a scale per token and head."""
+        if bits not in (None, 4, 8):
+            raise ValueError(f"quantized pages hold 8- or 4-bit codes, not bits={bits}")
         shape = (n_pages, n_kv_heads, page_size, head_dim)
         v_shape = (*shape[:3], value_dim or head_dim)
         pos_heads = n_kv_heads if per_head_positions else 1
-        scales = {}
-        if int8:
+        scales, coded = {}, bits is not None
+        if coded:
             scales = dict(k_scale=jnp.zeros((*shape[:3], 1), dtype), v_scale=jnp.zeros((*shape[:3], 1), dtype))
+            shape, v_shape = ((*x[:3], packed_width(x[3], bits)) for x in (shape, v_shape))
         return cls(
-            k=jnp.zeros(shape, jnp.uint8 if int8 else dtype),
-            v=jnp.zeros(v_shape, jnp.uint8 if int8 else dtype),
+            k=jnp.zeros(shape, jnp.uint8 if coded else dtype),
+            v=jnp.zeros(v_shape, jnp.uint8 if coded else dtype),
             pos=jnp.full((n_pages, pos_heads, page_size), -1, jnp.int32),
             table=jnp.zeros((batch, max_pages), jnp.int32),
             length=jnp.zeros((batch,), jnp.int32),
+            bits=bits,
             **scales,
         )
 
@@ -153,8 +160,8 @@ class PagedKVCache(_Arrays):
         full-precision k, v are quantized first when the pages hold codes."""
         if self.quantized and "k_scale" not in values:
             for name in ("k", "v"):
-                codes, scale, _ = quantize(values[name], 8, values[name].shape[-1], symmetric=True)
-                values[name], values[f"{name}_scale"] = pack(codes, 8), scale  # scale [N,K,1]
+                codes, scale, _ = quantize(values[name], self.bits, values[name].shape[-1], symmetric=True)
+                values[name], values[f"{name}_scale"] = pack(codes, self.bits), scale  # scale [N,K,1]
 
         page, offset = flat // self.page_size, flat % self.page_size  # dropped slots: page P, out of range
 
@@ -204,7 +211,7 @@ class PagedKVCache(_Arrays):
     def load(self, row: int, n: jax.Array, pos: jax.Array, **values: jax.Array) -> PagedKVCache:
         """Fill slots [0, n) of sequence slot `row` (its table set) from one row of a dense head-major
         cache: positions `[S]` or per head `[K,S]`, and k, v `[K,S,H]` (full precision; or, for quantized
-        pages, int:8 codes with k_scale, v_scale `[K,S,1]`, as `QuantKVCache` stores them)."""
+        pages, packed int:8 or int:4 codes with k_scale, v_scale `[K,S,1]`, as `QuantKVCache` stores them)."""
         Kp = self.pos.shape[1]
         pos = pos[None] if pos.ndim == 1 else pos
         if pos.shape[0] not in (1, Kp):
@@ -247,10 +254,10 @@ class PagedKVCache(_Arrays):
     def _coded(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
         return (self.k, self.k_scale), (self.v, self.v_scale)
 
-    @staticmethod
-    def _values(codes: jax.Array, scale: jax.Array) -> jax.Array:
-        """int:8 codes `[..., H]` (packed) and their scales `[..., 1]` -> fp32 values."""
-        return dequantize(unpack(codes, 8), scale, None, 8, codes.shape[-1])
+    def _values(self, codes: jax.Array, scale: jax.Array) -> jax.Array:
+        """Packed codes `[..., H * bits / 8]` and their scales `[..., 1]` -> fp32 values `[..., H]`."""
+        unpacked = unpack(codes, self.bits)
+        return dequantize(unpacked, scale, None, self.bits, unpacked.shape[-1])
 
     def attend_pool(self, q: jax.Array, q_pos: jax.Array, window: int | None, scale=None, softcap=None) -> jax.Array:
         """One query per row, q `[B,1,N,H]` at q_pos `[B,1]`, over every slot of the pool, each row's
@@ -258,7 +265,7 @@ class PagedKVCache(_Arrays):
         but every page is read once for all rows and nothing is copied per row. XLA's decode path when
         the rows' tables span at least the pool (B x M >= P pages): the gathered views would be larger
         than the pool itself (on XLA:CPU the gather was most of a SmolLM2 step's attention)."""
-        P, K, ps, H = self.k.shape
+        (P, K, ps, _), H = self.k.shape, q.shape[-1]  # packed codes are narrower than the head
         B, M = self.table.shape
         N, Kp = q.shape[2], self.pos.shape[1]
         scale = H**-0.5 if scale is None else scale

@@ -64,6 +64,14 @@ class Workload:
         return out
 
 
+# Named workloads (prompt range, output range, shared prefix): a chat service (a 128-token system prompt
+# every request shares, then a turn), long documents to answer briefly, short prompts generating long
+# (reasoning traces: 1-2k new tokens).
+WORKLOADS = {
+    "chat": dict(prompt=(32, 256), new=(32, 256), shared_prefix=128),
+    "long-prompt": dict(prompt=(1024, 2048), new=(8, 64), shared_prefix=0),
+    "long-generation": dict(prompt=(16, 64), new=(1024, 2048), shared_prefix=0),
+}
 STATIC_SHARE = 4  # the default budget holds 1/STATIC_SHARE of the requests as static rows
 
 
@@ -166,6 +174,8 @@ def serve_bench(
     new_tokens = sum(r.decoding.max_new_tokens for r in requests)
     out = {
         "model": cfg.name,
+        "kv_bytes_per_token": memory.cache_bytes_per_token(cfg),
+        "state_bytes_per_sequence": memory.state_bytes_per_sequence(cfg),
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "workload": dataclasses.asdict(workload),
@@ -265,6 +275,30 @@ def render(figures: dict) -> str:
         rows,
     )
     return f"{head}\n{table}" + (_http_table(figures) if any("http" in s for s in figures["servers"]) else "")
+
+
+def render_models(runs: list[dict]) -> str:
+    """Several models' figures at one budget side by side: what each architecture's memory buys."""
+    rows = []
+    for figures in runs:
+        static, engine = figures["servers"][0], figures["servers"][1]
+        rows.append(
+            [
+                figures["model"],
+                f"{figures['kv_bytes_per_token']:,}",
+                f"{figures['state_bytes_per_sequence']:,}",
+                static["concurrent"],
+                engine["concurrent"],
+                f"{engine['peak_pages']}/{engine['pages']}",
+                f"{static['tokens_per_s']:,.1f}",
+                f"{engine['tokens_per_s']:,.1f}",
+                f"{engine['tokens_per_s'] / static['tokens_per_s']:.2f}x",
+                engine["preemptions"],
+            ]
+        )
+    head = ["model", "KV B/token", "state B/seq", "static rows", "engine concurrent", "peak pages"]
+    head += ["static tok/s", "engine tok/s", "engine vs static", "preemptions"]
+    return format_table(head, rows)
 
 
 def _http_table(figures: dict) -> str:

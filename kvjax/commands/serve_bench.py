@@ -6,25 +6,35 @@ import json
 import sys
 from pathlib import Path
 
-from kvjax.commands.args import MODEL_HELP, NON_NEGATIVE, POSITIVE, POSITIVE_FLOAT, check_output, renamed
+from kvjax.commands.args import (
+    MODEL_HELP,
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_FLOAT,
+    check_output,
+    renamed,
+    split_overrides,
+)
 from kvjax.errors import ConfigError
 
 
 def run(args) -> None:
     from kvjax.compress import parse_policy
     from kvjax.engine import check_engine_policy
-    from kvjax.serve_bench import Workload, default_memory, render, serve_bench
+    from kvjax.serve_bench import WORKLOADS, Workload, default_memory, probe, render, render_models, serve_bench
 
+    names, overrides = split_overrides([args.model, *args.overrides])
     policies = args.policy or []
     for policy in policies:
         check_engine_policy(parse_policy(policy))  # before any compute
     if args.json:
         check_output(args.json, "--json", directory=False)
+    preset = WORKLOADS[args.workload] if args.workload else dict(prompt=(32, 256), new=(8, 128), shared_prefix=0)
     workload = Workload(
         requests=args.requests,
-        prompt=tuple(args.prompt),
-        new=tuple(args.new),
-        shared_prefix=args.shared_prefix,
+        prompt=tuple(args.prompt or preset["prompt"]),
+        new=tuple(args.new or preset["new"]),
+        shared_prefix=preset["shared_prefix"] if args.shared_prefix is None else args.shared_prefix,
         seed=args.seed,
     )
     if args.http:
@@ -35,25 +45,35 @@ def run(args) -> None:
             raise ConfigError(
                 f"--http needs the serve extra ({e.name} is missing): pip install 'kvjax[serve]'"
             ) from None
-    model, tokenizer = _bench_model(args.model, args.overrides)
-    memory_mib = args.memory_mib or default_memory(model.config, workload)
-    figures = serve_bench(
-        model,
-        workload,
-        memory_mib=memory_mib,
-        page_size=args.page_size,
-        slots=args.slots,
-        chunk=args.chunk,
-        decode_steps=args.decode_steps,
-        policies=tuple(policies),
-        log=lambda line: print(f"serve-bench: {line}", file=sys.stderr, flush=True),
-        http=args.http,
-        tokenizer=tokenizer,
-    )
-    print(render(figures))
+    if len(names) > 1 and args.http:
+        raise ConfigError("--http serves one model; give one model, or drop --http to compare several")
+    models = [(name, *_bench_model(name, overrides)) for name in names]
+    for _, model, _ in models:  # what an engine cannot serve (a model's layers, a policy) fails before compute
+        for policy in (None, *policies):
+            probe(model, args.page_size, policy)
+    runs, memory_mib = [], args.memory_mib
+    for name, model, tokenizer in models:  # several models: one budget (the first's default), each served alike
+        memory_mib = memory_mib or default_memory(model.config, workload)
+        figures = serve_bench(
+            model,
+            workload,
+            memory_mib=memory_mib,
+            page_size=args.page_size,
+            slots=args.slots,
+            chunk=args.chunk,
+            decode_steps=args.decode_steps,
+            policies=tuple(policies),
+            log=lambda line, name=name: print(f"serve-bench {name}: {line}", file=sys.stderr, flush=True),
+            http=args.http,
+            tokenizer=tokenizer,
+        )
+        print(render(figures))
+        runs.append(figures)
+    if len(runs) > 1:
+        print(f"\nEvery model at {memory_mib:g} MiB of K/V and state memory:\n{render_models(runs)}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(figures, indent=1))
+        Path(args.json).write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1))
         print(f"wrote {args.json}")
 
 
@@ -78,26 +98,36 @@ def _bench_model(ref: str, overrides: list[str]):
 def register(sub) -> None:
     sb = sub.add_parser("serve-bench", help="serving throughput at a fixed KV memory: paged engine vs static batches")
     sb.add_argument("model", help="a model config (random weights), " + MODEL_HELP)
-    sb.add_argument("overrides", nargs="*", help="key.sub=value overrides of a model config")
+    sb.add_argument(
+        "overrides",
+        nargs="*",
+        help="more model configs, to compare at one budget (gqa mla mamba ...), and key.sub=value overrides",
+    )
+    sb.add_argument(
+        "--workload",
+        choices=("chat", "long-prompt", "long-generation"),
+        help="a named workload: chat (128 shared + 32-256 prompt tokens, 32-256 out), long-prompt (1-2k in, "
+        "8-64 out), long-generation (16-64 in, 1-2k out); --prompt, --new, --shared-prefix override it",
+    )
     sb.add_argument("--requests", type=POSITIVE, default=32, help="requests in the workload (default: 32)")
     sb.add_argument(
         "--prompt",
         type=POSITIVE,
         nargs=2,
-        default=[32, 256],
         metavar=("LO", "HI"),
-        help="prompt lengths, drawn uniformly (default: 32 256)",
+        help="prompt lengths, drawn uniformly (default: 32 256, or the --workload's)",
     )
     sb.add_argument(
         "--new",
         type=POSITIVE,
         nargs=2,
-        default=[8, 128],
         metavar=("LO", "HI"),
-        help="output lengths, drawn uniformly (default: 8 128)",
+        help="output lengths, drawn uniformly (default: 8 128, or the --workload's)",
     )
     sb.add_argument(
-        "--shared-prefix", type=NON_NEGATIVE, default=0, help="tokens every prompt starts with (default: 0)"
+        "--shared-prefix",
+        type=NON_NEGATIVE,
+        help="tokens every prompt starts with (default: 0, or the --workload's)",
     )
     sb.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     sb.add_argument(

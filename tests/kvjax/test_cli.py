@@ -125,11 +125,39 @@ def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
     assert "| engine + int:8 " in capsys.readouterr().out
 
 
+def test_serve_bench_compares_architectures_at_one_budget(tmp_path, capsys):
+    """Several models at one budget on a named workload (its lengths overridden):
+    each model's table, then one row per model; Mamba's budget buys states, so it runs as many requests
+    as they fit, and holds no K/V per token. A policy one of the models cannot take fails before any
+    compute."""
+    import json
+
+    from kvjax.memory import state_bytes_per_sequence
+
+    out = tmp_path / "serve.json"
+    args = ["serve-bench", "gqa", "mamba", "model.n_layers=2", "--workload", "long-generation"]
+    args += ["--requests", "3", "--prompt", "8", "16", "--new", "4", "8", "--page-size", "4", "--memory-mib", "0.1"]
+    args += ["--json", str(out)]
+    assert main(args) == 0
+    runs = json.loads(out.read_text())
+    assert [r["model"] for r in runs] == ["gqa", "mamba"] and runs[0]["kv_budget_bytes"] == runs[1]["kv_budget_bytes"]
+    assert runs[1]["workload"] == {"requests": 3, "prompt": [8, 16], "new": [4, 8], "shared_prefix": 0, "seed": 0}
+    mamba = runs[1]
+    state = state_bytes_per_sequence(load_config("mamba", ["model.n_layers=2"]).model)
+    assert mamba["kv_bytes_per_token"] == 0 and mamba["state_bytes_per_sequence"] == state
+    assert mamba["servers"][1]["concurrent"] <= mamba["kv_budget_bytes"] // state
+    table = rows_by_variant(capsys.readouterr().out.split("Every model at", 1)[1])
+    assert set(table) == {"gqa", "mamba"} and table["mamba"][1:3] == ["0", f"{state:,}"]
+    assert main(["serve-bench", "gqa", "mamba", "--policy", "snapkv:0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "'mamba' has recurrent layers (mamba)" in err and "first pass" not in err
+
+
 def test_serve_bench_checks_its_arguments(capsys):
     assert main(["serve-bench", "gqa", "--prompt", "9", "3"]) == 2
     assert "--prompt 9 3: need 1 <= low <= high" in capsys.readouterr().err
     assert main(["serve-bench", "gqa", "--policy", "kivi:2", "--memory-mib", "1"]) == 2
-    assert "quantized pages are int:8" in capsys.readouterr().err
+    assert "quantized pages are int:8 or int:4" in capsys.readouterr().err
     assert main(["serve-bench", "gqa", "--memory-mib", "0.001"]) == 2
     assert re.search(
         r"hold no static row of \d+ tokens; the least that holds one is [\d.]+ MiB", capsys.readouterr().err

@@ -169,16 +169,19 @@ def test_local_and_global_layers_in_pages(make_model, requests):
         Engine(model, n_pages=8, policy="snapkv:0.5")
 
 
-def test_a_policy_engine_gives_each_request_what_generator_gives_it_alone(gqa, requests):
-    """Compressed prompts in pages (SnapKV's per-head positions, then int8 codes) decode exactly as the
-    Generator's dense compressed cache; with 6 usable pages requests are preempted and recomputed."""
-    policy = "snapkv:0.5:obs_window=1+int:8"
+@pytest.mark.parametrize("policy, width, pages", [("snapkv:0.5:obs_window=1+int:8", 16, 7), ("int:4", 8, 10)])
+def test_a_policy_engine_gives_each_request_what_generator_gives_it_alone(gqa, requests, policy, width, pages):
+    """Compressed prompts in pages (SnapKV's per-head positions, then int8 codes; int4 codes, two a byte)
+    decode exactly as the Generator's dense compressed cache; with too few pages for every request at once
+    requests are preempted and recomputed."""
     gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
     alone = [gen([list(r.prompt)], r.decoding) for r in requests]
-    engine = Engine(gqa, n_pages=7, page_size=4, slots=4, chunk=8, policy=policy)
+    engine = Engine(gqa, n_pages=pages, page_size=4, slots=4, chunk=8, policy=policy)
     _check(engine.run(requests), alone)
     assert engine.pool.used_pages == 0 and engine.stats.preemptions > 0
-    assert engine.caches[0].pos.shape[1] == gqa.config.attention.n_kv_heads and engine.caches[0].k.dtype == np.uint8
+    heads = gqa.config.attention.n_kv_heads if "snapkv" in policy else 1
+    assert engine.caches[0].pos.shape[1] == heads and engine.caches[0].k.dtype == np.uint8
+    assert engine.caches[0].k.shape[-1] == width  # head_dim 16: 16 bytes of int8 codes, 8 of int4
 
 
 def test_a_policy_takes_the_pages_its_budget_says(gqa):
@@ -187,17 +190,18 @@ def test_a_policy_takes_the_pages_its_budget_says(gqa):
     (codes, plus a scale per token and head)."""
     request = Request(tuple(range(1, 41)), DecodingConfig(max_new_tokens=2))
     peaks, engines = {}, {}
-    for policy in (None, "snapkv:0.5:obs_window=1", "int:8"):
+    for policy in (None, "snapkv:0.5:obs_window=1", "int:8", "int:4"):
         engines[policy] = Engine(gqa, n_pages=20, page_size=4, slots=1, policy=policy)
         engines[policy].run([request])
         peaks[policy] = engines[policy].stats.peak_pages
-    assert peaks == {None: 11, "snapkv:0.5:obs_window=1": 6, "int:8": 11}
+    assert peaks == {None: 11, "snapkv:0.5:obs_window=1": 6, "int:8": 11, "int:4": 11}
     att, producers = gqa.config.attention, 2
     K, H, ps, P = att.n_kv_heads, att.head_dim, 4, 20
     tables = 19 * 4 + 4  # one sequence slot: its block table (a column per usable page) and length
     fp32 = producers * (P * K * ps * H * 4 * 2 + P * ps * 4 + tables)
     int8 = producers * (P * K * ps * (H + 4) * 2 + P * ps * 4 + tables)
-    assert engines[None].nbytes() == fp32 and engines["int:8"].nbytes() == int8
+    int4 = producers * (P * K * ps * (H // 2 + 4) * 2 + P * ps * 4 + tables)
+    assert engines[None].nbytes() == fp32 and engines["int:8"].nbytes() == int8 and engines["int:4"].nbytes() == int4
 
 
 def test_requests_submitted_while_others_run_and_cancelled_midway(gqa, requests, alone):
@@ -253,8 +257,8 @@ def test_a_request_may_bring_its_own_policy_and_top_logprobs(gqa, requests):
 
 def test_policies_the_engine_cannot_page_are_refused(gqa):
     for policy, match in [
-        ("kivi:2", "quantized pages are int:8"),
-        ("int:4", "quantized pages are int:8"),
+        ("kivi:2", "quantized pages are int:8 or int:4"),
+        ("int:4:asym=true", r"quantized pages are int:8 or int:4 \(symmetric\)"),
         ("h2o:0.5:every=2", "every=2"),
         ("snapkv:0.5:allocator=adakv", "allocator='adakv'"),
         ("palu:0.5", "palu is not supported"),

@@ -9,21 +9,22 @@ per power-of-two row bucket and chunk bucket). While no prompt is being prefille
 request decodes greedily, several decode steps run in one call.
 
 Works for attention models whose layers produce or share K/V (MHA/GQA/MQA, CLA, MLKV), sliding-window
-layers included (Gemma's local layers, Mistral's window: the window is a mask over the pages, whose
-tokens stay paged until the request ends, so a local layer takes as many pages as a global one), MLA
+layers included (Gemma's local layers, Mistral's window: by default they page from a pool of their own in
+which a sequence holds only its window's pages, `kvjax.window_pages`; with `window_pages="keep"` the
+window is a mask over pages kept until the request ends, and prefix hits are possible), MLA
 latents (`PagedLatentCache`), and recurrent layers (Mamba, RWKV-7, RetNet, YOCO's gated retention, the
 hybrids), which keep one state slot per running request instead of pages (`kvjax.slot_states`; the
 prefix cache is then off: a prefix hit would skip tokens a state must see).
 
-A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Generator` does (one prefill
-of the whole prompt, then eviction and/or `int:8` / `int:4` quantization), and only what is kept goes into
+A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Generator` does (one prefill of
+the whole prompt, then eviction and/or `int:8` / `int:4` quantization), and only what is kept goes into
 pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token
-(`int:4` two codes a byte), so more requests fit in the same memory. Decoding then appends every new token (no decode-time eviction).
-With a policy, pages hold compressed prompts, so the prefix cache is off; a preempted request is
-recomputed by compressing its prompt again and re-appending the tokens it generated. A request may name
-its own policy (`Request.policy`) when its pages have the engine's layout (positions shared by the heads
-or per head, full precision or int8): a plain engine serves `streaming:0.5` or `tova:0.5` beside
-uncompressed requests, whose prompts alone enter the prefix cache.
+(`int:4` two codes a byte), so more requests fit in the same memory. Decoding then appends every new
+token (no decode-time eviction). With a policy, pages hold compressed prompts, so the prefix cache is
+off; a preempted request is recomputed by compressing its prompt again and re-appending the tokens it
+generated. A request may name its own policy (`Request.policy`) when its pages have the engine's layout
+(positions shared by the heads or per head, full precision or int8): a plain engine serves
+`streaming:0.5` or `tova:0.5` beside uncompressed requests, whose prompts alone enter the prefix cache.
 
 `run` serves a list of requests to completion; a server drives the same engine one `step` at a time,
 `submit`ting requests as they arrive and `cancel`ling those whose clients left.
@@ -55,6 +56,7 @@ from kvjax.sampling import sample
 from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequence, Step, Work
 from kvjax.sharding import place_params
 from kvjax.slot_states import SlotStates
+from kvjax.window_pages import WindowPages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,18 +74,19 @@ class Request:
 # (`Engine._sync`) for the sequences a step feeds, in its row order (a sequence has no fixed row: its
 # pages and table say where its tokens are), and every jitted function sets them into each layer's
 # cache: one transfer per step, not one per layer.
-def _with_rows(caches, table, length, states, chunk_row=None):
-    """Each layer's cache with the step's rows: paged caches their block tables, recurrent layers their
-    state slots (`kvjax.slot_states`), both the rows' lengths."""
+def _with_rows(caches, table, window_table, length, states, chunk_row=None):
+    """Each layer's cache with the step's rows: paged caches their block tables (a sliding-window layer
+    with its own pool, `kvjax.window_pages`, its own table), recurrent layers their state slots
+    (`kvjax.slot_states`), all the rows' lengths."""
     return tuple(
         c.replace(rows=states, length=length, chunk_row=chunk_row)
         if isinstance(c, SlotStates)
-        else c.replace(table=table, length=length, chunk_row=chunk_row)
+        else c.replace(table=window_table if c.windowed else table, length=length, chunk_row=chunk_row)
         for c in caches
     )
 
 
-def _forward(model, caches, table, length, states, tokens, pos, chunk, chunk_pos, chunk_row, last):
+def _forward(model, caches, table, window_table, length, states, tokens, pos, chunk, chunk_pos, chunk_row, last):
     """One pass over a step's tokens: a decode token for each of the first R table rows (tokens, pos
     `[R]`; position -1 where a row feeds none), then, when C > 0, a prompt chunk of row `chunk_row`
     (chunk, chunk_pos `[C]`, padded with position -1), all through the weights once (`kvjax.paged`'s
@@ -92,7 +95,8 @@ def _forward(model, caches, table, length, states, tokens, pos, chunk, chunk_pos
     back), the caches and the rows' new lengths."""
     R, C = tokens.shape[0], chunk.shape[0]
     ids, at = jnp.concatenate([tokens, chunk])[None], jnp.concatenate([pos, chunk_pos])[None]
-    hidden, rows = model.hidden(ids, at, _with_rows(caches, table[:R], length[:R], states[:R], chunk_row))
+    rows = _with_rows(caches, table[:R], window_table[:R], length[:R], states[:R], chunk_row)
+    hidden, rows = model.hidden(ids, at, rows)
     picked = jnp.arange(R) if C == 0 else jnp.concatenate([jnp.arange(R), R + last[None]])
     logp = jax.nn.log_softmax(model.logits(hidden[0, picked]))
     best = jnp.argmax(logp, axis=-1)
@@ -100,19 +104,21 @@ def _forward(model, caches, table, length, states, tokens, pos, chunk, chunk_pos
     return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches, rows[0].length
 
 
-def _step(graphdef, treedef, leaves, caches, table, length, states, tokens, pos, chunk, chunk_pos, chunk_row, last):
+def _step(graphdef, treedef, leaves, caches, rows, tokens, pos, chunk, chunk_pos, chunk_row, last):
     """`_forward` of the model whose parameters come as their flat leaves (`treedef` rebuilds them):
-    flattening the NNX state on every call cost more host time than a small model's whole step."""
+    flattening the NNX state on every call cost more host time than a small model's whole step. `rows`:
+    what `Engine._sync` pushed (block tables, lengths, state slots)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    return _forward(model, caches, table, length, states, tokens, pos, chunk, chunk_pos, chunk_row, last)[:4]
+    return _forward(model, caches, *rows, tokens, pos, chunk, chunk_pos, chunk_row, last)[:4]
 
 
-def _greedy_steps(graphdef, treedef, leaves, caches, table, length, states, tokens, pos, stop, eos, *, steps):
+def _greedy_steps(graphdef, treedef, leaves, caches, rows, tokens, pos, stop, eos, *, steps):
     """Up to `steps` greedy decode steps of R rows in one call (vLLM's multi-step scheduling: a small
     model's step is shorter than the host's round trip): row r feeds tokens[r] at pos[r], then each
     token it picks, for stop[r] steps (0: an empty row) or until it picks eos[r]. Returns the tokens and
     log-probabilities picked `[steps,R]` (-1 and 0 after a row stops) and the caches."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    table, window_table, length, states = rows
     R = tokens.shape[0]
     none = jnp.zeros(0, jnp.int32)
 
@@ -122,6 +128,7 @@ def _greedy_steps(graphdef, treedef, leaves, caches, table, length, states, toke
             model,
             caches,
             table,
+            window_table,
             length,
             states,
             tok,
@@ -169,7 +176,7 @@ def _load_row(caches, table, length, dense, row):
     the caches and the lengths with the row's new one (attention and MLA layers only: the engine takes
     no policy for a model with recurrent layers)."""
     out = []
-    for paged, d in zip(_with_rows(caches, table, length, None), dense):
+    for paged, d in zip(_with_rows(caches, table, None, length, None), dense):
         if isinstance(d, QuantKVCache):
             values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
         elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
@@ -219,13 +226,19 @@ class Engine:
         mesh: jax.sharding.Mesh | None = None,
         policy: str | Policy | None = None,
         decode_steps: int = 8,
+        window_pages: str = "free",
     ):
         """`mesh` (axes `data` and `tensor`) spreads the step's rows (sequences) over `data` and the pages' KV
         heads over `tensor`, as training splits batch and heads; the weights lie as `kvjax.sharding`
         lays them (heads and MLP hidden units over `tensor`). A policy's prefill runs on one device.
         `policy`: token eviction applied once after the prefill, optionally ending in `int:8` or `int:4` (see the
         module docstring). `decode_steps`: while no prompt is being prefilled and every running request
-        decodes greedily, up to this many decode steps run in one device call (1: a call per step)."""
+        decodes greedily, up to this many decode steps run in one device call (1: a call per step).
+        `window_pages`: `free` gives sliding-window layers a pool of their own from which a sequence holds
+        only its window's pages (`kvjax.window_pages`; no prefix cache then), `keep` pages them as the
+        other layers, the window a mask, every page kept until the request ends (prefix hits possible)."""
+        if window_pages not in ("free", "keep"):
+            raise ConfigError(f"window_pages={window_pages!r} must be 'free' or 'keep'")
         cfg = model.config
         recurrent = sorted({k for k in cfg.mixers if KINDS[k].recurrent})
         if unknown := sorted(set(cfg.mixers) - {"attention", "local", "mla", *recurrent}):
@@ -248,9 +261,12 @@ class Engine:
             )
         self.model, self.pool = model, PagePool(n_pages, page_size)
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
-        # A prefix hit skips the prefix's tokens, and a recurrent layer's state would miss them.
-        self.prefix_cache = prefix_cache and self.policy is None and not recurrent
         self.windowed, self.recurrent = windowed, recurrent
+        self.window = (
+            max((cfg.attention_for(k).window for k in windowed), default=None) if window_pages == "free" else None
+        )
+        # A prefix hit skips the prefix's tokens: a recurrent layer's state, a freed window, would miss them.
+        self.prefix_cache = prefix_cache and self.policy is None and not recurrent and self.window is None
         self.reset()  # the scheduler: it checks slots, chunk and decode_steps
         self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
         att = cfg.attention
@@ -277,17 +293,7 @@ class Engine:
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
-            else PagedKVCache.init(
-                n_pages,
-                page_size,
-                slots,
-                self.width,
-                att.n_kv_heads,
-                att.head_dim,
-                dtype,
-                per_head_positions=per_head,
-                bits=bits,
-            )
+            else self._paged(cfg, plan.mixers[i], n_pages, per_head, bits)
             for i in plan.producers
         )
         graphdef, self.params = nnx.split(model)
@@ -305,6 +311,34 @@ class Engine:
             self.caches = tuple(self._placed(c) for c in self.caches)
         self._sync([])
 
+    def _paged(self, cfg, kind: str, n_pages: int, per_head: bool, bits: int | None) -> PagedKVCache:
+        """An attention layer's pages: the window pool's for a sliding-window layer when windows are freed."""
+        att, ps = cfg.attention, self.pool.page_size
+        windowed = self.window is not None and kind in self.windowed
+        n = self._window_pages().n_pages if windowed else n_pages
+        cache = PagedKVCache.init(
+            n,
+            ps,
+            self.slots,
+            self.width,
+            att.n_kv_heads,
+            att.head_dim,
+            jnp.dtype(cfg.dtype),
+            per_head_positions=per_head,
+            bits=bits,
+        )
+        return cache.replace(windowed=windowed)
+
+    def _window_pages(self) -> WindowPages:
+        """Fresh bookkeeping of the sliding-window layers' pool (`kvjax.window_pages`)."""
+        return WindowPages(
+            window=self.window,
+            page_size=self.pool.page_size,
+            slots=self.slots,
+            chunk=self.chunk,
+            decode_ahead=self.decode_steps,
+        )
+
     def reset(self) -> None:
         """Forget every sequence, the prefix cache and the statistics, keeping the compiled functions (a
         page's stale contents are never read: a row sees only the slots below its length)."""
@@ -312,6 +346,7 @@ class Engine:
         self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
         self._slot_of: dict[int, int] = {}  # a running sequence's recurrent-state slot
         self._free_slots = list(range(self.slots))[::-1]
+        self.windows = self._window_pages() if getattr(self, "window", None) else None
         self.scheduler = Scheduler(
             self.pool,
             slots=self.slots,
@@ -333,27 +368,34 @@ class Engine:
         return sum(c.nbytes() for c in self.caches)
 
     def page_nbytes(self) -> int:
-        """Bytes one page takes over every K/V-producing layer."""
-        return sum(c.page_nbytes for c in self.caches if not isinstance(c, SlotStates))
+        """Bytes one page of the main pool takes over every layer paging from it."""
+        return sum(c.page_nbytes for c in self.caches if isinstance(c, PagedKVCache) and not c.windowed)
+
+    def fixed_nbytes(self, slots: int) -> int:
+        """What `slots` running sequences hold whatever their lengths: recurrent states, and the sliding-window
+        layers' own pool (`kvjax.window_pages`: sized for that many sequences' windows)."""
+        window = sum(c.page_nbytes for c in self.caches if isinstance(c, PagedKVCache) and c.windowed)
+        pages = 0 if self.windows is None else self.windows.pool_pages(slots)
+        return slots * self.state_nbytes() + pages * window
 
     def fit(self, budget: int, slots: int, max_tokens: int) -> tuple[int, int]:
-        """(slots, pages with the null page) that `budget` bytes buy for an engine of this model, policy and
-        page size: each running sequence's recurrent states come out of the budget first (so a model with
-        states runs at most as many sequences as the budget holds, each with room for a request of
-        `max_tokens`), the rest are pages. A model with no paged layer gets every slot that request's pages
-        (they hold nothing)."""
-        state, page = self.state_nbytes(), self.page_nbytes()
-        request = state + page * -(-max_tokens // self.pool.page_size)
+        """(slots, main-pool pages with the null page) that `budget` bytes buy for an engine of this model,
+        policy and page size: what each running sequence holds whatever its length (`fixed_nbytes`) comes
+        out of the budget first (so such a model runs at most as many sequences as the budget holds, each
+        with room for a request of `max_tokens`), the rest are pages. A model with no main-pool layer gets
+        every slot that request's pages (they hold nothing)."""
+        page, per_page = self.page_nbytes(), -(-max_tokens // self.pool.page_size)
+        request = self.fixed_nbytes(1) + page * per_page
         if budget < request:
             raise ConfigError(
                 f"a budget of {budget:,} bytes holds no request of {max_tokens} tokens: it needs {request:,} "
-                f"({state:,} of recurrent states, {request - state:,} of pages)"
+                f"({self.fixed_nbytes(1):,} of recurrent states and window pages, {page * per_page:,} of pages)"
             )
-        if state:
-            slots = min(slots, budget // request)
+        if self.fixed_nbytes(1):
+            slots = max(n for n in range(1, slots + 1) if self.fixed_nbytes(n) + n * page * per_page <= budget)
         if page == 0:
-            return slots, slots * -(-max_tokens // self.pool.page_size) + 1
-        return slots, (budget - slots * state) // page + 1
+            return slots, slots * per_page + 1
+        return slots, (budget - self.fixed_nbytes(slots)) // page + 1
 
     def state_nbytes(self) -> int:
         """Bytes of one sequence's recurrent states over every recurrent layer (a slot each)."""
@@ -376,19 +418,27 @@ class Engine:
         """Per-slot rows (tables, lengths) split over the mesh's `data` axis (as they are without a mesh)."""
         return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, P("data")))
 
-    def _sync(self, seqs) -> None:
+    def _sync(self, seqs, ahead: list[int] | None = None) -> None:
         """Push the block tables and lengths of `seqs` (rows 0.., the rest of the `slots` rows empty) to
-        the device, once for all layers (the jitted functions set them into every layer's cache)."""
+        the device, once for all layers (the jitted functions set them into every layer's cache); each
+        row will write `ahead` tokens (1 each by default), which its window pages must hold."""
+        ahead = [*(ahead or [1] * len(seqs)), *[0] * (self.slots - len(seqs))]
         seqs = [*seqs, *[None] * (self.slots - len(seqs))]
         table = self.pool.table(seqs, self.width)
         length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
         self._table, self._length = self._rows_placed(table), self._rows_placed(length)  # numpy: jit moves it
         self._states = self._rows_placed(self._state_slots(seqs))
+        window = (
+            table
+            if self.windows is None
+            else self.windows.table(seqs, length, ahead, self.width, self.scheduler.running)
+        )
+        self._window_table = self._rows_placed(window)
 
     @property
     def _pushed(self) -> tuple:
         """What `_sync` last pushed, as the jitted steps take it: block tables, lengths, state slots."""
-        return self._table, self._length, self._states
+        return self._table, self._window_table, self._length, self._states
 
     def _state_slots(self, seqs) -> np.ndarray:
         """The recurrent-state slot of each row's sequence (`slots`: none), given to a sequence when it is
@@ -525,6 +575,7 @@ class Engine:
         False when no request waits or runs."""
         plan = self.scheduler.next()
         if plan is None:
+            self._sync([])  # the finished requests' state slots and window pages go back
             return False
         if isinstance(plan, Prefill):
             self._prefill(plan.seq)
@@ -560,10 +611,10 @@ class Engine:
         C = self._chunk_bucket(len(piece))
         chunk, chunk_pos = np.zeros(C, np.int32), np.full(C, -1, np.int32)
         chunk[: len(piece)], chunk_pos[: len(piece)] = piece, np.arange(len(piece)) + (filling.at if filling else 0)
-        self._sync([r.index for r in order])
+        self._sync([r.index for r in order], [1] * len(rows) + ([len(piece)] if filling else []))
         last = np.int32(max(len(piece) - 1, 0))
         logp, best, best_lp, self.caches = self._step(
-            self._leaves, self.caches, *self._pushed, ids, pos, chunk, chunk_pos, np.int32(len(rows)), last
+            self._leaves, self.caches, self._pushed, ids, pos, chunk, chunk_pos, np.int32(len(rows)), last
         )
         self.stats.steps += 1
         self.stats.calls += 1
@@ -585,9 +636,9 @@ class Engine:
         for i, (r, n) in enumerate(zip(rows, plan.stops)):
             ids[i], pos[i], stops[i] = r.tokens[r.at], r.at, n
             eos[i] = -1 if self.requests[r.index].decoding.eos_id is None else self.requests[r.index].decoding.eos_id
-        self._sync([r.index for r in rows])
+        self._sync([r.index for r in rows], list(plan.stops))
         tokens, logprobs, self.caches = self._greedy_steps(
-            self._leaves, self.caches, *self._pushed, ids, pos, stops, eos, steps=plan.greedy_steps
+            self._leaves, self.caches, self._pushed, ids, pos, stops, eos, steps=plan.greedy_steps
         )
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         self.stats.steps += int((tokens >= 0).any(axis=1).sum())
@@ -609,10 +660,10 @@ class Engine:
             idle, none = np.full(R, -1, np.int32), np.zeros(R, np.int32)
             for C in chunks:
                 args = (none, idle, np.zeros(C, np.int32), np.full(C, -1, np.int32), np.int32(R), np.int32(0))
-                *_, self.caches = self._step(self._leaves, self.caches, self._table, self._length, self._states, *args)
+                *_, self.caches = self._step(self._leaves, self.caches, self._pushed, *args)
             if self.decode_steps > 1:
                 _, _, self.caches = self._greedy_steps(
-                    self._leaves, self.caches, *self._pushed, none, idle, none, idle, steps=self.decode_steps
+                    self._leaves, self.caches, self._pushed, none, idle, none, idle, steps=self.decode_steps
                 )
         jax.block_until_ready(self.caches)
         return len(rows) * (len(chunks) + (self.decode_steps > 1))

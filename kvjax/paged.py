@@ -87,6 +87,7 @@ class PagedKVCache(_Arrays):
     v_scale: jax.Array | None = None
     chunk_row: jax.Array | None = None
     bits: int | None = struct.field(pytree_node=False, default=None)  # 8 or 4: the codes' width
+    windowed: bool = struct.field(pytree_node=False, default=False)  # a sliding-window layer's own pool
 
     @classmethod
     def init(
@@ -297,8 +298,9 @@ class PagedKVCache(_Arrays):
         return out.reshape(B, 1, N, values.shape[-1]).astype(q.dtype)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> PagedKVCache:
-        """Run the allocator's copy-on-write copies (src -> dst pages)."""
-        if not copies:
+        """Run the allocator's copy-on-write copies (src -> dst pages; the main pool's, so a sliding-window
+        layer's own pool, which shares no prefix, has none)."""
+        if not copies or self.windowed:
             return self
         src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
         return self.replace(**{name: pool.at[dst].set(pool[src]) for name, pool in self._pools().items()})

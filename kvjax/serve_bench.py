@@ -11,8 +11,9 @@ Servers compared at the same bytes of K/V memory:
   pages of the policy's layout (int8 pages are smaller, so there are more), and compressed prompts take
   fewer of them, so more requests run at once.
 
-On a model with sliding-window layers (Gemma 3) the engine pages every token of every layer (the window
-is a mask), while a static row's rings stay at their window: there the static rows hold more tokens.
+On a model with sliding-window layers (Gemma 3) the engine's local layers hold only their windows' pages
+(`kvjax.window_pages`), as a static row's rings hold only their window; recurrent layers hold a state per
+running request either way.
 
 Prompt and output lengths are drawn uniformly from their ranges (numpy seed `seed`); an optional shared
 prefix starts every prompt; every request decodes greedily to its own length. Each server serves the
@@ -214,7 +215,8 @@ def serve_bench(
                 "peak_pages": s.peak_pages,
                 "page_bytes": per_page,
                 "bytes_allocated": engine.nbytes(),
-                "peak_bytes_used": s.peak_pages * per_page + s.peak_running * engine.state_nbytes(),
+                "peak_bytes_used": s.peak_pages * per_page
+                + (engine.fixed_nbytes(s.peak_running) if s.peak_running else 0),
                 "prefill_tokens": s.prefill_tokens,
                 "cached_tokens": s.cached_tokens,
                 "prefix_hit_rate": pool.hits / lookups if lookups else 0.0,
@@ -289,7 +291,7 @@ def render_models(runs: list[dict]) -> str:
                 f"{figures['state_bytes_per_sequence']:,}",
                 static["concurrent"],
                 engine["concurrent"],
-                f"{engine['peak_pages']}/{engine['pages']}",
+                f"{engine['peak_pages']}/{engine['pages']}" if engine["page_bytes"] else "- (no paged layer)",
                 f"{static['tokens_per_s']:,.1f}",
                 f"{engine['tokens_per_s']:,.1f}",
                 f"{engine['tokens_per_s'] / static['tokens_per_s']:.2f}x",

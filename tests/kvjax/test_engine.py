@@ -157,14 +157,31 @@ def test_recurrent_layers_keep_a_state_slot_per_request(make_model, requests, na
 
 
 def test_local_and_global_layers_in_pages(make_model, requests):
-    """Gemma's layout (local windows of 8 beside global layers): the window is a mask over the pages, so
-    prompts longer than it, prefix hits and preemptions give what Generator's rings give; a policy, which
-    would compress the global layers' prompts and not the local ones', is refused by name."""
+    """Gemma's layout (local windows of 8 beside global layers), prompts longer than the window: by default the
+    local layers page from a pool of their own in which a request holds only its window's pages, at most ceil(8 / 4)
+    + 1 = 3 (the pool has room for 4 while a chunk of 4 goes in, and for the tokens of a multi-step call), freed as
+    the window moves on; with `window_pages="keep"` the window is a mask over pages kept to the end, and prefix hits
+    happen. Both give what Generator's rings give, with preemptions; a policy, which would compress the global
+    layers' prompts and not the local ones', is refused by name."""
     model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
     gen = Generator(model, capacity=40)
-    engine = Engine(model, n_pages=10, page_size=4, slots=4, chunk=4)
-    _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
-    assert engine.stats.preemptions > 0 and engine.stats.cached_tokens > 0 and engine.pool.used_pages == 0
+    alone = [gen([list(r.prompt)], r.decoding) for r in requests]
+    free = Engine(model, n_pages=10, page_size=4, slots=4, chunk=4, decode_steps=1)
+    _check(free.run(requests), alone)
+    assert free.stats.preemptions > 0 and free.pool.used_pages == 0 and free.windows.used_pages == 0
+    assert free.windows.per_decode == free.windows.peak == 3 and free.prefix_cache is False
+    local, glob = free.caches  # [local, attention] pattern: the local layer's pool is (4 - 1) * 3 + 4 + null
+    assert (local.windowed, glob.windowed, local.k.shape[0], glob.k.shape[0]) == (True, False, 14, 10)
+    # A budget pays each running request's window pages (the local pool) first, then main-pool pages.
+    assert free.fixed_nbytes(2) == (1 * 3 + 4 + 1) * local.page_nbytes and free.page_nbytes() == glob.page_nbytes
+    budget = free.fixed_nbytes(2) + 23 * glob.page_nbytes  # two requests of 40 tokens (10 pages) and 3 more
+    assert free.fit(budget, 8, 40) == (2, 1 + 23)
+    steps = Engine(model, n_pages=10, page_size=4, slots=4, chunk=4, decode_steps=4)  # 4 tokens a call: 4 pages
+    _check(steps.run(requests), alone)
+    assert steps.stats.calls < steps.stats.steps and steps.windows.peak <= steps.windows.per_decode == 4
+    keep = Engine(model, n_pages=10, page_size=4, slots=4, chunk=4, window_pages="keep")
+    _check(keep.run(requests), alone)
+    assert keep.stats.preemptions > 0 and keep.stats.cached_tokens > 0 and keep.pool.used_pages == 0
     with pytest.raises(ConfigError, match=r"sliding-window layers \(local\).*serve it without a policy"):
         Engine(model, n_pages=8, policy="snapkv:0.5")
 

@@ -1,0 +1,69 @@
+"""The pages of an engine's sliding-window layers (host bookkeeping, as `kvjax.page_pool` for the rest): a
+sequence holds only the pages its next queries can see, and hands back each page its window has left.
+
+Sliding-window layers (Gemma's local layers, a model-wide window) get a pool of their own and a block
+table of their own, in the same logical columns as the other layers' (column j: the sequence's slots
+[j * page_size, (j + 1) * page_size)). Before a step that writes a sequence's slots [L, L + n), the
+sequence must hold the columns from the one of slot L - W + 1 (the oldest key its first new query
+sees, W the window) to the one of slot L + n - 1; every column before is freed (the table points it at
+the null page, whose slots are empty, so attention skips it as it skips any unwritten slot). A decoding
+sequence thus holds at most ceil(W / page_size) + 1 pages per layer, a prefilling one that plus its
+chunk's. The pool is sized so that it never runs out: every slot at its decode need, one at the chunk's.
+A prefix hit would skip tokens whose window pages were never written, so the engine turns the prefix
+cache off when it frees window pages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.page_pool import NULL_PAGE
+
+
+class WindowPages:
+    """Window pages of up to `slots` sequences with windows of `window` tokens, pages of `page_size`,
+    at most `decode_ahead` tokens written a step while decoding and `chunk` while prefilling."""
+
+    def __init__(self, *, window: int, page_size: int, slots: int, chunk: int, decode_ahead: int):
+        self.window, self.page_size = window, page_size
+        self.per_decode = self.need(decode_ahead)
+        self.per_chunk = self.need(max(chunk, decode_ahead))
+        self.n_pages = self.pool_pages(slots)
+        self.free = list(range(self.n_pages - 1, NULL_PAGE, -1))
+        self.held: dict[int, dict[int, int]] = {}  # sequence -> {column: page}
+        self.peak = 0  # the most pages one sequence held at once
+
+    def pool_pages(self, slots: int) -> int:
+        """Pages (the null page included) that `slots` sequences can hold at once: one prefilling a chunk,
+        the others decoding."""
+        return (slots - 1) * self.per_decode + self.per_chunk + 1
+
+    def need(self, ahead: int) -> int:
+        """The most pages a sequence holds before writing `ahead` tokens: its window and them."""
+        return -(-(self.window - 1 + ahead) // self.page_size) + 1
+
+    def table(self, seqs: list, lengths: list[int], ahead: list[int], width: int, running) -> np.ndarray:
+        """Block-table rows `[len(seqs), width]` for a step writing `ahead[i]` tokens after `lengths[i]`
+        for sequence seqs[i] (None: an empty row); sequences not in `running` give their pages back."""
+        for seq in [s for s in self.held if s not in running]:
+            self.free.extend(self.held.pop(seq).values())
+        table = np.full((len(seqs), width), NULL_PAGE, np.int32)
+        for row, (seq, length, n) in enumerate(zip(seqs, lengths, ahead)):
+            if seq is None:
+                continue
+            held = self.held.setdefault(seq, {})
+            first = max(0, length - self.window + 1) // self.page_size
+            last = min(width, -(-(length + n) // self.page_size))
+            for column in [c for c in held if c < first]:
+                self.free.append(held.pop(column))
+            for column in range(first, last):
+                if column not in held:
+                    held[column] = self.free.pop()
+            self.peak = max(self.peak, len(held))
+            for column, page in held.items():
+                table[row, column] = page
+        return table
+
+    @property
+    def used_pages(self) -> int:
+        return sum(len(h) for h in self.held.values())

@@ -267,8 +267,8 @@ class Engine:
         )
         # A prefix hit skips the prefix's tokens: a recurrent layer's state, a freed window, would miss them.
         self.prefix_cache = prefix_cache and self.policy is None and not recurrent and self.window is None
-        self.reset()  # the scheduler: it checks slots, chunk and decode_steps
         self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
+        self.reset()  # the scheduler: it checks slots, chunk and decode_steps
         att = cfg.attention
         self.gens: dict[str, Generator] = {}  # the compressed prefill of each policy served, by its text
         self.layout = (False, None)  # pages: (positions per head, the codes' bits or None)
@@ -315,7 +315,7 @@ class Engine:
         """An attention layer's pages: the window pool's for a sliding-window layer when windows are freed."""
         att, ps = cfg.attention, self.pool.page_size
         windowed = self.window is not None and kind in self.windowed
-        n = self._window_pages().n_pages if windowed else n_pages
+        n = self._window_pages(self.width).n_pages if windowed else n_pages
         cache = PagedKVCache.init(
             n,
             ps,
@@ -329,9 +329,11 @@ class Engine:
         )
         return cache.replace(windowed=windowed)
 
-    def _window_pages(self) -> WindowPages:
-        """Fresh bookkeeping of the sliding-window layers' pool (`kvjax.window_pages`)."""
+    def _window_pages(self, columns: int) -> WindowPages:
+        """Fresh bookkeeping of the sliding-window layers' pool (`kvjax.window_pages`) for requests of at most
+        `columns` pages."""
         return WindowPages(
+            max_pages=columns,
             window=self.window,
             page_size=self.pool.page_size,
             slots=self.slots,
@@ -346,7 +348,7 @@ class Engine:
         self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
         self._slot_of: dict[int, int] = {}  # a running sequence's recurrent-state slot
         self._free_slots = list(range(self.slots))[::-1]
-        self.windows = self._window_pages() if getattr(self, "window", None) else None
+        self.windows = self._window_pages(self.width) if getattr(self, "window", None) else None
         self.scheduler = Scheduler(
             self.pool,
             slots=self.slots,
@@ -371,11 +373,13 @@ class Engine:
         """Bytes one page of the main pool takes over every layer paging from it."""
         return sum(c.page_nbytes for c in self.caches if isinstance(c, PagedKVCache) and not c.windowed)
 
-    def fixed_nbytes(self, slots: int) -> int:
-        """What `slots` running sequences hold whatever their lengths: recurrent states, and the sliding-window
-        layers' own pool (`kvjax.window_pages`: sized for that many sequences' windows)."""
+    def fixed_nbytes(self, slots: int, max_tokens: int | None = None) -> int:
+        """What `slots` running sequences of at most `max_tokens` (default: this engine's) hold whatever
+        their lengths: recurrent states, and the sliding-window layers' own pool (`kvjax.window_pages`: sized
+        for that many sequences' windows)."""
         window = sum(c.page_nbytes for c in self.caches if isinstance(c, PagedKVCache) and c.windowed)
-        pages = 0 if self.windows is None else self.windows.pool_pages(slots)
+        columns = self.width if max_tokens is None else -(-max_tokens // self.pool.page_size)
+        pages = 0 if self.window is None else self._window_pages(columns).pool_pages(slots)
         return slots * self.state_nbytes() + pages * window
 
     def fit(self, budget: int, slots: int, max_tokens: int) -> tuple[int, int]:
@@ -385,17 +389,18 @@ class Engine:
         with room for a request of `max_tokens`), the rest are pages. A model with no main-pool layer gets
         every slot that request's pages (they hold nothing)."""
         page, per_page = self.page_nbytes(), -(-max_tokens // self.pool.page_size)
-        request = self.fixed_nbytes(1) + page * per_page
-        if budget < request:
+        fixed = lambda n: self.fixed_nbytes(n, max_tokens)  # noqa: E731
+        if budget < fixed(1) + page * per_page:
             raise ConfigError(
-                f"a budget of {budget:,} bytes holds no request of {max_tokens} tokens: it needs {request:,} "
-                f"({self.fixed_nbytes(1):,} of recurrent states and window pages, {page * per_page:,} of pages)"
+                f"a budget of {budget:,} bytes holds no request of {max_tokens} tokens: it needs "
+                f"{fixed(1) + page * per_page:,} ({fixed(1):,} of recurrent states and window pages, "
+                f"{page * per_page:,} of pages)"
             )
-        if self.fixed_nbytes(1):
-            slots = max(n for n in range(1, slots + 1) if self.fixed_nbytes(n) + n * page * per_page <= budget)
+        if fixed(1):
+            slots = max(n for n in range(1, slots + 1) if fixed(n) + n * page * per_page <= budget)
         if page == 0:
             return slots, slots * per_page + 1
-        return slots, (budget - self.fixed_nbytes(slots)) // page + 1
+        return slots, (budget - fixed(slots)) // page + 1
 
     def state_nbytes(self) -> int:
         """Bytes of one sequence's recurrent states over every recurrent layer (a slot each)."""

@@ -21,13 +21,14 @@ from kvjax.page_pool import NULL_PAGE
 
 
 class WindowPages:
-    """Window pages of up to `slots` sequences with windows of `window` tokens, pages of `page_size`,
-    at most `decode_ahead` tokens written a step while decoding and `chunk` while prefilling."""
+    """Window pages of up to `slots` sequences of at most `max_pages` pages (block-table columns) with
+    windows of `window` tokens, pages of `page_size`, at most `decode_ahead` tokens written a step while
+    decoding and `chunk` while prefilling."""
 
-    def __init__(self, *, window: int, page_size: int, slots: int, chunk: int, decode_ahead: int):
+    def __init__(self, *, window: int, page_size: int, slots: int, chunk: int, decode_ahead: int, max_pages: int):
         self.window, self.page_size = window, page_size
-        self.per_decode = self.need(decode_ahead)
-        self.per_chunk = self.need(max(chunk, decode_ahead))
+        self.per_decode = min(self.need(decode_ahead), max_pages)  # requests shorter than the window: all
+        self.per_chunk = min(self.need(max(chunk, decode_ahead)), max_pages)
         self.n_pages = self.pool_pages(slots)
         self.free = list(range(self.n_pages - 1, NULL_PAGE, -1))
         self.held: dict[int, dict[int, int]] = {}  # sequence -> {column: page}

@@ -259,6 +259,24 @@ class RingKVCache(_SlotCache):
 
 
 @struct.dataclass
+class WindowKVCache(KVCache):
+    """A sliding-window layer's compressed cache (a ring compressed under `local=true`): its kept tokens in
+    position order, then each new token in the next slot, and once the C slots are full, over the oldest
+    one (slot n % C for the n-th token held). With C at most the window W, the token overwritten is never
+    one a later query sees: C held positions up to p leave the oldest at p - C + 1 or before, out of the
+    window of query p + 1 when C = W. So decoding stays within C slots however long it goes on, as the
+    uncompressed ring stays within W."""
+
+    def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[WindowKVCache, KVView]:
+        _check_chunk(self, k, v, pos)
+        if k.shape[1] != 1:
+            raise ValueError(f"a compressed ring takes one decode token at a time, not {k.shape[1]}")
+        slots = jnp.where(pos >= 0, self.length[:, None] % self.capacity, self.capacity)
+        new = self._write_slots(slots, pos, k=k, v=v).replace(fresh=False)
+        return new, KVView(new.k, new.v, new.pos)
+
+
+@struct.dataclass
 class PooledKVCache(_Positioned):
     """One pool of KV entries per sequence shared by all KV heads, each entry tagged with its head: what
     AdaKV's per-head budgets need to really shrink memory (Feng et al. 2024, arXiv 2407.11550, where a

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, LatentCache, RingKVCache, layer_slots
+from kvjax.cache import KVCache, LatentCache, RingKVCache, WindowKVCache, layer_slots
 from kvjax.compress import reducers, scorers
 from kvjax.compress.methods.base import Target
 from kvjax.compress.policy import Policy, Stage, stage_counts
@@ -170,6 +170,8 @@ def plan_stages(
         if stage.hooks:
             keep_caps = tuple(stage.hooks.keep_cap(stage, cap) for cap in keep_caps)
         capacities = tuple(keep_caps[j] + (headroom * heads[j] if last else 0) for j in range(len(slots)))
+        if last and wraps(stage):  # a compressed ring holds the window at most (`WindowKVCache`)
+            capacities = tuple(min(c, w) if w else c for c, w in zip(capacities, rings))
         quant = stage.quant_spec if stage.quantizes else None
         if quant is not None:  # key groups tile the quantized cache
             capacities = tuple(quant.slots(c) for c in capacities)
@@ -228,6 +230,13 @@ def observe_fn(stages: tuple[Stage, ...]):
     return reduce
 
 
+def wraps(stage: Stage) -> bool:
+    """Whether a ring this (last) stage compresses keeps plain slots and so becomes a `WindowKVCache`
+    capped at its window: token eviction into the cache's own layout (what the engine can page); quantized,
+    re-encoded and pooled caches grow with decoding instead."""
+    return stage.hooks is not None and stage.hooks.pageable and not stage.pooled
+
+
 def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[int, ...]):
     """Apply stages (their `StagePlan.static` / `.arrays`) to the compressible caches `slots`, in order.
 
@@ -251,6 +260,8 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
                 stage, cache, stats, counts[j], windows[j], floors[j], last_pos, target, heads[j], quant
             )
             stats = stats[1:] or stats  # the next stage's statistic comes first; the last one is kept
+        if rings[j] and wraps(statics[-1][0]) and type(cache) is KVCache:
+            cache = WindowKVCache(k=cache.k, v=cache.v, pos=cache.pos, length=cache.length)
         caches[slot], last_stats[slot] = cache, stats[0]
     return tuple(caches), tuple(last_stats)
 
@@ -264,6 +275,8 @@ def _in_window(cache, stats, last_pos, window: int):
     keeps its layout."""
     live = cache.pos > (last_pos + 1 - window).reshape((-1,) + (1,) * (cache.pos.ndim - 1))
     pos = jnp.where(live, cache.pos, -1)
+    if isinstance(cache, WindowKVCache):  # compressed before and wrapped since: back to position order
+        return _position_ordered(cache.replace(pos=pos), stats)
     if not isinstance(cache, RingKVCache):
         return cache.replace(pos=pos), stats
     order = jnp.argsort(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max), axis=1)  # [B,W], empty last
@@ -278,6 +291,20 @@ def _in_window(cache, stats, last_pos, window: int):
         return jnp.where(pos[:, None] >= 0, jnp.take_along_axis(stat, idx, axis=2), 0)
 
     return linear, [at_slots(s) for s in stats]
+
+
+def _position_ordered(cache: WindowKVCache, stats):
+    """A compressed ring's slots (and the statistics that follow them) sorted by position, empty ones last,
+    as a plain KVCache: what decode-time eviction (`every=`) compresses again."""
+    axis = cache.pos.ndim - 1  # positions [B,S], or per head [B,K,S]
+    order = jnp.argsort(jnp.where(cache.pos >= 0, cache.pos, jnp.iinfo(jnp.int32).max), axis=axis)
+    per_slot = order[:, None] if axis == 1 else order  # [B,1|K,S]: the order of every head's slots
+    k, v = (jnp.take_along_axis(x, per_slot[..., None], axis=2) for x in (cache.k, cache.v))
+    pos = jnp.take_along_axis(cache.pos, order, axis=axis)
+    follow = lambda stat: stat if not isinstance(stat, jax.Array) else jnp.take_along_axis(stat, per_slot, axis=2)  # noqa: E731
+    held = (pos >= 0).sum(axis=-1, dtype=jnp.int32)
+    length = held if axis == 1 else held.max(axis=1)
+    return KVCache(k=k, v=v, pos=pos, length=length), [follow(st) for st in stats]
 
 
 def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, target: Target, heads: int, quant=None):

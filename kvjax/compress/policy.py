@@ -28,8 +28,10 @@ What it compresses: the caches that grow with the sequence. Sliding-window rings
 are left whole, their memory being capped already, unless the first stage says `local` (`snapkv:0.5:local`):
 then each ring's budget is taken of the tokens still inside its window (min(L, W - 1) of them; a size
 above that keeps them all), and the layer decodes from a position-masked cache of its kept tokens plus
-the new ones, the window still masking what falls out of it (so it holds less than its W-slot ring
-while kept + new tokens < W; with `every=n`, kept + n).
+the new ones, the window still masking what falls out of it. After token eviction that cache holds
+min(kept + new, W) slots (`kvjax.cache.WindowKVCache`: once full, a new token goes over the oldest,
+which no later query sees), so a compressed ring stays capped however long decoding goes; a quantized
+or re-encoded ring holds kept + new (with `every=n`, kept + n).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ request decodes greedily, several decode steps run in one call.
 Works for attention models whose layers produce or share K/V (MHA/GQA/MQA, CLA, MLKV), sliding-window
 layers included (Gemma's local layers, Mistral's window: by default they page from a pool of their own in
 which a sequence holds only its window's pages, `kvjax.window_pages`; with `window_pages="keep"` the
-window is a mask over pages kept until the request ends, and prefix hits are possible), MLA
+window is a mask over pages kept until the request ends, and prefix hits are possible; a policy then
+compresses the other layers' prompts and leaves the windows whole, as `Generator` does), MLA
 latents (`PagedLatentCache`), and recurrent layers (Mamba, RWKV-7, RetNet, YOCO's gated retention, the
 hybrids), which keep one state slot per running request instead of pages (`kvjax.slot_states`; the
 prefix cache is then off: a prefix hit would skip tokens a state must see).
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,46 +72,70 @@ class Request:
     top_logprobs: int = 0
 
 
-# The block tables `[slots,M]` and lengths `[slots]` live once on the device, pushed from the host
-# (`Engine._sync`) for the sequences a step feeds, in its row order (a sequence has no fixed row: its
-# pages and table say where its tokens are), and every jitted function sets them into each layer's
-# cache: one transfer per step, not one per layer.
-def _with_rows(caches, table, window_table, length, states, chunk_row=None):
-    """Each layer's cache with the step's rows: paged caches their block tables (a sliding-window layer
-    with its own pool, `kvjax.window_pages`, its own table), recurrent layers their state slots
-    (`kvjax.slot_states`), all the rows' lengths."""
-    return tuple(
-        c.replace(rows=states, length=length, chunk_row=chunk_row)
-        if isinstance(c, SlotStates)
-        else c.replace(table=window_table if c.windowed else table, length=length, chunk_row=chunk_row)
-        for c in caches
-    )
+class Rows(NamedTuple):
+    """What `Engine._sync` pushes to the device for the sequences a step feeds, in its row order (a
+    sequence has no fixed row: its pages and table say where its tokens are): block tables `[slots,M]`
+    and lengths `[slots]` of the main pool and of the sliding-window layers' own pool (whose slot is the
+    token's position, while a compressed prompt's main-pool slots are fewer than its positions), and each
+    row's recurrent-state slot. Every jitted function sets them into each layer's cache: one transfer
+    per step, not one per layer."""
+
+    table: jax.Array
+    window_table: jax.Array
+    length: jax.Array
+    window_length: jax.Array
+    states: jax.Array
+
+    def first(self, n: int) -> Rows:
+        return Rows(*(x[:n] for x in self))
 
 
-def _forward(model, caches, table, window_table, length, states, tokens, pos, chunk, chunk_pos, chunk_row, last):
+def _with_rows(caches, rows: Rows, chunk_row=None):
+    """Each layer's cache with the step's rows: paged caches their block tables and lengths (a
+    sliding-window layer with its own pool, `kvjax.window_pages`, its own), recurrent layers their state
+    slots (`kvjax.slot_states`)."""
+    out = []
+    for c in caches:
+        if isinstance(c, SlotStates):
+            out.append(c.replace(rows=rows.states, length=rows.window_length, chunk_row=chunk_row))
+        elif c.windowed:
+            out.append(c.replace(table=rows.window_table, length=rows.window_length, chunk_row=chunk_row))
+        else:
+            out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row))
+    return tuple(out)
+
+
+def _lengths(rows: Rows, written) -> Rows:
+    """`rows` with the lengths the caches `written` now hold (main pool; window pool and states)."""
+    main = [c.length for c in written if isinstance(c, PagedKVCache) and not c.windowed]
+    window = [c.length for c in written if isinstance(c, SlotStates) or c.windowed]
+    main = main[0] if main else window[0]
+    return rows._replace(length=main, window_length=window[0] if window else main)
+
+
+def _forward(model, caches, rows: Rows, tokens, pos, chunk, chunk_pos, chunk_row, last):
     """One pass over a step's tokens: a decode token for each of the first R table rows (tokens, pos
     `[R]`; position -1 where a row feeds none), then, when C > 0, a prompt chunk of row `chunk_row`
     (chunk, chunk_pos `[C]`, padded with position -1), all through the weights once (`kvjax.paged`'s
     mixed step). Returns log-probabilities `[R(+1),V]`, after each row's token and (row R) after the
     chunk's token `last`, each row's greedy token and its log-probability (all a greedy batch reads
-    back), the caches and the rows' new lengths."""
+    back), the caches and the rows with their new lengths."""
     R, C = tokens.shape[0], chunk.shape[0]
     ids, at = jnp.concatenate([tokens, chunk])[None], jnp.concatenate([pos, chunk_pos])[None]
-    rows = _with_rows(caches, table[:R], window_table[:R], length[:R], states[:R], chunk_row)
-    hidden, rows = model.hidden(ids, at, rows)
+    rows = rows.first(R)
+    hidden, written = model.hidden(ids, at, _with_rows(caches, rows, chunk_row))
     picked = jnp.arange(R) if C == 0 else jnp.concatenate([jnp.arange(R), R + last[None]])
     logp = jax.nn.log_softmax(model.logits(hidden[0, picked]))
     best = jnp.argmax(logp, axis=-1)
-    caches = tuple(c.replace(**r._pools()) for c, r in zip(caches, rows))
-    return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches, rows[0].length
+    caches = tuple(c.replace(**r._pools()) for c, r in zip(caches, written))
+    return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches, _lengths(rows, written)
 
 
 def _step(graphdef, treedef, leaves, caches, rows, tokens, pos, chunk, chunk_pos, chunk_row, last):
     """`_forward` of the model whose parameters come as their flat leaves (`treedef` rebuilds them):
-    flattening the NNX state on every call cost more host time than a small model's whole step. `rows`:
-    what `Engine._sync` pushed (block tables, lengths, state slots)."""
+    flattening the NNX state on every call cost more host time than a small model's whole step."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    return _forward(model, caches, *rows, tokens, pos, chunk, chunk_pos, chunk_row, last)[:4]
+    return _forward(model, caches, rows, tokens, pos, chunk, chunk_pos, chunk_row, last)[:4]
 
 
 def _greedy_steps(graphdef, treedef, leaves, caches, rows, tokens, pos, stop, eos, *, steps):
@@ -118,30 +144,18 @@ def _greedy_steps(graphdef, treedef, leaves, caches, rows, tokens, pos, stop, eo
     token it picks, for stop[r] steps (0: an empty row) or until it picks eos[r]. Returns the tokens and
     log-probabilities picked `[steps,R]` (-1 and 0 after a row stops) and the caches."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    table, window_table, length, states = rows
     R = tokens.shape[0]
     none = jnp.zeros(0, jnp.int32)
 
     def body(carry):
-        i, caches, length, tok, pos, active, out_tok, out_lp = carry
-        _, best, best_lp, caches, length = _forward(
-            model,
-            caches,
-            table,
-            window_table,
-            length,
-            states,
-            tok,
-            jnp.where(active, pos, -1),
-            none,
-            none,
-            jnp.int32(0),
-            jnp.int32(0),
+        i, caches, rows, tok, pos, active, out_tok, out_lp = carry
+        _, best, best_lp, caches, rows = _forward(
+            model, caches, rows, tok, jnp.where(active, pos, -1), none, none, jnp.int32(0), jnp.int32(0)
         )
         out_tok = out_tok.at[i].set(jnp.where(active, best, -1).astype(jnp.int32))
         out_lp = out_lp.at[i].set(jnp.where(active, best_lp, 0.0))
         active = active & (i + 1 < stop) & (best != eos)
-        return i + 1, caches, length, best.astype(jnp.int32), pos + 1, active, out_tok, out_lp
+        return i + 1, caches, rows, best.astype(jnp.int32), pos + 1, active, out_tok, out_lp
 
     def cond(carry):
         return (carry[0] < steps) & carry[5].any()
@@ -149,7 +163,7 @@ def _greedy_steps(graphdef, treedef, leaves, caches, rows, tokens, pos, stop, eo
     init = (
         jnp.int32(0),
         caches,
-        length[:R],
+        rows.first(R),
         tokens,
         pos,
         stop > 0,
@@ -171,12 +185,16 @@ def _jitted(graphdef, treedef):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _load_row(caches, table, length, dense, row):
-    """Load row 0 of each layer's dense (compressed) prefill cache into table row `row`'s pages;
-    the caches and the lengths with the row's new one (attention and MLA layers only: the engine takes
-    no policy for a model with recurrent layers)."""
+def _load_row(caches, rows: Rows, dense, row):
+    """Load row 0 of each layer's dense (compressed) prefill cache into table row `row`'s pages (a
+    sliding-window layer's ring, left whole by the policy, at its tokens' positions in its own pool); the
+    caches and the rows with the row's new lengths (attention and MLA layers only: the engine takes no
+    policy for a model with recurrent layers)."""
     out = []
-    for paged, d in zip(_with_rows(caches, table, None, length, None), dense):
+    for paged, d in zip(_with_rows(caches, rows), dense):
+        if paged.windowed:
+            out.append(paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0]))
+            continue
         if isinstance(d, QuantKVCache):
             values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
         elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
@@ -184,7 +202,24 @@ def _load_row(caches, table, length, dense, row):
         else:
             values = dict(k=d.k[0], v=d.v[0])
         out.append(paged.load(row, d.length[0], d.pos[0], **values))
-    return tuple(out), out[0].length
+    return tuple(out), _lengths(rows, out)
+
+
+def check_window_policy(policy: Policy, name: str, windowed: list[str], window_pages: str) -> None:
+    """A policy on a model with sliding-window layers compresses the other layers' prompts and leaves the
+    windows whole, which the engine serves when those layers have their own pool (`window_pages="free"`:
+    their slots are positions, the main pool's are the kept tokens); compressing the windows too
+    (`local`) it does not page."""
+    if policy.local:
+        raise ConfigError(
+            f"engine policy {policy}: local=true compresses the sliding-window layers too, which the engine "
+            "does not page; drop local to compress the other layers only"
+        )
+    if window_pages != "free":
+        raise ConfigError(
+            f"engine policy {policy}: {name!r} has sliding-window layers ({', '.join(windowed)}), whose prompt a "
+            "policy leaves whole: serve it with window_pages='free' (their own pool) or without a policy"
+        )
 
 
 def check_engine_policy(policy: Policy) -> tuple[bool, int | None]:
@@ -254,14 +289,10 @@ class Engine:
             )
         windowed = sorted({k for k in cfg.mixers if k != "mla" and cfg.attention_for(k).window is not None})
         if self.policy is not None and windowed:
-            raise ConfigError(
-                f"engine policy {policy!s}: {cfg.name!r} has sliding-window layers ({', '.join(windowed)}), whose "
-                "prompt cache a policy leaves whole while it compresses the others, and every layer's pages share "
-                "one block table; serve it without a policy"
-            )
+            check_window_policy(self.policy, cfg.name, windowed, window_pages)
         self.model, self.pool = model, PagePool(n_pages, page_size)
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
-        self.windowed, self.recurrent = windowed, recurrent
+        self.windowed, self.recurrent, self.window_pages = windowed, recurrent, window_pages
         self.window = (
             max((cfg.attention_for(k).window for k in windowed), default=None) if window_pages == "free" else None
         )
@@ -312,10 +343,13 @@ class Engine:
         self._sync([])
 
     def _paged(self, cfg, kind: str, n_pages: int, per_head: bool, bits: int | None) -> PagedKVCache:
-        """An attention layer's pages: the window pool's for a sliding-window layer when windows are freed."""
+        """An attention layer's pages: the window pool's for a sliding-window layer when windows are freed (a
+        policy leaves the windows whole: full precision, one position per slot)."""
         att, ps = cfg.attention, self.pool.page_size
         windowed = self.window is not None and kind in self.windowed
-        n = self._window_pages(self.width).n_pages if windowed else n_pages
+        n, per_head, bits = (
+            (self._window_pages(self.width).n_pages, False, None) if windowed else (n_pages, per_head, bits)
+        )
         cache = PagedKVCache.init(
             n,
             ps,
@@ -423,27 +457,28 @@ class Engine:
         """Per-slot rows (tables, lengths) split over the mesh's `data` axis (as they are without a mesh)."""
         return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, P("data")))
 
-    def _sync(self, seqs, ahead: list[int] | None = None) -> None:
-        """Push the block tables and lengths of `seqs` (rows 0.., the rest of the `slots` rows empty) to
-        the device, once for all layers (the jitted functions set them into every layer's cache); each
-        row will write `ahead` tokens (1 each by default), which its window pages must hold."""
-        ahead = [*(ahead or [1] * len(seqs)), *[0] * (self.slots - len(seqs))]
-        seqs = [*seqs, *[None] * (self.slots - len(seqs))]
+    def _sync(self, seqs, ahead: list[int] | None = None, at: list[int] | None = None) -> None:
+        """Push the rows of `seqs` (rows 0.., the rest of the `slots` rows empty) to the device, once for all
+        layers (the jitted functions set them into every layer's cache, `Rows`): each row will write
+        `ahead` tokens (1 by default) after its first `at` positions (by default its main-pool length;
+        fewer slots than positions once a policy compressed its prompt), which its window pages must hold."""
+        n = self.slots - len(seqs)
+        ahead = [*(ahead or [1] * len(seqs)), *[0] * n]
+        at = [*(at or [self.pool.lengths[s] for s in seqs]), *[0] * n]
+        seqs = [*seqs, *[None] * n]
         table = self.pool.table(seqs, self.width)
         length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
-        self._table, self._length = self._rows_placed(table), self._rows_placed(length)  # numpy: jit moves it
-        self._states = self._rows_placed(self._state_slots(seqs))
+        positions = np.asarray(at, np.int32)
         window = (
-            table
-            if self.windows is None
-            else self.windows.table(seqs, length, ahead, self.width, self.scheduler.running)
+            table if self.windows is None else self.windows.table(seqs, at, ahead, self.width, self.scheduler.running)
         )
-        self._window_table = self._rows_placed(window)
+        arrays = (table, window, length, positions, self._state_slots(seqs))
+        self._rows_pushed = Rows(*(self._rows_placed(x) for x in arrays))  # numpy: jit moves it
 
     @property
-    def _pushed(self) -> tuple:
-        """What `_sync` last pushed, as the jitted steps take it: block tables, lengths, state slots."""
-        return self._table, self._window_table, self._length, self._states
+    def _pushed(self) -> Rows:
+        """What `_sync` last pushed, as the jitted steps take it."""
+        return self._rows_pushed
 
     def _state_slots(self, seqs) -> np.ndarray:
         """The recurrent-state slot of each row's sequence (`slots`: none), given to a sequence when it is
@@ -498,10 +533,7 @@ class Engine:
             policy = parse_policy(request.policy)
             layout = check_engine_policy(policy)
             if self.windowed:
-                raise ConfigError(
-                    f"policy {request.policy}: {self.model.config.name!r} has sliding-window layers "
-                    f"({', '.join(self.windowed)}), which the engine serves without a policy"
-                )
+                check_window_policy(policy, self.model.config.name, self.windowed, self.window_pages)
         if layout != self.layout:
 
             def said(layout):
@@ -547,6 +579,13 @@ class Engine:
         returns what the scheduler needs of each."""
         work = [self._work(r, len(self.requests) + i) for i, r in enumerate(requests)]
         self.scheduler.check(work, self.width)
+        if self.windows is not None:  # window pages are indexed by position, compressed or not
+            for i, r in enumerate(requests):
+                if (n := len(r.prompt) + r.decoding.max_new_tokens) > self.width * self.pool.page_size:
+                    raise ConfigError(
+                        f"request {len(self.requests) + i}: {n} positions, past the {self.width * self.pool.page_size} "
+                        "the sliding-window layers' block tables hold; raise max_tokens"
+                    )
         return work
 
     def run(self, requests: list[Request]) -> list[Completion]:
@@ -599,8 +638,8 @@ class Engine:
         gen = self._prefill_capacity(self.policy_of(request), len(request.prompt))
         padded, lengths = gen.pad([request.prompt], 0)
         logits, dense, _ = gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
-        self._sync([seq.index])
-        self.caches, self._length = _load_row(self.caches, self._table, self._length, dense, 0)
+        self._sync([seq.index], [0], [len(request.prompt)])  # the window before the prompt's end
+        self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, 0)
         if self.scheduler.prefilled(seq):  # nothing was generated yet: the prefill's logits give the first token
             self._pick(seq, np.asarray(jax.nn.log_softmax(logits[0])))
 
@@ -616,7 +655,7 @@ class Engine:
         C = self._chunk_bucket(len(piece))
         chunk, chunk_pos = np.zeros(C, np.int32), np.full(C, -1, np.int32)
         chunk[: len(piece)], chunk_pos[: len(piece)] = piece, np.arange(len(piece)) + (filling.at if filling else 0)
-        self._sync([r.index for r in order], [1] * len(rows) + ([len(piece)] if filling else []))
+        self._sync([r.index for r in order], [1] * len(rows) + ([len(piece)] if filling else []), [r.at for r in order])
         last = np.int32(max(len(piece) - 1, 0))
         logp, best, best_lp, self.caches = self._step(
             self._leaves, self.caches, self._pushed, ids, pos, chunk, chunk_pos, np.int32(len(rows)), last
@@ -641,7 +680,7 @@ class Engine:
         for i, (r, n) in enumerate(zip(rows, plan.stops)):
             ids[i], pos[i], stops[i] = r.tokens[r.at], r.at, n
             eos[i] = -1 if self.requests[r.index].decoding.eos_id is None else self.requests[r.index].decoding.eos_id
-        self._sync([r.index for r in rows], list(plan.stops))
+        self._sync([r.index for r in rows], list(plan.stops), [r.at for r in rows])
         tokens, logprobs, self.caches = self._greedy_steps(
             self._leaves, self.caches, self._pushed, ids, pos, stops, eos, steps=plan.greedy_steps
         )

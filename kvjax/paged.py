@@ -130,7 +130,7 @@ class PagedKVCache(_Arrays):
 
     @property
     def quantized(self) -> bool:
-        return self.k_scale is not None
+        return self.bits is not None
 
     @property
     def page_nbytes(self) -> int:
@@ -223,6 +223,16 @@ class PagedKVCache(_Arrays):
         slot_major = {name: jnp.moveaxis(x, 1, 0) for name, x in values.items()}  # [K,S,...] -> [S,K,...]
         new = self._write(flat, pos=jnp.broadcast_to(pos, (Kp, S)).T, **slot_major)
         return new.replace(length=new.length.at[row].set(n))
+
+    def load_positions(self, row: int, pos: jax.Array, **values: jax.Array) -> PagedKVCache:
+        """Fill sequence slot `row`'s slots at its tokens' positions from one row of a sliding-window
+        layer's ring (positions `[W]`, -1 empty; k, v `[K,W,H]`): a window pool's slot is the token's
+        position, and a token whose page the window has left (or never held) is dropped."""
+        index = pos[None]
+        flat = self.replace(table=self.table[row][None])._flat_slots(index, index >= 0)[0]
+        slot_major = {name: jnp.moveaxis(x, 1, 0) for name, x in values.items()}
+        new = self._write(flat, pos=jnp.broadcast_to(pos, (self.pos.shape[1], pos.shape[0])).T, **slot_major)
+        return new.replace(length=new.length.at[row].set(pos.max() + 1))
 
     def view(self) -> KVView:
         """Every row's pages gathered in table order: k, v `[B,K,M*page_size,H]`, pos `[B,M*page_size]`

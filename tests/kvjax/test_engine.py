@@ -182,8 +182,27 @@ def test_local_and_global_layers_in_pages(make_model, requests):
     keep = Engine(model, n_pages=10, page_size=4, slots=4, chunk=4, window_pages="keep")
     _check(keep.run(requests), alone)
     assert keep.stats.preemptions > 0 and keep.stats.cached_tokens > 0 and keep.pool.used_pages == 0
-    with pytest.raises(ConfigError, match=r"sliding-window layers \(local\).*serve it without a policy"):
-        Engine(model, n_pages=8, policy="snapkv:0.5")
+    with pytest.raises(ConfigError, match=r"sliding-window layers \(local\).*window_pages='free'"):
+        Engine(model, n_pages=8, policy="snapkv:0.5", window_pages="keep")
+    with pytest.raises(ConfigError, match="local=true compresses the sliding-window layers too"):
+        Engine(model, n_pages=8, policy="snapkv:0.5:local")
+
+
+@pytest.mark.parametrize("policy", ["snapkv:0.5:obs_window=1+int:8", "snapkv:0.5:obs_window=1"])
+def test_a_policy_on_local_and_global_layers_compresses_the_global_ones(make_model, requests, policy):
+    """Gemma's layout with a policy: the global layers' pages hold the compressed prompt (kept slots, int8
+    codes), the local layers' own pool the window of the whole prompt at its positions, as Generator's
+    rings (the policy leaves them whole); each request equals Generator alone under the policy, with
+    preemptions and multi-step calls. Positions, not kept slots, must fit the window tables."""
+    model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
+    gen = Generator(model, capacity=40, policy=parse_policy(policy))
+    engine = Engine(model, n_pages=6, page_size=4, slots=4, chunk=4, decode_steps=4, policy=policy, max_tokens=32)
+    _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
+    assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0 and engine.windows.used_pages == 0
+    local, glob = engine.caches
+    assert local.bits is None and glob.bits == (8 if "int:8" in policy else None)
+    with pytest.raises(ConfigError, match="request 0: 33 positions, past the 32 the sliding-window layers'"):
+        engine.run([Request(tuple(range(1, 31)), DecodingConfig(max_new_tokens=3))])
 
 
 @pytest.mark.parametrize("policy, width, pages", [("snapkv:0.5:obs_window=1+int:8", 16, 7), ("int:4", 8, 10)])

@@ -177,9 +177,8 @@ def _scattered(rng, K, per_head=False, int8=False):
     else:
         arrays = {n: jnp.asarray(rng.normal(size=(P, K, PS, 8)), jnp.float32) for n in "kv"}
     table = jnp.asarray([[3, 7, 1, 0, 0], [5, 7, 9, 11, 4], [0, 0, 0, 0, 0]], jnp.int32)
-    return PagedKVCache(
-        pos=jnp.asarray(pos, jnp.int32), table=table, length=jnp.asarray([10, 19, 0], jnp.int32), **arrays
-    )
+    length = jnp.asarray([10, 19, 0], jnp.int32)
+    return PagedKVCache(pos=jnp.asarray(pos, jnp.int32), table=table, length=length, bits=8 if int8 else None, **arrays)
 
 
 @pytest.mark.parametrize(

@@ -437,11 +437,11 @@ def memory_section(plan) -> list[dict]:
     rows = []
     for shape in plan["shapes"]:
         cfg = kvjax_config(shape)
+        model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))  # noqa: B023 (called at once)
         for context in plan["memory"]:
             chunk = min(2048, context)
-            for budget, got in zip(
-                footprint.budgets(cfg, 1, context, chunk), footprint.compiled(cfg, 1, context, chunk)
-            ):
+            analysed = footprint.compiled(model, 1, context, chunk)
+            for budget, got in zip(footprint.budgets(model, 1, context, chunk), analysed):
                 rows.append(
                     dict(
                         shape=shape,

@@ -382,7 +382,7 @@ class Engine:
         self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
         self._slot_of: dict[int, int] = {}  # a running sequence's recurrent-state slot
         self._free_slots = list(range(self.slots))[::-1]
-        self.windows = self._window_pages(self.width) if getattr(self, "window", None) else None
+        self.windows = self._window_pages(self.width) if self.window else None
         self.scheduler = Scheduler(
             self.pool,
             slots=self.slots,

@@ -87,7 +87,7 @@ def compiled(
     """Compile (for this host's backend, from abstract inputs) a prefill chunk into caches of `context`
     slots and a greedy decode of `new_tokens` of `model` (abstract: `nnx.eval_shape` of its constructor),
     and report XLA's memory analysis of each."""
-    from kvjax.generate import _programs
+    from kvjax.generate import _programs, sampling_args
     from kvjax.plan import init_caches
 
     cfg = model.config
@@ -109,7 +109,7 @@ def compiled(
         (None,) * len(caches),
         None,
         n_new=new_tokens,
-        sampling=(("temperature", decoding.temperature), ("top_k", decoding.top_k), ("top_p", decoding.top_p)),
+        sampling=sampling_args(decoding),
         eos_id=None,
         pad_id=0,
         evict=None,

@@ -266,6 +266,11 @@ def _programs(graphdef) -> SimpleNamespace:
     )
 
 
+def sampling_args(decoding: DecodingConfig) -> tuple:
+    """The decode program's static `sampling` argument: the DecodingConfig's sampling fields, hashable."""
+    return (("temperature", decoding.temperature), ("top_k", decoding.top_k), ("top_p", decoding.top_p))
+
+
 def _logits(graphdef, params, hidden):
     return nnx.merge(graphdef, params).logits(hidden)
 
@@ -519,7 +524,7 @@ class Generator:
     ) -> GenerationResult:
         """Sample `decoding.max_new_tokens` tokens after a prefill; the caches are donated (consumed).
         With a policy that holds its budget, pass the `stats` that `prefill_compressed` returned."""
-        sampling = (("temperature", decoding.temperature), ("top_k", decoding.top_k), ("top_p", decoding.top_p))
+        sampling = sampling_args(decoding)
         evict, arrays = self._evict_args(lengths, decoding.max_new_tokens)
         out, logprobs, n_generated, caches, stats = self._decode(
             self.params,

@@ -13,6 +13,7 @@ from kvjax.architectures.layers import GatedMLP, RMSNorm, dense
 from kvjax.architectures.mixers import MIXERS
 from kvjax.cache import KVCache, LatentCache, LayerCache, PooledKVCache, RingKVCache
 from kvjax.config import ModelConfig
+from kvjax.paged import PagedKVCache
 from kvjax.plan import LayerPlan, sharable_kinds
 from kvjax.slot_states import SlotStates
 
@@ -158,6 +159,7 @@ class Decoder(nnx.Module):
                 new_caches[slot] = cache.replace(merged=None) if joined else cache
             if observe is not None and (
                 isinstance(cache, KVCache | PooledKVCache | LatentCache)
+                or (isinstance(cache, PagedKVCache) and not cache.windowed)  # the engine's (`kvjax.paged_eviction`)
                 or (observe[2] and isinstance(cache, RingKVCache))
             ):
                 observed[slot] = _observed(block, x_in, positions, views[i], *observe[:2])

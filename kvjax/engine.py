@@ -21,11 +21,14 @@ A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Genera
 the whole prompt, then eviction and/or `int:8` / `int:4` quantization), and only what is kept goes into
 pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token
 (`int:4` two codes a byte), so more requests fit in the same memory. Decoding then appends every new
-token (no decode-time eviction). With a policy, pages hold compressed prompts, so the prefix cache is
-off; a preempted request is recomputed by compressing its prompt again and re-appending the tokens it
-generated. A request may name its own policy (`Request.policy`) when its pages have the engine's layout
-(positions shared by the heads or per head, full precision or int8): a plain engine serves
-`streaming:0.5` or `tova:0.5` beside uncompressed requests, whose prompts alone enter the prefix cache.
+token, unless the policy evicts while decoding (`every=N`, `kvjax.paged_eviction`): each step then observes
+the rows' attention and a request's every N-th token re-selects its slots within its pages and frees the
+pages past them, so it never holds more than its budget plus N slots. With a policy, pages hold compressed
+prompts, so the prefix cache is off; a preempted request is recomputed by compressing its prompt again and
+re-appending the tokens it generated (under `every=`, one decode step at a time). A request may name its
+own policy (`Request.policy`) when its pages have the engine's layout (positions shared by the heads or
+per head, full precision or int8 codes, the same stage evicting while decoding, if any): a plain engine
+serves `streaming:0.5` or `tova:0.5` beside uncompressed requests, whose prompts alone enter the prefix cache.
 
 `run` serves a list of requests to completion; a server drives the same engine one `step` at a time,
 `submit`ting requests as they arrive and `cancel`ling those whose clients left.
@@ -47,12 +50,15 @@ from jax.sharding import PartitionSpec as P
 from kvjax.cache import LatentCache
 from kvjax.compress import Policy, parse_policy
 from kvjax.compress.methods import METHODS
+from kvjax.compress.policy import Stage
+from kvjax.compress.scorers import accumulates
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import Generator
 from kvjax.kinds import KINDS
 from kvjax.page_pool import PagePool
 from kvjax.paged import PagedKVCache, PagedLatentCache
-from kvjax.plan import LayerPlan
+from kvjax.paged_eviction import Eviction, budget_row, evicting_step
+from kvjax.plan import LayerPlan, compressible
 from kvjax.quant.cache import QuantKVCache
 from kvjax.sampling import sample
 from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequence, Step, Work
@@ -77,17 +83,18 @@ class Rows(NamedTuple):
     sequence has no fixed row: its pages and table say where its tokens are): block tables `[slots,M]`
     and lengths `[slots]` of the main pool and of the sliding-window layers' own pool (whose slot is the
     token's position, while a compressed prompt's main-pool slots are fewer than its positions), and each
-    row's recurrent-state slot. Every jitted function sets them into each layer's cache: one transfer
-    per step, not one per layer."""
+    row's recurrent-state slot; under decode-time eviction each row's budgets (`paged_eviction.budget_row`).
+    Every jitted function sets them into each layer's cache: one transfer per step, not one per layer."""
 
     table: jax.Array
     window_table: jax.Array
     length: jax.Array
     window_length: jax.Array
     states: jax.Array
+    budgets: jax.Array | None = None
 
     def first(self, n: int) -> Rows:
-        return Rows(*(x[:n] for x in self))
+        return Rows(*(None if x is None else x[:n] for x in self))
 
 
 def _with_rows(caches, rows: Rows, chunk_row=None):
@@ -113,36 +120,46 @@ def _lengths(rows: Rows, written) -> Rows:
     return rows._replace(length=main, window_length=window[0] if window else main)
 
 
-def _forward(model, caches, rows: Rows, tokens, pos, chunk, chunk_pos, chunk_row, last):
+def _forward(model, caches, rows: Rows, tokens, pos, chunk, chunk_pos, chunk_row, last, evict=None):
     """One pass over a step's tokens: a decode token for each of the first R table rows (tokens, pos
     `[R]`; position -1 where a row feeds none), then, when C > 0, a prompt chunk of row `chunk_row`
     (chunk, chunk_pos `[C]`, padded with position -1), all through the weights once (`kvjax.paged`'s
     mixed step). Returns log-probabilities `[R(+1),V]`, after each row's token and (row R) after the
     chunk's token `last`, each row's greedy token and its log-probability (all a greedy batch reads
-    back), the caches and the rows with their new lengths."""
+    back), the caches and the rows with their new lengths. With `evict` (a policy's `every=`; decode
+    rows only) each row is observed and re-selected on its schedule (`kvjax.paged_eviction`)."""
     R, C = tokens.shape[0], chunk.shape[0]
-    ids, at = jnp.concatenate([tokens, chunk])[None], jnp.concatenate([pos, chunk_pos])[None]
     rows = rows.first(R)
-    hidden, written = model.hidden(ids, at, _with_rows(caches, rows, chunk_row))
-    picked = jnp.arange(R) if C == 0 else jnp.concatenate([jnp.arange(R), R + last[None]])
+    if evict is not None:
+        hidden, written = evicting_step(model, _with_rows(caches, rows), tokens, pos, rows.budgets, evict)
+        hidden, picked = hidden[:, 0][None], jnp.arange(R)
+    else:
+        ids, at = jnp.concatenate([tokens, chunk])[None], jnp.concatenate([pos, chunk_pos])[None]
+        hidden, written = model.hidden(ids, at, _with_rows(caches, rows, chunk_row))
+        picked = jnp.arange(R) if C == 0 else jnp.concatenate([jnp.arange(R), R + last[None]])
     logp = jax.nn.log_softmax(model.logits(hidden[0, picked]))
     best = jnp.argmax(logp, axis=-1)
     caches = tuple(c.replace(**r._pools()) for c, r in zip(caches, written))
     return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches, _lengths(rows, written)
 
 
-def _step(graphdef, treedef, leaves, caches, rows, tokens, pos, chunk, chunk_pos, chunk_row, last):
+def _step(graphdef, treedef, leaves, caches, rows, tokens, pos, chunk, chunk_pos, chunk_row, last, *, evict):
     """`_forward` of the model whose parameters come as their flat leaves (`treedef` rebuilds them):
-    flattening the NNX state on every call cost more host time than a small model's whole step."""
+    flattening the NNX state on every call cost more host time than a small model's whole step. The
+    main pool's lengths come back last (read only under decode-time eviction, which shortens rows)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
-    return _forward(model, caches, rows, tokens, pos, chunk, chunk_pos, chunk_row, last)[:4]
+    logp, best, best_lp, caches, rows = _forward(
+        model, caches, rows, tokens, pos, chunk, chunk_pos, chunk_row, last, evict
+    )
+    return logp, best, best_lp, caches, rows.length
 
 
-def _greedy_steps(graphdef, treedef, leaves, caches, rows, tokens, pos, stop, eos, *, steps):
+def _greedy_steps(graphdef, treedef, leaves, caches, rows, tokens, pos, stop, eos, *, steps, evict):
     """Up to `steps` greedy decode steps of R rows in one call (vLLM's multi-step scheduling: a small
     model's step is shorter than the host's round trip): row r feeds tokens[r] at pos[r], then each
     token it picks, for stop[r] steps (0: an empty row) or until it picks eos[r]. Returns the tokens and
-    log-probabilities picked `[steps,R]` (-1 and 0 after a row stops) and the caches."""
+    log-probabilities picked `[steps,R]` (-1 and 0 after a row stops), the caches and the main pool's
+    lengths."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     R = tokens.shape[0]
     none = jnp.zeros(0, jnp.int32)
@@ -150,7 +167,7 @@ def _greedy_steps(graphdef, treedef, leaves, caches, rows, tokens, pos, stop, eo
     def body(carry):
         i, caches, rows, tok, pos, active, out_tok, out_lp = carry
         _, best, best_lp, caches, rows = _forward(
-            model, caches, rows, tok, jnp.where(active, pos, -1), none, none, jnp.int32(0), jnp.int32(0)
+            model, caches, rows, tok, jnp.where(active, pos, -1), none, none, jnp.int32(0), jnp.int32(0), evict
         )
         out_tok = out_tok.at[i].set(jnp.where(active, best, -1).astype(jnp.int32))
         out_lp = out_lp.at[i].set(jnp.where(active, best_lp, 0.0))
@@ -170,8 +187,8 @@ def _greedy_steps(graphdef, treedef, leaves, caches, rows, tokens, pos, stop, eo
         jnp.full((steps, R), -1, jnp.int32),
         jnp.zeros((steps, R), jnp.float32),
     )
-    _, caches, _, _, _, _, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
-    return out_tok, out_lp, caches
+    _, caches, rows, _, _, _, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
+    return out_tok, out_lp, caches, rows.length
 
 
 @functools.lru_cache(maxsize=8)
@@ -179,19 +196,22 @@ def _jitted(graphdef, treedef):
     """The step and multi-step functions jitted for one model structure, shared by every Engine over it
     (so a second engine on the same model compiles nothing)."""
     return (
-        jax.jit(functools.partial(_step, graphdef, treedef), donate_argnums=(1,)),
-        jax.jit(functools.partial(_greedy_steps, graphdef, treedef), donate_argnums=(1,), static_argnames=("steps",)),
+        jax.jit(functools.partial(_step, graphdef, treedef), donate_argnums=(1,), static_argnames=("evict",)),
+        jax.jit(
+            functools.partial(_greedy_steps, graphdef, treedef), donate_argnums=(1,), static_argnames=("steps", "evict")
+        ),
     )
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _load_row(caches, rows: Rows, dense, row):
+def _load_row(caches, rows: Rows, dense, stats, row):
     """Load row 0 of each layer's dense (compressed) prefill cache into table row `row`'s pages (a
-    sliding-window layer's ring, left whole by the policy, at its tokens' positions in its own pool); the
-    caches and the rows with the row's new lengths (attention and MLA layers only: the engine takes no
-    policy for a model with recurrent layers)."""
+    sliding-window layer's ring, left whole by the policy, at its tokens' positions in its own pool), with
+    the running statistic of its kept slots where the pages keep one (`stats`: the Generator's, per
+    layer); the caches and the rows with the row's new lengths (attention and MLA layers only: the engine
+    takes no policy for a model with recurrent layers)."""
     out = []
-    for paged, d in zip(_with_rows(caches, rows), dense):
+    for paged, d, stat in zip(_with_rows(caches, rows), dense, stats):
         if paged.windowed:
             out.append(paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0]))
             continue
@@ -201,6 +221,8 @@ def _load_row(caches, rows: Rows, dense, row):
             values = dict(k=d.c[0][None], v=d.k_rope[0][None])
         else:
             values = dict(k=d.k[0], v=d.v[0])
+        if paged.stat is not None:
+            values["stat"] = stat[0]
         out.append(paged.load(row, d.length[0], d.pos[0], **values))
     return tuple(out), _lengths(rows, out)
 
@@ -222,9 +244,10 @@ def check_window_policy(policy: Policy, name: str, windowed: list[str], window_p
         )
 
 
-def check_engine_policy(policy: Policy) -> tuple[bool, int | None]:
+def check_engine_policy(policy: Policy) -> tuple[bool, int | None, Stage | None]:
     """What the engine's pages need for `policy` (positions per head; the codes' bits, None for full
-    precision); a policy it cannot page is a ConfigError naming the stage."""
+    precision; the stage that evicts while decoding, `every=`); a policy it cannot page is a ConfigError
+    naming the stage."""
     for stage in policy.stages:
         where = f"engine policy stage {stage.method!r}"
         if stage.quantizes:
@@ -235,13 +258,14 @@ def check_engine_policy(policy: Policy) -> tuple[bool, int | None]:
             raise ConfigError(
                 f"{where}: the engine pages token eviction, int:8 and int:4; {stage.method} is not supported"
             )
-        elif stage.every or not stage.allocation.same_everywhere:
+        elif not stage.allocation.same_everywhere:
             raise ConfigError(
-                f"{where}: the engine compresses once after the prefill with one budget for every "
-                f"layer and head (every={stage.every}, allocator={stage.allocator!r} are not supported)"
+                f"{where}: the engine pages one budget for every layer and head (allocator={stage.allocator!r} "
+                "is not supported)"
             )
     last = policy.stages[-1]
-    return any(s.per_head for s in policy.stages if not s.quantizes), last.quant_spec.bits if last.quantizes else None
+    per_head = any(s.per_head for s in policy.stages if not s.quantizes)
+    return per_head, last.quant_spec.bits if last.quantizes else None, policy.decode_stage
 
 
 class Engine:
@@ -266,9 +290,10 @@ class Engine:
         """`mesh` (axes `data` and `tensor`) spreads the step's rows (sequences) over `data` and the pages' KV
         heads over `tensor`, as training splits batch and heads; the weights lie as `kvjax.sharding`
         lays them (heads and MLP hidden units over `tensor`). A policy's prefill runs on one device.
-        `policy`: token eviction applied once after the prefill, optionally ending in `int:8` or `int:4` (see the
-        module docstring). `decode_steps`: while no prompt is being prefilled and every running request
-        decodes greedily, up to this many decode steps run in one device call (1: a call per step).
+        `policy`: token eviction applied after the prefill, optionally ending in `int:8` or `int:4`, and while
+        decoding with `every=` (see the module docstring). `decode_steps`: while no prompt is being prefilled
+        and every running request decodes greedily, up to this many decode steps run in one device call (1:
+        a call per step).
         `window_pages`: `free` gives sliding-window layers a pool of their own from which a sequence holds
         only its window's pages (`kvjax.window_pages`; no prefix cache then), `keep` pages them as the
         other layers, the window a mask, every page kept until the request ends (prefix hits possible)."""
@@ -302,13 +327,22 @@ class Engine:
         self.reset()  # the scheduler: it checks slots, chunk and decode_steps
         att = cfg.attention
         self.gens: dict[str, Generator] = {}  # the compressed prefill of each policy served, by its text
-        self.layout = (False, None)  # pages: (positions per head, the codes' bits or None)
+        self.layout = (False, None, None)  # pages: (positions per head, the codes' bits, the evicting stage)
+        self.evict = None  # decode-time eviction (`kvjax.paged_eviction`)
         if self.policy is not None:
-            self.layout = per_head, bits = check_engine_policy(self.policy)
+            self.layout = per_head, bits, decoding = check_engine_policy(self.policy)
             if bits and "mla" in cfg.mixers:
                 raise ConfigError(f"engine policy int:{bits} quantizes K/V pages; MLA's latent pages are not quantized")
-            self._prefill_capacity(self.policy, self.width * page_size)
-        per_head, bits = self.layout
+            if decoding and "mla" in cfg.mixers:
+                raise ConfigError(
+                    f"engine policy {self.policy}: every={decoding.every} evicts while decoding, which the engine "
+                    "runs on K/V pages; MLA's latent pages are compressed once after the prefill (drop every=)"
+                )
+            gen = self._prefill_capacity(self.policy, self.width * page_size)
+            if decoding:
+                plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]
+                self.evict = Eviction.of(plan, self.width * page_size, compressible(cfg))
+        per_head, bits, decoding = self.layout
         plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
         self.caches = tuple(
             PagedLatentCache.init(
@@ -324,7 +358,7 @@ class Engine:
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
-            else self._paged(cfg, plan.mixers[i], n_pages, per_head, bits)
+            else self._paged(cfg, plan.mixers[i], n_pages, per_head, bits, bool(decoding and accumulates(decoding)))
             for i in plan.producers
         )
         graphdef, self.params = nnx.split(model)
@@ -342,13 +376,16 @@ class Engine:
             self.caches = tuple(self._placed(c) for c in self.caches)
         self._sync([])
 
-    def _paged(self, cfg, kind: str, n_pages: int, per_head: bool, bits: int | None) -> PagedKVCache:
+    def _paged(self, cfg, kind: str, n_pages: int, per_head: bool, bits: int | None, stat: bool) -> PagedKVCache:
         """An attention layer's pages: the window pool's for a sliding-window layer when windows are freed (a
-        policy leaves the windows whole: full precision, one position per slot)."""
+        policy leaves the windows whole: full precision, one position per slot); `stat`: a running statistic
+        per slot (decode-time eviction that accumulates one, H2O's)."""
         att, ps = cfg.attention, self.pool.page_size
         windowed = self.window is not None and kind in self.windowed
-        n, per_head, bits = (
-            (self._window_pages(self.width).n_pages, False, None) if windowed else (n_pages, per_head, bits)
+        n, per_head, bits, stat = (
+            (self._window_pages(self.width).n_pages, False, None, False)
+            if windowed
+            else (n_pages, per_head, bits, stat)
         )
         cache = PagedKVCache.init(
             n,
@@ -360,6 +397,7 @@ class Engine:
             jnp.dtype(cfg.dtype),
             per_head_positions=per_head,
             bits=bits,
+            stat=stat,
         )
         return cache.replace(windowed=windowed)
 
@@ -379,6 +417,7 @@ class Engine:
         """Forget every sequence, the prefix cache and the statistics, keeping the compiled functions (a
         page's stale contents are never read: a row sees only the slots below its length)."""
         self.requests: list[Request] = []
+        self._budgets: dict[int, np.ndarray] = {}  # under decode-time eviction, each request's `budget_row`
         self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
         self._slot_of: dict[int, int] = {}  # a running sequence's recurrent-state slot
         self._free_slots = list(range(self.slots))[::-1]
@@ -472,7 +511,10 @@ class Engine:
         window = (
             table if self.windows is None else self.windows.table(seqs, at, ahead, self.width, self.scheduler.running)
         )
-        arrays = (table, window, length, positions, self._state_slots(seqs))
+        arrays = [table, window, length, positions, self._state_slots(seqs)]
+        if self.evict is not None:
+            none = np.zeros(1 + 3 * len(self.evict.slots), np.int32)
+            arrays.append(np.stack([none if s is None else self._budgets[s] for s in seqs]))
         self._rows_pushed = Rows(*(self._rows_placed(x) for x in arrays))  # numpy: jit moves it
 
     @property
@@ -528,7 +570,7 @@ class Engine:
         if request.policy is None:
             return self.policy
         if request.policy == "none":
-            policy, layout = None, (False, None)
+            policy, layout = None, (False, None, None)
         else:
             policy = parse_policy(request.policy)
             layout = check_engine_policy(policy)
@@ -538,7 +580,8 @@ class Engine:
 
             def said(layout):
                 heads = "positions per head" if layout[0] else "one position per slot"
-                return heads + (f", int{layout[1]} codes" if layout[1] else ", full precision")
+                evicts = f", evicting by {layout[2]} while decoding" if layout[2] else ""
+                return heads + (f", int{layout[1]} codes" if layout[1] else ", full precision") + evicts
 
             raise ConfigError(
                 f"policy {request.policy}: this engine's pages hold {said(self.layout)} (its policy: "
@@ -565,13 +608,18 @@ class Engine:
         any compute."""
         if not request.prompt:
             raise ConfigError(f"request {index}: the prompt is empty")
-        kept = None
+        kept = cap = None
         gen = self._prefill_capacity(self.policy_of(request), len(request.prompt))
         if gen is not None:
-            kept = int(gen.compression_plan(np.array([len(request.prompt)]), 0)[-1].counts.max())
+            plan = gen.compression_plan(np.array([len(request.prompt)]), 0)[-1]
+            budget = int(plan.counts.max())
+            kept = min(budget, len(request.prompt))  # under every=, a budget above the prompt is a cap
+            if self.evict is not None:  # held at its budget while decoding: at most `every` slots more
+                self._budgets[index] = budget_row(plan, len(request.prompt))
+                cap = budget + self.evict.every
         d = request.decoding
         greedy = d.temperature == 0 and not request.top_logprobs  # else each step reads the distribution
-        return Work(tuple(request.prompt), d.max_new_tokens, d.eos_id, greedy, kept)
+        return Work(tuple(request.prompt), d.max_new_tokens, d.eos_id, greedy, kept, cap)
 
     def check(self, requests: list[Request]) -> list[Work]:
         """Refuse, before any compute, a request this engine can never serve (an empty prompt, an
@@ -613,6 +661,7 @@ class Engine:
         """Drop ended request `index`'s prompt and completion (read them first)."""
         self.scheduler.forget(index)
         self.requests[index] = None
+        self._budgets.pop(index, None)
 
     def step(self) -> bool:
         """Run the scheduler's next plan on the device (a prefill, one step, or several greedy steps);
@@ -637,9 +686,9 @@ class Engine:
         request = self.requests[seq.index]
         gen = self._prefill_capacity(self.policy_of(request), len(request.prompt))
         padded, lengths = gen.pad([request.prompt], 0)
-        logits, dense, _ = gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
+        logits, dense, stats = gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
         self._sync([seq.index], [0], [len(request.prompt)])  # the window before the prompt's end
-        self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, 0)
+        self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, stats, 0)
         if self.scheduler.prefilled(seq):  # nothing was generated yet: the prefill's logits give the first token
             self._pick(seq, np.asarray(jax.nn.log_softmax(logits[0])))
 
@@ -657,9 +706,19 @@ class Engine:
         chunk[: len(piece)], chunk_pos[: len(piece)] = piece, np.arange(len(piece)) + (filling.at if filling else 0)
         self._sync([r.index for r in order], [1] * len(rows) + ([len(piece)] if filling else []), [r.at for r in order])
         last = np.int32(max(len(piece) - 1, 0))
-        logp, best, best_lp, self.caches = self._step(
-            self._leaves, self.caches, self._pushed, ids, pos, chunk, chunk_pos, np.int32(len(rows)), last
+        logp, best, best_lp, self.caches, lengths = self._step(
+            self._leaves,
+            self.caches,
+            self._pushed,
+            ids,
+            pos,
+            chunk,
+            chunk_pos,
+            np.int32(len(rows)),
+            last,
+            evict=self.evict,
         )
+        held = self._held(lengths)
         self.stats.steps += 1
         self.stats.calls += 1
         self.stats.prefill_chunks += bool(piece)
@@ -668,7 +727,7 @@ class Engine:
         reading = any(not self.scheduler.work[r.index].greedy for r, _, _ in fed)
         logp = np.asarray(logp) if reading else None  # the distribution only when a request samples or asks for it
         for r, n, out in fed:
-            if self.scheduler.fed(r, n):
+            if self.scheduler.fed(r, n, held(out)):
                 self._pick(r, None if logp is None else logp[out], (int(best[out]), float(best_lp[out])))
 
     def _feed_greedy(self, plan: Step) -> None:
@@ -681,16 +740,24 @@ class Engine:
             ids[i], pos[i], stops[i] = r.tokens[r.at], r.at, n
             eos[i] = -1 if self.requests[r.index].decoding.eos_id is None else self.requests[r.index].decoding.eos_id
         self._sync([r.index for r in rows], list(plan.stops), [r.at for r in rows])
-        tokens, logprobs, self.caches = self._greedy_steps(
-            self._leaves, self.caches, self._pushed, ids, pos, stops, eos, steps=plan.greedy_steps
+        tokens, logprobs, self.caches, lengths = self._greedy_steps(
+            self._leaves, self.caches, self._pushed, ids, pos, stops, eos, steps=plan.greedy_steps, evict=self.evict
         )
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        tokens, logprobs, held = np.asarray(tokens), np.asarray(logprobs), self._held(lengths)
         self.stats.steps += int((tokens >= 0).any(axis=1).sum())
         self.stats.calls += 1
         for step_tokens, step_lps in zip(tokens, logprobs):
-            for r, tok, lp in zip(rows, step_tokens, step_lps):
-                if tok >= 0 and self.scheduler.fed(r, 1):
+            for i, (r, tok, lp) in enumerate(zip(rows, step_tokens, step_lps)):
+                if tok >= 0 and self.scheduler.fed(r, 1, held(i)):
                     self.scheduler.picked(r, int(tok), float(lp))
+
+    def _held(self, lengths: jax.Array):
+        """row -> the slots its pages hold after a call, read back under decode-time eviction (which
+        shortens rows; the host frees the pages past them), else row -> None (the host counts them)."""
+        if self.evict is None:
+            return lambda row: None
+        lengths = np.asarray(lengths)
+        return lambda row: int(lengths[row])
 
     def warm(self) -> int:
         """Compile every step this engine can run (each row bucket with each chunk bucket, and each row
@@ -699,16 +766,24 @@ class Engine:
         programs run."""
         self._sync([])
         rows = sorted({self._rows(n) for n in range(1, self.slots + 1)})
-        chunks = sorted({self._chunk_bucket(n) for n in range(self.chunk + 1)})
+        chunks = [0] if self.evict else sorted({self._chunk_bucket(n) for n in range(self.chunk + 1)})
         for R in rows:
             idle, none = np.full(R, -1, np.int32), np.zeros(R, np.int32)
             for C in chunks:
                 args = (none, idle, np.zeros(C, np.int32), np.full(C, -1, np.int32), np.int32(R), np.int32(0))
-                *_, self.caches = self._step(self._leaves, self.caches, self._pushed, *args)
+                self.caches = self._step(self._leaves, self.caches, self._pushed, *args, evict=self.evict)[3]
             if self.decode_steps > 1:
-                _, _, self.caches = self._greedy_steps(
-                    self._leaves, self.caches, self._pushed, none, idle, none, idle, steps=self.decode_steps
-                )
+                self.caches = self._greedy_steps(
+                    self._leaves,
+                    self.caches,
+                    self._pushed,
+                    none,
+                    idle,
+                    none,
+                    idle,
+                    steps=self.decode_steps,
+                    evict=self.evict,
+                )[2]
         jax.block_until_ready(self.caches)
         return len(rows) * (len(chunks) + (self.decode_steps > 1))
 

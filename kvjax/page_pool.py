@@ -105,6 +105,17 @@ class PagePool:
             raise ValueError(f"sequence {seq!r}: {n} more tokens do not fit its pages; reserve first")
         self.lengths[seq] += n
 
+    def truncate(self, seq, length: int) -> None:
+        """`seq`'s pages now hold its first `length` slots (decode-time eviction compacted them): the pages
+        past them go back to the pool."""
+        table, keep = self.tables[seq], self.pages_for(length)
+        if keep > len(table):
+            raise ValueError(f"sequence {seq!r}: {length} slots do not fit its {len(table)} pages")
+        for page in reversed(table[keep:]):
+            self._drop(page)
+        del table[keep:]
+        self.lengths[seq] = length
+
     def register(self, seq, history) -> None:
         """Enter `seq`'s full pages into the prefix cache, keyed by `history` (its tokens from the start)."""
         key, history = b"", np.asarray(history)

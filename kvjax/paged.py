@@ -76,7 +76,8 @@ class PagedKVCache(_Arrays):
     the module docstring) and its view is a `RowSplit`. Quantized pages (`int:8` or `int:4`, as
     `QuantKVCache`'s int codes) hold per-token symmetric codes in k, v, packed (uint8 `[P,K,page_size,
     H * bits / 8]`), and their scales in k_scale, v_scale `[P,K,page_size,1]`; the view dequantizes the
-    gathered pages."""
+    gathered pages. `stat` `[P,K,page_size]` (fp32): each slot's running statistic under a decode-time
+    policy that accumulates one (H2O's attention received, `kvjax.paged_eviction`); a new token's is 0."""
 
     k: jax.Array
     v: jax.Array
@@ -86,6 +87,7 @@ class PagedKVCache(_Arrays):
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
     chunk_row: jax.Array | None = None
+    stat: jax.Array | None = None
     bits: int | None = struct.field(pytree_node=False, default=None)  # 8 or 4: the codes' width
     windowed: bool = struct.field(pytree_node=False, default=False)  # a sliding-window layer's own pool
 
@@ -103,8 +105,10 @@ class PagedKVCache(_Arrays):
         value_dim: int | None = None,
         per_head_positions: bool = False,
         bits: int | None = None,
+        stat: bool = False,
     ):
-        """`bits` (8 or 4): pages of symmetric integer codes, packed, with a scale per token and head."""
+        """`bits` (8 or 4): pages of symmetric integer codes, packed, with a scale per token and head;
+        `stat`: a running statistic per slot and head (decode-time eviction)."""
         if bits not in (None, 4, 8):
             raise ValueError(f"quantized pages hold 8- or 4-bit codes, not bits={bits}")
         shape = (n_pages, n_kv_heads, page_size, head_dim)
@@ -120,6 +124,7 @@ class PagedKVCache(_Arrays):
             pos=jnp.full((n_pages, pos_heads, page_size), -1, jnp.int32),
             table=jnp.zeros((batch, max_pages), jnp.int32),
             length=jnp.zeros((batch,), jnp.int32),
+            stat=jnp.zeros(shape[:3], jnp.float32) if stat else None,
             bits=bits,
             **scales,
         )
@@ -134,13 +139,14 @@ class PagedKVCache(_Arrays):
 
     @property
     def page_nbytes(self) -> int:
-        """Bytes one page takes: its K, V, positions (and int8 scales)."""
+        """Bytes one page takes: its K, V, positions (and int8 scales, running statistics)."""
         return sum(pool[0].nbytes for pool in self._pools().values())
 
     def _pools(self) -> dict[str, jax.Array]:
         """The per-slot arrays `[P,X,page_size,...]` a write fills and a page copy moves."""
         pools = dict(k=self.k, v=self.v, pos=self.pos)
-        return pools | (dict(k_scale=self.k_scale, v_scale=self.v_scale) if self.quantized else {})
+        pools |= dict(k_scale=self.k_scale, v_scale=self.v_scale) if self.quantized else {}
+        return pools | (dict(stat=self.stat) if self.stat is not None else {})
 
     def _flat_slots(self, index: jax.Array, ok: jax.Array) -> jax.Array:
         """Pool slots (page * page_size + offset) of the rows' slot indices `[B,T]`; not `ok`, past the
@@ -159,7 +165,7 @@ class PagedKVCache(_Arrays):
     def _write(self, flat: jax.Array, **values: jax.Array) -> PagedKVCache:
         """Per-slot values `[N,X,...]` (k, v `[N,K,H]`, pos `[N,Kp]`, scales) into the flat pool slots `[N]`;
         full-precision k, v are quantized first when the pages hold codes."""
-        if self.quantized and "k_scale" not in values:
+        if self.quantized and "k" in values and "k_scale" not in values:
             for name in ("k", "v"):
                 codes, scale, _ = quantize(values[name], self.bits, values[name].shape[-1], symmetric=True)
                 values[name], values[f"{name}_scale"] = pack(codes, self.bits), scale  # scale [N,K,1]
@@ -200,11 +206,13 @@ class PagedKVCache(_Arrays):
                 )
             flat, added = self._mixed_slots(pos)
         Kp = self.pos.shape[1]
+        fresh = {} if self.stat is None else dict(stat=jnp.zeros((flat.shape[0], K), jnp.float32))
         new = self._write(
             flat,
             k=k.reshape(-1, K, k.shape[-1]),
             v=v.reshape(-1, K, v.shape[-1]),
             pos=jnp.broadcast_to(pos[..., None], (*pos.shape, Kp)).reshape(-1, Kp),
+            **fresh,
         )
         new = new.replace(length=self.length + added)
         return new, new.view()
@@ -251,16 +259,49 @@ class PagedKVCache(_Arrays):
     def _split(rows: KVView, chunk: KVView, pool: PagedKVCache | None) -> KVView:
         return rows._replace(reader=RowSplit(rows, chunk, pool))
 
-    def _gather(self) -> KVView:
+    def _rows_of(self, pool: jax.Array) -> jax.Array:
+        """A pool `[P,X,page_size,...]` gathered in each row's table order: `[B,X,M*page_size,...]`."""
         B, M = self.table.shape
-        ps = self.page_size
-        gather = lambda pool: pool[self.table].transpose(0, 2, 1, 3, 4).reshape(B, pool.shape[1], M * ps, -1)  # noqa: E731
-        mine = jnp.arange(M * ps, dtype=jnp.int32)[None, None, :] < self.length[:, None, None]
-        pos = jnp.where(mine, gather(self.pos[..., None])[..., 0], -1)  # [B,Kp,M*ps]
+        gathered = pool.reshape(*pool.shape[:3], -1)[self.table].transpose(0, 2, 1, 3, 4)
+        return gathered.reshape(B, pool.shape[1], M * self.page_size, *pool.shape[3:])
+
+    def _mine(self) -> jax.Array:
+        """`[B,1,M*page_size]`: the row slots below each row's length."""
+        return (
+            jnp.arange(self.table.shape[1] * self.page_size, dtype=jnp.int32)[None, None, :]
+            < self.length[:, None, None]
+        )
+
+    def stat_view(self) -> jax.Array:
+        """Each row's running statistics `[B,K,M*page_size]` in its slots' order (0 past its length)."""
+        return jnp.where(self._mine(), self._rows_of(self.stat), 0.0)
+
+    def compact(self, rows: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array):
+        """Rewrite the slots of the sequence slots `rows` (`[B]` bool) from a dense cache of their view's
+        width (k, v `[B,K,S,H]`, positions `[B,S]` or `[B,K,S]`, `length` `[B]`): decode-time eviction's
+        re-selection, compacted in place within the pages each row holds."""
+        B, K, S = k.shape[:3]
+        index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], (B, S))
+        pos = jnp.broadcast_to(pos if pos.ndim == 3 else pos[:, None], (B, self.pos.shape[1], S))
+        flat = self._flat_slots(index, rows[:, None]).reshape(-1)
+        new = self._write(flat, k=_slot_major(k), v=_slot_major(v), pos=_slot_major(pos))
+        return new.replace(length=jnp.where(rows, length, self.length))
+
+    def with_stat(self, stat: jax.Array, rows: jax.Array | None = None) -> PagedKVCache:
+        """Store each row's running statistics `[B,K,S]` (S its view's width): at every slot of the rows
+        `rows` (`[B]` bool; just compacted), at the filled ones of the others."""
+        B, _, S = stat.shape
+        index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], (B, S))
+        ok = index < self.length[:, None]
+        ok = ok if rows is None else ok | rows[:, None]
+        return self._write(self._flat_slots(index, ok).reshape(-1), stat=_slot_major(stat))
+
+    def _gather(self) -> KVView:
+        pos = jnp.where(self._mine(), self._rows_of(self.pos), -1)  # [B,Kp,M*ps]
         pos = pos[:, 0] if pos.shape[1] == 1 else pos
         if not self.quantized:
-            return KVView(gather(self.k), gather(self.v), pos, paged=self)
-        return KVView(*(self._values(gather(c), gather(s)) for c, s in self._coded()), pos)
+            return KVView(self._rows_of(self.k), self._rows_of(self.v), pos, paged=self)
+        return KVView(*(self._values(self._rows_of(c), self._rows_of(s)) for c, s in self._coded()), pos)
 
     def _coded(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
         return (self.k, self.k_scale), (self.v, self.v_scale)
@@ -314,6 +355,11 @@ class PagedKVCache(_Arrays):
             return self
         src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
         return self.replace(**{name: pool.at[dst].set(pool[src]) for name, pool in self._pools().items()})
+
+
+def _slot_major(x: jax.Array) -> jax.Array:
+    """Rows' head-major slots `[B,X,S,...]` as one slot axis `[B*S,X,...]`, as `_write` takes them."""
+    return jnp.moveaxis(x, 1, 2).reshape(x.shape[0] * x.shape[2], x.shape[1], *x.shape[3:])
 
 
 @struct.dataclass

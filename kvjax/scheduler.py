@@ -25,18 +25,26 @@ from kvjax.page_pool import PagePool, PoolExhausted
 @dataclasses.dataclass(frozen=True)
 class Work:
     """What the scheduler knows of a request: its prompt, when it stops, whether it decodes greedily (a
-    greedy sequence may run several steps in one device call), and the slots its prompt takes in pages
-    (`kept`: the whole prompt, or what a compression policy keeps of it)."""
+    greedy sequence may run several steps in one device call), the slots its prompt takes in pages
+    (`kept`: the whole prompt, or what a compression policy keeps of it) and, when the policy evicts
+    while decoding, the most slots it ever holds (`cap`: its budget plus `every`)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
     eos_id: int | None = None
     greedy: bool = True
     kept: int | None = None  # None: len(prompt), uncompressed
+    cap: int | None = None  # None: it grows by every token it generates
 
     @property
     def compressed(self) -> bool:
         return self.kept is not None
+
+    @property
+    def slots(self) -> int:
+        """The most slots its pages hold at once."""
+        total = (len(self.prompt) if self.kept is None else self.kept) + self.max_new_tokens
+        return total if self.cap is None else min(total, self.cap)
 
 
 @dataclasses.dataclass
@@ -118,7 +126,7 @@ class Scheduler:
         for i, w in enumerate(work):
             if not w.prompt:
                 raise ConfigError(f"request {i}: the prompt is empty")
-            total = (len(w.prompt) if w.kept is None else w.kept) + w.max_new_tokens
+            total = w.slots
             most = min(width, self.pool.n_pages - 1)
             if self.pool.pages_for(total) > most:
                 raise ConfigError(
@@ -174,16 +182,15 @@ class Scheduler:
             return prefill
         if not self.running:
             raise RuntimeError("no request fits the free pages")  # cannot happen: `check` sized them
-        rows = sorted((s for s in self.running.values() if s.pending == 1), key=lambda s: s.index)
+        rows = sorted((s for s in self.running.values() if s.pending == 1 or self._replays(s)), key=lambda s: s.index)
         copies = self._grow(rows)
         rows = [s for s in rows if s.index in self.running]
-        filling = min((s for s in self.running.values() if s.pending > 1), key=lambda s: s.index, default=None)
-        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)
+        filling = min((s for s in self.running.values() if self._fills(s)), key=lambda s: s.index, default=None)
         self.stats.peak_running = max(self.stats.peak_running, len(rows))
-        if filling is None:
-            stops = self._greedy_stops(rows, copies)
-            if stops:
-                return Step(rows, copies=copies, greedy_steps=self.decode_steps, stops=stops)
+        stops = self._greedy_stops(rows, copies) if filling is None else []
+        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.used_pages)  # with a multi-step call's
+        if stops:
+            return Step(rows, copies=copies, greedy_steps=self.decode_steps, stops=stops)
         chunk = filling.tokens[filling.at : filling.at + self.chunk] if filling else []
         return Step(rows, filling, chunk, copies)
 
@@ -191,13 +198,13 @@ class Scheduler:
         """Admit waiting requests in arrival order while fewer than `slots` run and their pages are free,
         one prompt being prefilled at a time (so pages are not reserved long before their chunks run).
         A compressed request is prefilled whole on admission: returned, admitting no more until then."""
-        while self.waiting and len(self.running) < self.slots and not any(s.pending > 1 for s in self.running.values()):
+        while self.waiting and len(self.running) < self.slots and not any(map(self._fills, self.running.values())):
             index = self.waiting[0]
             w, done = self.work[index], self.done[index]
             tokens = [*w.prompt, *done.tokens]  # a preempted request recomputes what it generated
-            if w.compressed:
+            if w.compressed:  # what it generated is fed after the prefill: as a chunk, or token by token (cap)
                 self.pool.admit(index)
-                hit, need = 0, w.kept + len(done.tokens)
+                hit, need = 0, w.kept + (len(done.tokens) if w.cap is None else 0)
             else:
                 hit = self.pool.admit(index, tokens if self.prefix_cache else None)  # full pages cached
                 need = len(tokens) - hit
@@ -212,6 +219,15 @@ class Scheduler:
                 return Prefill(seq)
             self.stats.cached_tokens += hit
         return None
+
+    def _replays(self, s: Sequence) -> bool:
+        """Whether `s` re-feeds what it generated before a preemption one decode step at a time (a policy
+        that evicts while decoding must see each token as it saw it)."""
+        return s.pending > 1 and self.work[s.index].cap is not None
+
+    def _fills(self, s: Sequence) -> bool:
+        """Whether `s` has prompt (or recomputed) tokens to feed in chunks."""
+        return s.pending > 1 and self.work[s.index].cap is None
 
     def _grow(self, rows: list[Sequence]) -> list[tuple[int, int]]:
         """A page for each decode row's token, preempting the newest requests while short (a prompt
@@ -239,10 +255,13 @@ class Scheduler:
         stops = [self.work[s.index].max_new_tokens - len(s.done.tokens) for s in rows]
         if self.decode_steps == 1 or not rows or max(stops) < 2 or not all(self.work[s.index].greedy for s in rows):
             return []
+        if any(s.pending > 1 for s in rows):
+            return []
         stops = [min(n, self.decode_steps) for n in stops]
         try:
             for s, n in zip(rows, stops):
-                copies += self.pool.reserve(s.index, n)
+                cap = self.work[s.index].cap  # eviction in the call keeps a row within its cap
+                copies += self.pool.reserve(s.index, n if cap is None else min(n, cap - self.pool.lengths[s.index]))
         except PoolExhausted:
             return []
         return stops
@@ -256,10 +275,14 @@ class Scheduler:
         seq.at = len(self.work[seq.index].prompt)
         return seq.pending == 0
 
-    def fed(self, seq: Sequence, n: int) -> bool:
-        """n more of `seq`'s pending tokens are in its pages; True when it has none left, so its next
-        token is to be picked (and reported with `picked`)."""
-        self.pool.advance(seq.index, n)
+    def fed(self, seq: Sequence, n: int, held: int | None = None) -> bool:
+        """n more of `seq`'s pending tokens are in its pages, which now hold `held` slots when eviction
+        while decoding compacted them (the pages past them are freed); True when it has none left, so its
+        next token is to be picked (and reported with `picked`)."""
+        if held is None:
+            self.pool.advance(seq.index, n)
+        else:
+            self.pool.truncate(seq.index, held)
         self.stats.prefill_tokens += max(0, min(seq.at + n, seq.fill) - seq.at)
         seq.at += n
         length, size = self.pool.lengths[seq.index], self.pool.page_size

@@ -112,7 +112,11 @@ def _uvicorn(uvicorn, config, server, grace: float):
 def register(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine, any policy behind it")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--policy", help="compress every request's prompt, e.g. snapkv:0.5 or int:8 (default: none)")
+    p.add_argument(
+        "--policy",
+        help="compress every request's prompt (and its cache while it decodes, every=N), e.g. snapkv:0.5, "
+        "h2o:256:every=64 or int:8 (default: none)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=POSITIVE, default=8000, help="port (default: 8000)")
     p.add_argument("--memory-mib", type=POSITIVE_FLOAT, help="K/V memory of the pages (default: a request per slot)")

@@ -147,8 +147,9 @@ def register(sub) -> None:
     sb.add_argument(
         "--policy",
         action="append",
-        help="also the engine with this policy: token eviction applied after the prefill, optionally ending in "
-        "int:8, e.g. snapkv:0.5 or int:8; repeatable (default: none)",
+        help="also the engine with this policy: token eviction applied after the prefill (and while decoding "
+        "with every=N), optionally ending in int:8 or int:4, e.g. snapkv:0.5, h2o:256:every=64 or int:8; "
+        "repeatable (default: none)",
     )
     renamed(sb, "--policies", "give --policy once per policy (--policy snapkv:0.5 --policy int:8)")
     sb.add_argument("--json", help="also write the figures to this file")

@@ -151,6 +151,9 @@ class Stage:
             )
         method.validate(self, where)
 
+    def __str__(self) -> str:
+        return _stage_text(self)
+
     @property
     def hooks(self):
         """The registered `Method` of this stage (None for a quantizer, whose parts are its `Scheme`)."""
@@ -256,7 +259,7 @@ class Policy:
         return self.stages[-1] if self.stages[-1].every else None
 
     def __str__(self) -> str:
-        return "+".join(_stage_text(s) for s in self.stages)
+        return "+".join(map(str, self.stages))
 
 
 def _stage_text(stage: Stage) -> str:

@@ -113,6 +113,8 @@ def test_mla_latents_in_pages_with_prefix_hits_and_preemptions(make_model, reque
     _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
     assert engine.stats.preemptions > 0 and engine.stats.cached_tokens > 0 and engine.pool.used_pages == 0
     assert engine.caches[0].k.shape[1:] == (1, 4, mla.config.mla.kv_lora_rank)
+    with pytest.raises(ConfigError, match="every=4 evicts while decoding.*MLA's latent pages are compressed once"):
+        Engine(mla, n_pages=10, policy="h2o:0.5:every=4")
 
 
 def test_requests_that_cannot_fit_and_models_it_cannot_page_are_refused(gqa, make_model):
@@ -289,13 +291,69 @@ def test_a_request_may_bring_its_own_policy_and_top_logprobs(gqa, requests):
         engine.submit(dataclasses.replace(requests[0], policy="snapkv:0.5"))
     with pytest.raises(ConfigError, match="needs one position per slot, int8 codes"):
         engine.submit(dataclasses.replace(requests[0], policy="int:8"))
+    with pytest.raises(ConfigError, match=r"needs one position per slot, full precision, evicting by tova.*every=2"):
+        engine.submit(dataclasses.replace(requests[0], policy="tova:0.5:every=2"))
+
+
+def _audit(engine, caps) -> None:
+    """The pool's accounting: each page either free or held (reference counts equal to the tables that
+    hold it), none lost, and no running request above its cap of pages."""
+    pool = engine.pool
+    held = [p for table in pool.tables.values() for p in table]
+    assert not set(held) & set(pool.free) and set(held) | set(pool.free) == set(range(1, pool.n_pages))
+    assert all(pool.refs[p] == held.count(p) for p in set(held))
+    assert all(len(pool.tables[i]) <= caps[i] for i in pool.tables)
+
+
+@pytest.mark.parametrize(
+    "policy, pages, steps, gemma",
+    [
+        ("h2o:0.5:every=4", 7, 4, False),
+        ("tova:0.5:every=3", 40, 1, False),
+        ("snapkv:0.5:obs_window=1,every=3", 6, 4, True),
+    ],
+)
+def test_eviction_while_decoding_caps_each_request_and_equals_generator(
+    make_model, requests, policy, pages, steps, gemma
+):
+    """`every=N` in pages: each decode step observes the rows' attention (H2O's running sums kept per slot
+    in the pages), every N-th step of a request re-selects its slots and compacts them within its pages,
+    and the pages past them go back; each request equals Generator alone under the policy, with
+    preemptions (its generated tokens re-fed one decode step at a time), multi-step calls and, on Gemma's
+    layout, window pages freed beside it; no request ever holds more than its budget plus N slots."""
+    model = make_model("gqa", *(GEMMA_LIKE if gemma else ()), "model.n_layers=2")[1]
+    gen = Generator(model, capacity=40, policy=parse_policy(policy))
+    engine = Engine(
+        model, n_pages=pages, page_size=4, slots=4, chunk=8, decode_steps=steps, policy=policy, max_tokens=32
+    )
+    for r in requests:
+        engine.submit(r)
+    caps = {i: engine.pool.pages_for(w.cap) for i, w in enumerate(engine.scheduler.work)}
+    assert all(w.cap < len(w.prompt) + w.max_new_tokens for w in engine.scheduler.work if len(w.prompt) > 8)
+    while engine.step():
+        _audit(engine, caps)
+    _check(engine.done, [gen([list(r.prompt)], r.decoding) for r in requests])
+    assert engine.pool.used_pages == 0 and (engine.stats.preemptions > 0) == (pages < 40)
+    assert (engine.caches[0].stat is not None) == policy.startswith("h2o")
+
+
+def test_a_long_generation_stays_within_its_budget(gqa):
+    """200 tokens after a 20-token prompt: with `h2o:0.5:every=8` the request never holds more than 10 +
+    8 slots (5 pages of 4), where the full cache grows to 55 pages."""
+    request = Request(tuple(range(1, 21)), DecodingConfig(max_new_tokens=200))
+    peaks = {}
+    for policy in (None, "h2o:0.5:every=8"):
+        engine = Engine(gqa, n_pages=64, page_size=4, slots=1, policy=policy, decode_steps=16)
+        engine.run([request])
+        peaks[policy] = engine.stats.peak_pages
+    assert peaks == {None: 55, "h2o:0.5:every=8": 5}
 
 
 def test_policies_the_engine_cannot_page_are_refused(gqa):
     for policy, match in [
         ("kivi:2", "quantized pages are int:8 or int:4"),
         ("int:4:asym=true", r"quantized pages are int:8 or int:4 \(symmetric\)"),
-        ("h2o:0.5:every=2", "every=2"),
+        ("scissorhands:0.5:every=2", "scissorhands is not supported"),
         ("snapkv:0.5:allocator=adakv", "allocator='adakv'"),
         ("palu:0.5", "palu is not supported"),
         ("duo:0.5", "duo is not supported"),

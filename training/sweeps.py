@@ -62,10 +62,11 @@ def runs(entries: list[str], ratios: list[float]) -> list[Run]:
 
 @dataclasses.dataclass(frozen=True)
 class Item:
-    """One input of a sweep: its task and index, the length it runs at (the Generators' capacity, a
-    column of the tables), its context and question token ids (no question: the whole input compressed at
-    once; else the context alone and the question fed after it, `Generator.answer`), the tokens it may
-    generate, and the fields its record gets for an answer (`score(answer)`: at least `score`, in [0, 1])."""
+    """One input of a sweep: its task and index, the length it runs at (a column of the tables; the
+    Generators' capacity unless `capacity` says otherwise), its context and question token ids (no
+    question: the whole input compressed at once; else the context alone and the question fed after it,
+    `Generator.answer`), the tokens it may generate, and the fields its record gets for an answer
+    (`score(answer)`: at least `score`, in [0, 1])."""
 
     task: str
     length: int
@@ -74,6 +75,7 @@ class Item:
     question: list[int]
     max_new_tokens: int
     score: Callable[[str], dict]
+    capacity: int | None = None
 
 
 def check_results(results: Path, ident: dict) -> None:
@@ -116,7 +118,7 @@ def sweep(
     """Every cell's record, read back from `results` (a JSONL file) or computed and appended to it, with
     the sweep's identity `ident` (a file of another sweep is refused before any compute, `check_results`).
     A stored cell is reused only if its input (a digest of the prompt's tokens) is the one given now.
-    Items of one length run in a row, sharing their Generators; with `share`, the policies that compress
+    Items of one capacity run in a row, sharing their Generators; with `share`, the policies that compress
     once after the prefill (every scorer, allocator and quantizer) compress one observed prefill per item
     (`prefill_shared`) instead of each its own. `on_cell` sees every record, read or computed; a set
     `stop` (Ctrl-C) ends the sweep after the item in progress with `Interrupted`."""
@@ -124,12 +126,12 @@ def sweep(
     done = finished(results)
     records, computed, stale = [], 0, 0
     gens: dict[str, Generator] = {}
-    length = None
+    capacity = None
 
     def generator(run: Run) -> Generator:
         if run.name not in gens:
             policy = parse_policy(run.policy) if run.policy else None
-            gens[run.name] = Generator(model, capacity=length, policy=policy, calibration=calibration)
+            gens[run.name] = Generator(model, capacity=capacity, policy=policy, calibration=calibration)
         return gens[run.name]
 
     def seen(record: dict) -> None:
@@ -141,9 +143,9 @@ def sweep(
     try:
         with results.open("a") as log:
             for item in items:
-                if item.length != length:  # a new capacity: the last one's programs are not needed again
+                if (item.capacity or item.length) != capacity:  # the last capacity's programs are not needed again
                     gens.clear()
-                    length = item.length
+                    capacity = item.capacity or item.length
                 prompt = item.context + item.question
                 digest = _digest(prompt)
                 kept = {}

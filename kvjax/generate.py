@@ -216,15 +216,25 @@ def _decode(
     return final.tokens, final.logprobs, final.n_generated, final.caches, final.stats
 
 
-def _forced(model, caches, stats, logits, lengths, forced, evict, out=lambda logits, tok: None):
+def _forced(model, caches, stats, logits, lengths, forced, evict, out=lambda logits, tok: None, count=None):
     """Feed forced tokens `[B,N]` after rows of `lengths` tokens, one decode step each (with the decode-time
-    eviction `evict`): (caches, stats, the logits after the last, per token `out(logits before it, it)`)."""
+    eviction `evict`): (caches, stats, the logits after the last, per token `out(logits before it, it)`).
+    `count` (a scalar): only the first `count` columns are fed, the rest padding (so that forced tokens of
+    nearby lengths share a compile)."""
 
-    def body(carry, tok):
+    def step_on(carry, tok):
         caches, stats, logits, step = carry
         pos = (lengths + step)[:, None]
         new_logits, caches, stats = _decode_step(model, tok[:, None], pos, caches, stats, step + 1, evict)
-        return (caches, stats, new_logits[:, 0], step + 1), out(logits, tok)
+        return caches, stats, new_logits[:, 0], step + 1
+
+    def body(carry, tok):
+        fed = (
+            step_on(carry, tok)
+            if count is None
+            else jax.lax.cond(carry[3] < count, step_on, lambda c, t: c, carry, tok)
+        )
+        return fed, out(carry[2], tok)
 
     (caches, stats, last, _), outs = jax.lax.scan(body, (caches, stats, logits, jnp.int32(0)), forced.T)
     return caches, stats, last, outs
@@ -249,13 +259,13 @@ def _score(graphdef, params, caches, logits, lengths, stats, evict_arrays, force
     return logprobs, jnp.concatenate([full.transpose(1, 0, 2), last_full[:, None]], axis=1)
 
 
-def _feed(graphdef, params, caches, lengths, stats, evict_arrays, forced, *, evict):
-    """A question after its compressed context (kvpress's query-agnostic protocol): the forced tokens fed
-    one decode step each; (logits after the last `[B,V]`, caches, stats)."""
+def _feed(graphdef, params, caches, lengths, stats, evict_arrays, forced, count, *, evict):
+    """A question after its compressed context (kvpress's query-agnostic protocol): the first `count` forced
+    tokens (the rest padding) fed one decode step each; (logits after the last `[B,V]`, caches, stats)."""
     model = nnx.merge(graphdef, params)
     evict = None if evict is None else (evict[0], evict_arrays, evict[1])
     logits = jnp.zeros((forced.shape[0], model.config.vocab_size), jnp.float32)  # read by no step
-    caches, stats, last, _ = _forced(model, caches, stats, logits, lengths, forced, evict)
+    caches, stats, last, _ = _forced(model, caches, stats, logits, lengths, forced, evict, count=count)
     return last, caches, stats
 
 
@@ -295,6 +305,7 @@ def _logits(graphdef, params, hidden):
 
 
 _COMPRESS = jax.jit(compress_caches, static_argnames=("statics", "slots"))
+QUESTION_BUCKET = 16  # `Generator.answer` pads a question to a multiple of this: one compile for nearby lengths
 
 
 class Generator:
@@ -597,10 +608,15 @@ class Generator:
         else:
             lengths, (logits, caches, stats) = np.array([len(c) for c in contexts], np.int32), prefilled
         evict, arrays = self._evict_args(lengths, room)
-        placed, forced = self._rows(jnp.asarray(lengths), forced)
+        n = forced.shape[1]
+        padded = np.zeros((len(forced), -(-n // QUESTION_BUCKET) * QUESTION_BUCKET), np.int32)
+        padded[:, :n] = forced
+        placed, padded = self._rows(jnp.asarray(lengths), padded)
         stats = stats if stats is not None else (None,) * len(caches)
-        logits, caches, stats = self._feed(self.params, caches, placed, stats, arrays, forced, evict=evict)
-        return self.decode(caches, logits, lengths, decoding, rng, stats, at=lengths + forced.shape[1], headroom=room)
+        logits, caches, stats = self._feed(
+            self.params, caches, placed, stats, arrays, padded, jnp.int32(n), evict=evict
+        )
+        return self.decode(caches, logits, lengths, decoding, rng, stats, at=lengths + n, headroom=room)
 
     def __call__(
         self,

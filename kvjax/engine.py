@@ -718,7 +718,7 @@ class Engine:
             last,
             evict=self.evict,
         )
-        held = self._held(lengths)
+        held = self._held(lengths)  # slots each row's pages hold now, under eviction while decoding
         self.stats.steps += 1
         self.stats.calls += 1
         self.stats.prefill_chunks += bool(piece)
@@ -727,7 +727,7 @@ class Engine:
         reading = any(not self.scheduler.work[r.index].greedy for r, _, _ in fed)
         logp = np.asarray(logp) if reading else None  # the distribution only when a request samples or asks for it
         for r, n, out in fed:
-            if self.scheduler.fed(r, n, held(out)):
+            if self.scheduler.fed(r, n, None if held is None else held[out]):
                 self._pick(r, None if logp is None else logp[out], (int(best[out]), float(best_lp[out])))
 
     def _feed_greedy(self, plan: Step) -> None:
@@ -748,16 +748,13 @@ class Engine:
         self.stats.calls += 1
         for step_tokens, step_lps in zip(tokens, logprobs):
             for i, (r, tok, lp) in enumerate(zip(rows, step_tokens, step_lps)):
-                if tok >= 0 and self.scheduler.fed(r, 1, held(i)):
+                if tok >= 0 and self.scheduler.fed(r, 1, None if held is None else held[i]):
                     self.scheduler.picked(r, int(tok), float(lp))
 
-    def _held(self, lengths: jax.Array):
-        """row -> the slots its pages hold after a call, read back under decode-time eviction (which
-        shortens rows; the host frees the pages past them), else row -> None (the host counts them)."""
-        if self.evict is None:
-            return lambda row: None
-        lengths = np.asarray(lengths)
-        return lambda row: int(lengths[row])
+    def _held(self, lengths: jax.Array) -> list[int] | None:
+        """Each row's main-pool length after a call, read back only under eviction while decoding (which
+        shortens rows; the host frees the pages past them); None when the host's own count is right."""
+        return None if self.evict is None else np.asarray(lengths).tolist()
 
     def warm(self) -> int:
         """Compile every step this engine can run (each row bucket with each chunk bucket, and each row

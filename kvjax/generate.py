@@ -354,12 +354,8 @@ class Generator:
         programs = _programs(graphdef)
         self._prefill, self._prefill_chunk, self._logits = programs.prefill, programs.prefill_chunk, programs.logits
         self._prefill_compressed, self._prefill_densities = programs.prefill_compressed, programs.prefill_densities
-        self._compress, self._decode, self._score, self._feed = (
-            _COMPRESS,
-            programs.decode,
-            programs.score,
-            programs.feed,
-        )
+        self._compress, self._decode, self._score = _COMPRESS, programs.decode, programs.score
+        self._feed = programs.feed
         self._layer_counts = None  # (lengths, tokens kept per cache and row) of the last prefill (D2O)
 
     @property
@@ -595,8 +591,8 @@ class Generator:
         the compressed cache a decode step per token (with the policy's decode-time eviction, if any; the
         scorers never see it), and decoding goes on from there. `prefilled`: what `prefill_compressed` (or
         `prefill_shared`) gave for these contexts, padded with room for the question and the new tokens."""
-        lengths = {len(q) for q in questions}
-        if len(questions) != len(contexts) or len(lengths) != 1 or 0 in lengths:
+        sizes = {len(q) for q in questions}
+        if len(questions) != len(contexts) or len(sizes) != 1 or 0 in sizes:
             raise ValueError("questions must be one non-empty sequence per context, all of the same length")
         forced = np.asarray(questions, np.int32)
         if forced.min() < 0 or forced.max() >= self.config.vocab_size:

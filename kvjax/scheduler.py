@@ -255,7 +255,7 @@ class Scheduler:
         stops = [self.work[s.index].max_new_tokens - len(s.done.tokens) for s in rows]
         if self.decode_steps == 1 or not rows or max(stops) < 2 or not all(self.work[s.index].greedy for s in rows):
             return []
-        if any(s.pending > 1 for s in rows):
+        if any(map(self._replays, rows)):  # a replayed token is fed, not picked
             return []
         stops = [min(n, self.decode_steps) for n in stops]
         try:

@@ -51,9 +51,7 @@ def sweep(
     tokenizer,
     *,
     bos: bool,
-    data: Path,
-    tasks: list[str],
-    samples: int | None,
+    samples: dict[str, list[longbench.Sample]],
     max_length: int,
     runs_: list[Run],
     results: Path,
@@ -63,16 +61,15 @@ def sweep(
     on_cell: Callable[[dict], None] | None = None,
     stop: threading.Event | None = None,
 ) -> Sweep:
-    """Every cell's record, read back from `results` or computed and appended to it (resumable; a file of
-    another sweep refused before any compute). Every task's file is read before the first cell, so a
-    missing or malformed one fails before anything runs. Prompts fit `max_length` tokens (the table's
-    length column); each task generates its own budget. See `kvjax.training.ruler_eval.sweep` for the
+    """Every cell's record for each task's `samples` (`longbench.load`: read, and checked, before anything
+    runs), read back from `results` or computed and appended to it (resumable; a file of another sweep
+    refused before any compute). Prompts fit `max_length` tokens (the table's length column); each task
+    generates its own budget. See `kvjax.training.ruler_eval.sweep` for the
     question modes, `share` and `stop`."""
     ident = identity(model, tokenizer, bos=bos, query_aware=query_aware)
-    loaded = {task: longbench.load(data, task, samples) for task in tasks}
-    budget = max(longbench.max_new_tokens(t) for t in tasks)  # one capacity: one compile per policy
+    budget = max(longbench.max_new_tokens(t) for t in samples)  # one capacity: one compile per policy
     items = []
-    for task, task_samples in loaded.items():
+    for task, task_samples in samples.items():
         for sample in task_samples:
             context, question = prompt_parts(sample, tokenizer, bos, max_length, split=not query_aware)
             new = longbench.max_new_tokens(task)

@@ -22,7 +22,7 @@ def run(args) -> None:
     if unknown := [t for t in tasks if t not in known]:
         raise ConfigError(f"--tasks {' '.join(unknown)}: LongBench v{args.version}'s tasks are {' '.join(known)}")
     data = Path(args.data)
-    samples = sum(len(longbench.load(data, t, args.samples)) for t in tasks)  # every file checked before the weights
+    samples = {t: longbench.load(data, t, args.samples) for t in tasks}  # every file checked before the weights
     runs = sweeping.plan(args)
     name = f"{Path(args.model).stem}-v{args.version}" + ("-query-aware" if args.query_aware else "")
     out = check_output(args.out or Path("runs/longbench") / name, "--out", directory=True)
@@ -36,15 +36,13 @@ def run(args) -> None:
     check_context(loaded, max_length + LARGEST_ANSWER, f"--max-length {max_length}", args.allow_long_context)
     runs, calibration = sweeping.resolved(runs, args, loaded)
     swept, seconds = sweeping.run(
-        len(runs) * samples,
+        len(runs) * sum(map(len, samples.values())),
         args,
         lambda **progress: lb.sweep(
             loaded.model,
             loaded.tokenizer,
             bos=loaded.bos,
-            data=data,
-            tasks=list(tasks),
-            samples=args.samples,
+            samples=samples,
             max_length=max_length,
             runs_=runs,
             results=out / "results.jsonl",

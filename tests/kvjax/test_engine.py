@@ -300,12 +300,14 @@ def test_a_request_may_bring_its_own_policy_and_top_logprobs(gqa, requests):
 
 def _audit(engine, caps) -> None:
     """The pool's accounting: each page either free or held (reference counts equal to the tables that
-    hold it), none lost, and no running request above its cap of pages."""
+    hold it), none lost, no running request above its cap of pages nor holding a page past its slots."""
     pool = engine.pool
     held = [p for table in pool.tables.values() for p in table]
     assert not set(held) & set(pool.free) and set(held) | set(pool.free) == set(range(1, pool.n_pages))
     assert all(pool.refs[p] == held.count(p) for p in set(held))
     assert all(len(pool.tables[i]) <= caps[i] for i in pool.tables)
+    # after a step, a capped request holds the pages of its slots and no more (eviction freed the rest)
+    assert all(len(pool.tables[i]) == pool.pages_for(pool.lengths[i]) for i in pool.tables)
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,15 @@ def test_score_takes_the_best_reference_and_the_first_line_where_longbench_does(
     assert lb.score(lb.Sample(lb.V2, 0, "", "", ("A",)), "The correct answer is (A)") == 1.0
 
 
+def test_a_long_context_is_cut_in_its_middle_and_the_question_kept_whole():
+    context = list(range(10))
+    assert lb.truncate(context, [97, 98, 99], max_length=9) == [0, 1, 2, 7, 8, 9]  # 6 of 10: halves 3 and 3
+    assert lb.truncate(context, [97, 98, 99], max_length=10) == [0, 1, 2, 6, 7, 8, 9]  # 7: the end gets the odd one
+    assert lb.truncate(context, [99], max_length=11) == context
+    with pytest.raises(ConfigError, match="max_length=4 leaves no room for a context before 3 question tokens"):
+        lb.truncate(context, [97, 98, 99], max_length=4)
+
+
 def _v1_file(path, task, n):
     rows = [
         {

@@ -9,6 +9,7 @@ from kvjax.commands import sweeping
 from kvjax.commands.args import MODEL_HELP, POSITIVE, RATIO, RATIO_HELP, check_output, mesh_of
 from kvjax.errors import ConfigError
 
+MIN_LENGTH = 64  # the fewest prompt tokens --max-length may ask for
 LARGEST_ANSWER = 512  # v1's longest generation (the summaries'): what the default max length leaves room for
 
 
@@ -22,13 +23,15 @@ def run(args) -> None:
     if unknown := [t for t in tasks if t not in known]:
         raise ConfigError(f"--tasks {' '.join(unknown)}: LongBench v{args.version}'s tasks are {' '.join(known)}")
     data = Path(args.data)
+    if args.max_length is not None and args.max_length < MIN_LENGTH:
+        raise ConfigError(f"--max-length {args.max_length}: prompts need at least {MIN_LENGTH} tokens")
     samples = {t: longbench.load(data, t, args.samples) for t in tasks}  # every file checked before the weights
     runs = sweeping.plan(args)
     name = f"{Path(args.model).stem}-v{args.version}" + ("-query-aware" if args.query_aware else "")
     out = check_output(args.out or Path("runs/longbench") / name, "--out", directory=True)
     loaded = load_model(args.model, mesh=mesh_of(args))
     max_length = args.max_length or (loaded.context or 0) - LARGEST_ANSWER
-    if max_length < 64:
+    if max_length < MIN_LENGTH:
         raise ConfigError(
             f"--max-length: {loaded.config.model.name}'s trained context ({loaded.context or 'not stated'}) leaves "
             f"no default past the {LARGEST_ANSWER} tokens of the longest answer; give one (e.g. 3500)"

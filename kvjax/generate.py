@@ -308,6 +308,13 @@ _COMPRESS = jax.jit(compress_caches, static_argnames=("statics", "slots"))
 QUESTION_BUCKET = 16  # `Generator.answer` pads a question to a multiple of this: one compile for nearby lengths
 
 
+def answer_room(question_length: int, max_new_tokens: int) -> int:
+    """The slots a context's cache leaves for `Generator.answer`: its question padded to QUESTION_BUCKET,
+    then the new tokens; so questions a few tokens apart give caches of one shape (one compile, not one
+    per sample)."""
+    return -(-question_length // QUESTION_BUCKET) * QUESTION_BUCKET + max_new_tokens
+
+
 class Generator:
     """Compiled generation for one model, cache capacity and (optional) compression policy; reuse it to
     compile once per shape.
@@ -597,15 +604,15 @@ class Generator:
         forced = np.asarray(questions, np.int32)
         if forced.min() < 0 or forced.max() >= self.config.vocab_size:
             raise ValueError(f"question token ids must be in [0, {self.config.vocab_size})")
-        room = forced.shape[1] + decoding.max_new_tokens
+        n = forced.shape[1]
+        room = answer_room(n, decoding.max_new_tokens)
         rng = jax.random.key(decoding.seed) if rng is None else rng
         if prefilled is None:
             lengths, logits, caches, stats = self.start(contexts, room)
         else:
             lengths, (logits, caches, stats) = np.array([len(c) for c in contexts], np.int32), prefilled
         evict, arrays = self._evict_args(lengths, room)
-        n = forced.shape[1]
-        padded = np.zeros((len(forced), -(-n // QUESTION_BUCKET) * QUESTION_BUCKET), np.int32)
+        padded = np.zeros((len(forced), room - decoding.max_new_tokens), np.int32)
         padded[:, :n] = forced
         placed, padded = self._rows(jnp.asarray(lengths), padded)
         stats = stats if stats is not None else (None,) * len(caches)
@@ -634,18 +641,21 @@ def shareable(gen: Generator) -> bool:
 
 def prefill_shared(gens: Sequence[Generator], tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int) -> list:
     """One observed prefill for several Generators of one model and capacity, then each policy's own
-    compression of it: per Generator (logits, caches, stats), what its `prefill_compressed` returns. The
-    prefill observes the widest window any policy needs and every stage's statistic; each method reads
+    compression of it: per Generator (logits, caches, stats), what its `prefill_compressed` returns (a
+    Generator without a policy gets the prefill's own caches: the uncompressed reference shares it too).
+    The prefill observes the widest window any policy needs and every stage's statistic; each method reads
     only its own queries of the window (`voters`), so its cache is the one its own prefill would give,
     with its slots sized for the prompts' bucket (`compression_plan(sized_for=)`: prompts of one bucket
     share every compile)."""
     first = gens[0]
     if any(g.config != first.config or g.capacity != first.capacity or g.mesh != first.mesh for g in gens) or not all(
-        map(shareable, gens)
+        g.policy is None or shareable(g) for g in gens
     ):
-        raise ValueError("prefill_shared takes Generators of one model, capacity and mesh whose policies compress once")
-    stages = tuple(st for g in gens for st in g.policy.stages)
-    window = max(1, *(observed_queries(st, tokens.shape[1]) for st in stages))
+        raise ValueError(
+            "prefill_shared takes Generators of one model, capacity and mesh whose policies (if any) compress once"
+        )
+    stages = tuple(st for g in gens if g.policy is not None for st in g.policy.stages)
+    window = max([1, *(observed_queries(st, tokens.shape[1]) for st in stages)])
     obs_index = np.asarray(lengths)[:, None] - window + np.arange(window)[None, :]
     obs_index = np.where(obs_index >= 0, obs_index, -1).astype(np.int32)
     logits, caches, observed = _programs(first._graphdef).prefill_observed(
@@ -653,12 +663,15 @@ def prefill_shared(gens: Sequence[Generator], tokens: np.ndarray, lengths: np.nd
     )
     out, start = [], 0
     for g in gens:
+        fresh = jax.tree.map(jnp.copy, caches)  # its decode consumes them; the next policy needs the originals
+        if g.policy is None:
+            out.append((logits, fresh, None))
+            continue
         slots = compressible(g.config, g.policy.local)
         n = len(g.policy.stages)
         mine = tuple(None if o is None else tuple(o[start : start + n]) for o in observed)
         start += n
         plans = g.compression_plan(lengths, max_new_tokens, sized_for=tokens.shape[1])
-        fresh = jax.tree.map(jnp.copy, caches)  # its decode consumes them; the next policy needs the originals
         statics, arrays = tuple(p.static for p in plans), tuple(p.arrays for p in plans)
         compressed, stats = g._compress(fresh, mine, statics, arrays, jnp.asarray(lengths) - 1, slots=slots)
         out.append((logits, compressed, stats))

@@ -81,16 +81,18 @@ def sweep(
     haystacks' text (`ruler.ESSAYS`, default `ruler.default_essay()`); `qa_files`: the data file of each QA
     task asked for (`ruler.qa_tasks`). With `share`, the policies that compress once after the prefill
     share one observed prefill per sample; a set `stop` (Ctrl-C) ends the sweep after the sample in
-    progress with `Interrupted`."""
+    progress with `Interrupted`. Samples run index by index across the tasks (each task's first, then each
+    one's second...), so a sweep stopped early has as many samples of every task, give or take one."""
     essay = ruler.check_essay(essay)
     ident = identity(model, tokenizer, bos=bos, seed=seed, essay=essay, query_aware=query_aware)
     template, files = template_tokens(tokenizer, bos), qa_files or {}
     items = []
     for length in lengths:
-        for task in tasks:
-            for sample in ruler.generate(
-                task, tokenizer, length, samples, seed, qa_file=files.get(task), template=template, essay=essay
-            ):
+        generated = [
+            ruler.generate(task, tokenizer, length, samples, seed, files.get(task), template, essay) for task in tasks
+        ]
+        for row in zip(*generated):  # sample 0 of every task, then sample 1...: a sweep stopped early stays even
+            for task, sample in zip(tasks, row):
                 context, question = prompt_parts(sample, tokenizer, bos, split=not query_aware)
                 new = ruler.TASKS[task].tokens_to_generate  # RULER's budget of new tokens per task
                 items.append(Item(task, length, sample.index, context, question, new, _scorer(sample)))

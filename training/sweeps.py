@@ -22,7 +22,7 @@ import numpy as np
 from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
 from kvjax.errors import ConfigError
-from kvjax.generate import prefill_shared, shareable
+from kvjax.generate import QUESTION_BUCKET, answer_room, prefill_shared, shareable
 from kvjax.interrupt import Interrupted
 from kvjax.mappings import release_if_crowded
 from kvjax.report import plural
@@ -143,9 +143,10 @@ def sweep(
     try:
         with results.open("a") as log:
             for item in items:
-                if (item.capacity or item.length) != capacity:  # the last capacity's programs are not needed again
-                    gens.clear()
-                    capacity = item.capacity or item.length
+                # a question is fed padded to a multiple of QUESTION_BUCKET (`answer_room`): room for the padding
+                if (item.capacity or item.length) + QUESTION_BUCKET != capacity:
+                    gens.clear()  # the last capacity's programs are not needed again
+                    capacity = (item.capacity or item.length) + QUESTION_BUCKET
                 prompt = item.context + item.question
                 digest = _digest(prompt)
                 kept = {}
@@ -211,9 +212,9 @@ def answers(pending: list[Run], generator, item: Item, tokenizer, share: bool) -
         return {}
     context, question = item.context, item.question
     decoding = DecodingConfig(max_new_tokens=item.max_new_tokens, eos_id=tokenizer.eos_id)
-    shared = [run for run in pending if share and shareable(generator(run))]
+    shared = [run for run in pending if share and (run.policy is None or shareable(generator(run)))]
     key, outs = jax.random.key(decoding.seed), {}
-    room = decoding.max_new_tokens + len(question)  # what the compressed caches must leave room for
+    room = answer_room(len(question), decoding.max_new_tokens) if question else decoding.max_new_tokens
     tokens, lengths = generator(pending[0]).pad([context], room)
 
     def finish(g: Generator, prefilled: tuple):

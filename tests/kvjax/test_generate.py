@@ -146,7 +146,8 @@ def test_prompt_buckets_are_powers_of_two_then_quarter_octaves():
 def test_a_question_fed_after_its_compressed_context_is_never_scored(make_model):
     """`Generator.answer` (kvpress's question-agnostic protocol): SnapKV keeps the same context tokens
     whatever question follows, where compressing context + question (the question-aware way) keeps
-    different ones for different questions; with the full cache both ways give the same tokens."""
+    different ones for different questions; with the full cache both ways give the same tokens. Questions
+    a few tokens apart leave caches of one shape (one compile per bucket, not per sample)."""
     from kvjax.compress import parse_policy
 
     model = make_model("gqa", "model.n_layers=2", "model.init_std=0.2")[1]
@@ -160,6 +161,9 @@ def test_a_question_fed_after_its_compressed_context_is_never_scored(make_model)
         return [sorted(p[(p >= 0) & (p < len(context))].tolist()) for p in pos]
 
     agnostic = [kept(snap.answer([context], [q], GREEDY)) for q in questions]
+    asked = (questions[0], questions[0] * 2)  # 6 and 12 tokens, both padded to 16
+    shapes = [jax.tree.map(np.shape, snap.answer([context], [q], GREEDY).caches) for q in asked]
+    assert shapes[0] == shapes[1]
     aware = [kept(snap([context + q], GREEDY)) for q in questions]
     assert agnostic[0] == agnostic[1] and aware[0] != aware[1]
     full = Generator(model, capacity=64)

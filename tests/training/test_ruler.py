@@ -440,28 +440,38 @@ def test_one_prefill_for_many_policies_answers_as_separate_prefills(make_model, 
     """The sweep's shared observed prefill (every policy compressing the same one) against each policy
     prefilling on its own, on a random model with peaked attention: the same answers cell for cell, for
     scorers of different windows, a quantizer and a chain; decode-time H2O runs on its own."""
-    from kvjax.training import ruler_eval, sweeps
+    from kvjax.training import sweeps
 
     model = make_model("gqa", "model.n_layers=2", "model.init_std=0.2")[1]
     entries = ["snapkv:obs_window=8", "tova", "kivi:2", "streaming:0.5+int:8", "h2o:0.5:every=4"]
     plan = sweeps.runs(entries, [0.5])
     answers = []
     for share in (True, False):
-        swept = ruler_eval.sweep(
-            model,
-            BYTES,
-            bos=False,
-            tasks=["niah_single_1", "fwe"],
-            lengths=[640],
-            samples=1,
-            runs_=plan,
-            results=tmp_path / f"{share}.jsonl",
-            share=share,
-        )
+        swept = _two_tasks(model, plan, tmp_path / f"{share}.jsonl", samples=1, share=share)
         assert swept.computed == 2 * len(plan)
         answers.append({(r["task"], r["policy"], r["index"]): r["answer"] for r in swept.records})
     assert answers[0] == answers[1]
     assert len(set(answers[0].values())) > len(answers[0]) // 2  # the answers differ: a test that can fail
+
+
+def test_a_sweep_runs_sample_by_sample_across_tasks(make_model, tmp_path):
+    """Each task's first sample, then each one's second: a sweep stopped early has its tasks even."""
+    from kvjax.training import sweeps
+
+    model = make_model("gqa", "model.n_layers=2")[1]
+    order = []
+    _two_tasks(model, sweeps.runs([], [0.5]), tmp_path / "r.jsonl", samples=2, on_cell=lambda r: order.append(r))
+    expected = [("niah_single_1", 0), ("fwe", 0), ("niah_single_1", 1), ("fwe", 1)]
+    assert [(r["task"], r["index"]) for r in order] == expected
+
+
+def _two_tasks(model, runs_, results, **options):
+    """A sweep of niah_single_1 and fwe at 640 tokens on the byte tokenizer."""
+    from kvjax.training import ruler_eval
+
+    return ruler_eval.sweep(
+        model, BYTES, bos=False, tasks=["niah_single_1", "fwe"], lengths=[640], runs_=runs_, results=results, **options
+    )
 
 
 def test_a_long_sweep_drops_its_compiled_programs_near_the_mapping_limit():

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from kvjax.cache import KVCache, LatentCache, RingKVCache
 from kvjax.compress import (
     Policy,
     check_policy,
@@ -32,6 +33,7 @@ from kvjax.compress.scorers import accumulates, observed_queries
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.memory import cache_bytes
 from kvjax.plan import init_caches
+from kvjax.quant.cache import QuantKVCache
 from kvjax.sampling import sample
 from kvjax.sharding import axis, check_mesh, place_params
 
@@ -259,10 +261,28 @@ def _score(graphdef, params, caches, logits, lengths, stats, evict_arrays, force
     return logprobs, jnp.concatenate([full.transpose(1, 0, 2), last_full[:, None]], axis=1)
 
 
-def _feed(graphdef, params, caches, lengths, stats, evict_arrays, forced, count, *, evict):
+def _takes_chunks(cache) -> bool:
+    """Whether a chunk through `cache` attends as its tokens fed one decode step each would: slot caches
+    (compressed or not), whole rings, latents and per-token int codes do; KIVI's residual (flushed between
+    a chunk's tokens), Quest's pages (chosen per decode query), a compressed ring (one token at a time) and
+    the other layouts are fed step by step."""
+    if isinstance(cache, QuantKVCache):
+        return cache.spec.method == "int"
+    return type(cache) in (KVCache, RingKVCache, LatentCache)
+
+
+def _feed(graphdef, params, caches, lengths, stats, evict_arrays, forced, count, *, evict, stepwise):
     """A question after its compressed context (kvpress's query-agnostic protocol): the first `count` forced
-    tokens (the rest padding) fed one decode step each; (logits after the last `[B,V]`, caches, stats)."""
+    tokens (the rest padding) fed through the cache; (logits after the last `[B,V]`, caches, stats). As one
+    chunk (one pass, as kvpress prefills the question) where that equals feeding it token by token
+    (`_takes_chunks`); else, under decode-time eviction (which may fire between its tokens) or when
+    `stepwise` asks, one decode step per token."""
     model = nnx.merge(graphdef, params)
+    if evict is None and not stepwise and all(map(_takes_chunks, caches)):
+        idx = jnp.arange(forced.shape[1], dtype=jnp.int32)[None, :]
+        positions = jnp.where(idx < count, lengths[:, None] + idx, -1)
+        hidden, caches = model.prefill_last(forced, positions, caches, jnp.full(lengths.shape, count - 1))
+        return model.logits(hidden), caches, stats
     evict = None if evict is None else (evict[0], evict_arrays, evict[1])
     logits = jnp.zeros((forced.shape[0], model.config.vocab_size), jnp.float32)  # read by no step
     caches, stats, last, _ = _forced(model, caches, stats, logits, lengths, forced, evict, count=count)
@@ -291,7 +311,7 @@ def _programs(graphdef) -> SimpleNamespace:
             donate_argnames=("caches",),
         ),
         score=jax.jit(partial(_score, graphdef), static_argnames=("evict", "keep_logits")),
-        feed=jax.jit(partial(_feed, graphdef), static_argnames=("evict",), donate_argnames=("caches",)),
+        feed=jax.jit(partial(_feed, graphdef), static_argnames=("evict", "stepwise"), donate_argnames=("caches",)),
     )
 
 
@@ -592,12 +612,14 @@ class Generator:
         *,
         rng: jax.Array | None = None,
         prefilled: tuple | None = None,
+        stepwise: bool = False,
     ) -> GenerationResult:
         """Question-agnostic generation (kvpress's `query_aware=False`, its leaderboard's protocol): each
         context is prefilled and compressed alone, its question (one length for every row) then fed through
-        the compressed cache a decode step per token (with the policy's decode-time eviction, if any; the
-        scorers never see it), and decoding goes on from there. `prefilled`: what `prefill_compressed` (or
-        `prefill_shared`) gave for these contexts, padded with room for the question and the new tokens."""
+        the compressed cache as one chunk (the scorers never see it; under decode-time eviction, or with
+        `stepwise`, a decode step per token, eviction firing where it falls), and decoding goes on from
+        there. `prefilled`: what `prefill_compressed` (or `prefill_shared`) gave for these contexts, padded
+        with room for the question and the new tokens."""
         sizes = {len(q) for q in questions}
         if len(questions) != len(contexts) or len(sizes) != 1 or 0 in sizes:
             raise ValueError("questions must be one non-empty sequence per context, all of the same length")
@@ -617,7 +639,7 @@ class Generator:
         placed, padded = self._rows(jnp.asarray(lengths), padded)
         stats = stats if stats is not None else (None,) * len(caches)
         logits, caches, stats = self._feed(
-            self.params, caches, placed, stats, arrays, padded, jnp.int32(n), evict=evict
+            self.params, caches, placed, stats, arrays, padded, jnp.int32(n), evict=evict, stepwise=stepwise
         )
         return self.decode(caches, logits, lengths, decoding, rng, stats, at=lengths + n, headroom=room)
 

@@ -5,6 +5,7 @@ import pytest
 
 from kvjax import DecodingConfig, Generator, generate, memory
 from kvjax.cache import caches_nbytes
+from tests.conftest import GEMMA_LIKE
 
 PROMPTS = [[5, 17, 3], list(range(40, 51)), [200, 1, 2, 3, 4, 9]]
 CAPACITY = 32
@@ -141,6 +142,34 @@ def test_prompt_buckets_are_powers_of_two_then_quarter_octaves():
     assert prompt_bucket(1100, 1200) == 1200  # never past the capacity
     for n in range(1025, 9000, 37):  # at most 25% padding above 1k
         assert n <= prompt_bucket(n, 1 << 16) <= 1.25 * n
+
+
+@pytest.mark.parametrize(
+    "model_args, policy",
+    [
+        (("model.n_layers=2", "model.init_std=0.2"), p)
+        for p in (None, "snapkv:0.5:obs_window=4", "tova:0.5", "keynorm:0.5", "kivi:2:group=4,residual=8", "quest:0.5")
+    ]
+    + [(GEMMA_LIKE, p) for p in ("streaming:0.5", "snapkv:0.3:local,obs_window=2", "int:8")],
+)
+def test_a_question_fed_as_one_chunk_answers_as_one_token_at_a_time(make_model, model_args, policy):
+    """`Generator.answer` feeds the question through the compressed cache in one pass: the same tokens and
+    log-probs as a decode step per token, for every cache layout (slots, per-head positions, KIVI's
+    residual, Quest's pages, sliding-window rings whole and compressed under `local`: the last three fed a
+    token at a time, as a chunk would not attend as they do)."""
+    from kvjax.compress import parse_policy
+    from kvjax.generate import _takes_chunks
+
+    model = make_model("gqa", *model_args)[1]
+    gen = Generator(model, capacity=64, policy=policy and parse_policy(policy))
+    rng = np.random.default_rng(2)
+    contexts = [[int(t) for t in rng.integers(0, 256, n)] for n in (33, 21)]
+    questions = [[int(t) for t in rng.integers(0, 256, 11)] for _ in contexts]
+    chunk, steps = (gen.answer(contexts, questions, GREEDY, stepwise=s) for s in (False, True))
+    stepped = ("kivi", "quest", "snapkv:0.3:local")  # KIVI's residual, Quest's pages, a compressed ring
+    assert all(map(_takes_chunks, chunk.caches)) == (not str(policy).startswith(stepped))
+    np.testing.assert_array_equal(chunk.tokens, steps.tokens)
+    np.testing.assert_allclose(chunk.logprobs, steps.logprobs, atol=2e-5)
 
 
 def test_a_question_fed_after_its_compressed_context_is_never_scored(make_model):

@@ -18,14 +18,16 @@ hybrids), which keep one state slot per running request instead of pages (`kvjax
 prefix cache is then off: a prefix hit would skip tokens a state must see).
 
 A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Generator` does (one prefill of
-the whole prompt, then eviction and/or `int:8` / `int:4` quantization), and only what is kept goes into
-pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token
-(`int:4` two codes a byte), so more requests fit in the same memory. Decoding then appends every new
+the whole prompt, then eviction and/or `int:8` / `int:4` / `kivi` quantization), and only what is kept goes
+into pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token
+(`int:4` two codes a byte), KIVI pages whole residual blocks of 2- or 4-bit codes, each sequence's newest
+tokens waiting in a full-precision residual slot of its own (`kvjax.paged_kivi`), so more requests fit in
+the same memory. Decoding then appends every new
 token, unless the policy evicts while decoding (`every=N`, `kvjax.paged_eviction`): each step then observes
 the rows' attention and a request's every N-th token re-selects its slots within its pages and frees the
 pages past them, so it never holds more than its budget plus N slots. With a policy, pages hold compressed
 prompts, so the prefix cache is off; a preempted request is recomputed by compressing its prompt again and
-re-appending the tokens it generated (under `every=`, one decode step at a time). A request may name its
+re-appending the tokens it generated (under `every=` or KIVI, one decode step at a time). A request may name its
 own policy (`Request.policy`) when its pages have the engine's layout (positions shared by the heads or
 per head, full precision or int8 codes, the same stage evicting while decoding, if any): a plain engine
 serves `streaming:0.5` or `tova:0.5` beside uncompressed requests, whose prompts alone enter the prefix cache.
@@ -58,8 +60,9 @@ from kvjax.kinds import KINDS
 from kvjax.page_pool import PagePool
 from kvjax.paged import PagedKVCache, PagedLatentCache
 from kvjax.paged_eviction import Eviction, budget_row, evicting_step
+from kvjax.paged_kivi import PagedKiviCache, check_kivi_pages
 from kvjax.plan import LayerPlan, compressible
-from kvjax.quant.cache import QuantKVCache
+from kvjax.quant.cache import QuantKVCache, QuantSpec
 from kvjax.sampling import sample
 from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequence, Step, Work
 from kvjax.sharding import place_params
@@ -107,6 +110,8 @@ def _with_rows(caches, rows: Rows, chunk_row=None):
             out.append(c.replace(rows=rows.states, length=rows.window_length, chunk_row=chunk_row))
         elif c.windowed:
             out.append(c.replace(table=rows.window_table, length=rows.window_length, chunk_row=chunk_row))
+        elif isinstance(c, PagedKiviCache):  # its residuals are per sequence slot, as recurrent states
+            out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row, res_rows=rows.states))
         else:
             out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row))
     return tuple(out)
@@ -139,7 +144,7 @@ def _forward(model, caches, rows: Rows, tokens, pos, chunk, chunk_pos, chunk_row
         picked = jnp.arange(R) if C == 0 else jnp.concatenate([jnp.arange(R), R + last[None]])
     logp = jax.nn.log_softmax(model.logits(hidden[0, picked]))
     best = jnp.argmax(logp, axis=-1)
-    caches = tuple(c.replace(**r._pools()) for c, r in zip(caches, written))
+    caches = tuple(c.replace(**r._carried()) for c, r in zip(caches, written))
     return logp, best, jnp.take_along_axis(logp, best[:, None], axis=-1)[:, 0], caches, _lengths(rows, written)
 
 
@@ -215,6 +220,9 @@ def _load_row(caches, rows: Rows, dense, stats, row):
         if paged.windowed:
             out.append(paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0]))
             continue
+        if isinstance(paged, PagedKiviCache):
+            out.append(paged.load_quant(row, d))
+            continue
         if isinstance(d, QuantKVCache):
             values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
         elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
@@ -244,19 +252,20 @@ def check_window_policy(policy: Policy, name: str, windowed: list[str], window_p
         )
 
 
-def check_engine_policy(policy: Policy) -> tuple[bool, int | None, Stage | None]:
-    """What the engine's pages need for `policy` (positions per head; the codes' bits, None for full
-    precision; the stage that evicts while decoding, `every=`); a policy it cannot page is a ConfigError
-    naming the stage."""
+def check_engine_policy(policy: Policy) -> tuple[bool, QuantSpec | None, Stage | None]:
+    """What the engine's pages need for `policy` (positions per head; the codes' scheme, None for full
+    precision: int:8 or int:4 codes per token, or KIVI's blocks, `kvjax.paged_kivi`; the stage that evicts
+    while decoding, `every=`); a policy it cannot page is a ConfigError naming the stage."""
     for stage in policy.stages:
         where = f"engine policy stage {stage.method!r}"
         if stage.quantizes:
-            spec = stage.quant_spec  # quantized pages: codes and one symmetric scale per token and head
-            if spec.blocked or not spec.scheme.plain or spec.bits not in (4, 8) or spec.asym:
-                raise ConfigError(f"{where}:{stage.bits}: quantized pages are int:8 or int:4 (symmetric) only")
+            spec = stage.quant_spec  # int: codes and one symmetric scale per token and head; KIVI: its blocks
+            per_token = spec.bits in (4, 8) and not spec.asym and not spec.blocked
+            if not spec.scheme.plain or not (spec.blocked or per_token):
+                raise ConfigError(f"{where}:{stage.bits}: quantized pages are int:8, int:4 (symmetric) or kivi only")
         elif not (stage.method in METHODS and METHODS[stage.method].pageable):
             raise ConfigError(
-                f"{where}: the engine pages token eviction, int:8 and int:4; {stage.method} is not supported"
+                f"{where}: the engine pages token eviction, int:8, int:4 and kivi; {stage.method} is not supported"
             )
         elif not stage.allocation.same_everywhere:
             raise ConfigError(
@@ -265,7 +274,13 @@ def check_engine_policy(policy: Policy) -> tuple[bool, int | None, Stage | None]
             )
     last = policy.stages[-1]
     per_head = any(s.per_head for s in policy.stages if not s.quantizes)
-    return per_head, last.quant_spec.bits if last.quantizes else None, policy.decode_stage
+    codes = last.quant_spec if last.quantizes else None
+    if codes is not None and codes.blocked and per_head:
+        raise ConfigError(
+            f"engine policy {policy}: KIVI pages keep one position per slot; positions per head (a head-wise "
+            "eviction before it) are not paged with them"
+        )
+    return per_head, codes, policy.decode_stage
 
 
 class Engine:
@@ -327,12 +342,19 @@ class Engine:
         self.reset()  # the scheduler: it checks slots, chunk and decode_steps
         att = cfg.attention
         self.gens: dict[str, Generator] = {}  # the compressed prefill of each policy served, by its text
-        self.layout = (False, None, None)  # pages: (positions per head, the codes' bits, the evicting stage)
+        self.layout = (False, None, None)  # pages: (positions per head, the codes' scheme, the evicting stage)
         self.evict = None  # decode-time eviction (`kvjax.paged_eviction`)
         if self.policy is not None:
-            self.layout = per_head, bits, decoding = check_engine_policy(self.policy)
-            if bits and "mla" in cfg.mixers:
-                raise ConfigError(f"engine policy int:{bits} quantizes K/V pages; MLA's latent pages are not quantized")
+            self.layout = per_head, codes, decoding = check_engine_policy(self.policy)
+            if codes and "mla" in cfg.mixers:
+                raise ConfigError(
+                    f"engine policy {self.policy} quantizes K/V pages; MLA's latent pages are not quantized"
+                )
+            if codes and codes.blocked:
+                if why := check_kivi_pages(codes, page_size):
+                    raise ConfigError(f"engine policy {self.policy}: {why}")
+                if mesh is not None:
+                    raise ConfigError(f"engine policy {self.policy}: KIVI pages are served on one device (no mesh)")
             if decoding and "mla" in cfg.mixers:
                 raise ConfigError(
                     f"engine policy {self.policy}: every={decoding.every} evicts while decoding, which the engine "
@@ -342,7 +364,10 @@ class Engine:
             if decoding:
                 plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]
                 self.evict = Eviction.of(plan, self.width * page_size, compressible(cfg))
-        per_head, bits, decoding = self.layout
+        per_head, codes, decoding = self.layout
+        # a preempted request's generated tokens are re-fed a decode step each (never as a chunk) where the
+        # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks
+        self._stepwise = decoding is not None or (codes is not None and codes.blocked)
         plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
         self.caches = tuple(
             PagedLatentCache.init(
@@ -358,7 +383,7 @@ class Engine:
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
-            else self._paged(cfg, plan.mixers[i], n_pages, per_head, bits, bool(decoding and accumulates(decoding)))
+            else self._paged(cfg, plan.mixers[i], n_pages, per_head, codes, bool(decoding and accumulates(decoding)))
             for i in plan.producers
         )
         graphdef, self.params = nnx.split(model)
@@ -376,30 +401,21 @@ class Engine:
             self.caches = tuple(self._placed(c) for c in self.caches)
         self._sync([])
 
-    def _paged(self, cfg, kind: str, n_pages: int, per_head: bool, bits: int | None, stat: bool) -> PagedKVCache:
+    def _paged(self, cfg, kind: str, n_pages: int, per_head: bool, codes, stat: bool) -> PagedKVCache:
         """An attention layer's pages: the window pool's for a sliding-window layer when windows are freed (a
-        policy leaves the windows whole: full precision, one position per slot); `stat`: a running statistic
-        per slot (decode-time eviction that accumulates one, H2O's)."""
+        policy leaves the windows whole: full precision, one position per slot); `codes`: the policy's
+        quantizer (int codes, or KIVI's blocks with a residual per sequence slot, `kvjax.paged_kivi`);
+        `stat`: a running statistic per slot (decode-time eviction that accumulates one, H2O's)."""
         att, ps = cfg.attention, self.pool.page_size
-        windowed = self.window is not None and kind in self.windowed
-        n, per_head, bits, stat = (
-            (self._window_pages(self.width).n_pages, False, None, False)
-            if windowed
-            else (n_pages, per_head, bits, stat)
-        )
-        cache = PagedKVCache.init(
-            n,
-            ps,
-            self.slots,
-            self.width,
-            att.n_kv_heads,
-            att.head_dim,
-            jnp.dtype(cfg.dtype),
-            per_head_positions=per_head,
-            bits=bits,
-            stat=stat,
-        )
-        return cache.replace(windowed=windowed)
+        if self.window is not None and kind in self.windowed:
+            n, per_head, codes, stat = self._window_pages(self.width).n_pages, False, None, False
+        else:
+            n = n_pages
+        shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
+        if codes is not None and codes.blocked:
+            return PagedKiviCache.init_kivi(codes, *shape)
+        cache = PagedKVCache.init(*shape, per_head_positions=per_head, bits=codes and codes.bits, stat=stat)
+        return cache.replace(windowed=self.window is not None and kind in self.windowed)
 
     def _window_pages(self, columns: int) -> WindowPages:
         """Fresh bookkeeping of the sliding-window layers' pool (`kvjax.window_pages`) for requests of at most
@@ -466,7 +482,7 @@ class Engine:
         if budget < fixed(1) + page * per_page:
             raise ConfigError(
                 f"a budget of {budget:,} bytes holds no request of {max_tokens} tokens: it needs "
-                f"{fixed(1) + page * per_page:,} ({fixed(1):,} of recurrent states and window pages, "
+                f"{fixed(1) + page * per_page:,} ({fixed(1):,} of per-sequence state and window pages, "
                 f"{page * per_page:,} of pages)"
             )
         if fixed(1):
@@ -476,8 +492,10 @@ class Engine:
         return slots, (budget - fixed(slots)) // page + 1
 
     def state_nbytes(self) -> int:
-        """Bytes of one sequence's recurrent states over every recurrent layer (a slot each)."""
-        return sum(c.nbytes() // c.slots for c in self.caches if isinstance(c, SlotStates))
+        """Bytes one sequence slot holds whatever its length: its recurrent states over every recurrent
+        layer, its KIVI residuals over every layer paging KIVI codes."""
+        states = sum(c.nbytes() // c.slots for c in self.caches if isinstance(c, SlotStates))
+        return states + sum(c.slot_nbytes for c in self.caches if isinstance(c, PagedKiviCache))
 
     # --- device state -----------------------------------------------------------------------------
     def _placed(self, cache: PagedKVCache) -> PagedKVCache:
@@ -581,7 +599,8 @@ class Engine:
             def said(layout):
                 heads = "positions per head" if layout[0] else "one position per slot"
                 evicts = f", evicting by {layout[2]} while decoding" if layout[2] else ""
-                return heads + (f", int{layout[1]} codes" if layout[1] else ", full precision") + evicts
+                codes = layout[1] and f", {layout[1].method}{layout[1].bits} codes"
+                return heads + (codes or ", full precision") + evicts
 
             raise ConfigError(
                 f"policy {request.policy}: this engine's pages hold {said(self.layout)} (its policy: "
@@ -619,7 +638,7 @@ class Engine:
                 cap = budget + self.evict.every
         d = request.decoding
         greedy = d.temperature == 0 and not request.top_logprobs  # else each step reads the distribution
-        return Work(tuple(request.prompt), d.max_new_tokens, d.eos_id, greedy, kept, cap)
+        return Work(tuple(request.prompt), d.max_new_tokens, d.eos_id, greedy, kept, cap, self._stepwise)
 
     def check(self, requests: list[Request]) -> list[Work]:
         """Refuse, before any compute, a request this engine can never serve (an empty prompt, an
@@ -763,7 +782,7 @@ class Engine:
         programs run."""
         self._sync([])
         rows = sorted({self._rows(n) for n in range(1, self.slots + 1)})
-        chunks = [0] if self.evict else sorted({self._chunk_bucket(n) for n in range(self.chunk + 1)})
+        chunks = [0] if self._stepwise else sorted({self._chunk_bucket(n) for n in range(self.chunk + 1)})
         for R in rows:
             idle, none = np.full(R, -1, np.int32), np.zeros(R, np.int32)
             for C in chunks:

@@ -266,8 +266,8 @@ def _takes_chunks(cache) -> bool:
     (compressed or not), whole rings, latents and per-token int codes do; KIVI's residual (flushed between
     a chunk's tokens), Quest's pages (chosen per decode query), a compressed ring (one token at a time) and
     the other layouts are fed step by step."""
-    if isinstance(cache, QuantKVCache):
-        return cache.spec.method == "int"
+    if isinstance(cache, QuantKVCache):  # codes per token and nothing else: a chunk's tokens are coded alike
+        return cache.spec.scheme.plain and not cache.spec.blocked
     return type(cache) in (KVCache, RingKVCache, LatentCache)
 
 

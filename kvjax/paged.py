@@ -148,6 +148,10 @@ class PagedKVCache(_Arrays):
         pools |= dict(k_scale=self.k_scale, v_scale=self.v_scale) if self.quantized else {}
         return pools | (dict(stat=self.stat) if self.stat is not None else {})
 
+    def _carried(self) -> dict[str, jax.Array]:
+        """What a step writes and the engine keeps (its tables and lengths are the engine's): the pools."""
+        return self._pools()
+
     def _flat_slots(self, index: jax.Array, ok: jax.Array) -> jax.Array:
         """Pool slots (page * page_size + offset) of the rows' slot indices `[B,T]`; not `ok`, past the
         table, or on the null page: one past the pool (dropped by the writes)."""

@@ -27,7 +27,9 @@ class Work:
     """What the scheduler knows of a request: its prompt, when it stops, whether it decodes greedily (a
     greedy sequence may run several steps in one device call), the slots its prompt takes in pages
     (`kept`: the whole prompt, or what a compression policy keeps of it) and, when the policy evicts
-    while decoding, the most slots it ever holds (`cap`: its budget plus `every`)."""
+    while decoding, the most slots it ever holds (`cap`: its budget plus `every`); `stepwise`: after a
+    preemption what it generated is re-fed one decode step per token, not as a chunk (its pages change as
+    tokens arrive: eviction while decoding, KIVI's residual)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -35,6 +37,7 @@ class Work:
     greedy: bool = True
     kept: int | None = None  # None: len(prompt), uncompressed
     cap: int | None = None  # None: it grows by every token it generates
+    stepwise: bool = False
 
     @property
     def compressed(self) -> bool:
@@ -202,9 +205,9 @@ class Scheduler:
             index = self.waiting[0]
             w, done = self.work[index], self.done[index]
             tokens = [*w.prompt, *done.tokens]  # a preempted request recomputes what it generated
-            if w.compressed:  # what it generated is fed after the prefill: as a chunk, or token by token (cap)
+            if w.compressed:  # what it generated is fed after the prefill: as a chunk, or token by token
                 self.pool.admit(index)
-                hit, need = 0, w.kept + (len(done.tokens) if w.cap is None else 0)
+                hit, need = 0, w.kept + (0 if w.stepwise else len(done.tokens))
             else:
                 hit = self.pool.admit(index, tokens if self.prefix_cache else None)  # full pages cached
                 need = len(tokens) - hit
@@ -221,13 +224,13 @@ class Scheduler:
         return None
 
     def _replays(self, s: Sequence) -> bool:
-        """Whether `s` re-feeds what it generated before a preemption one decode step at a time (a policy
-        that evicts while decoding must see each token as it saw it)."""
-        return s.pending > 1 and self.work[s.index].cap is not None
+        """Whether `s` re-feeds what it generated before a preemption one decode step at a time (`stepwise`:
+        its pages must see each token as they saw it)."""
+        return s.pending > 1 and self.work[s.index].stepwise
 
     def _fills(self, s: Sequence) -> bool:
         """Whether `s` has prompt (or recomputed) tokens to feed in chunks."""
-        return s.pending > 1 and self.work[s.index].cap is None
+        return s.pending > 1 and not self.work[s.index].stepwise
 
     def _grow(self, rows: list[Sequence]) -> list[tuple[int, int]]:
         """A page for each decode row's token, preempting the newest requests while short (a prompt

@@ -45,8 +45,8 @@ class SlotStates(_Arrays):
         """Bytes of the states (what the layer holds for every sequence); the rows are the engine's."""
         return sum(x.nbytes for x in jax.tree.leaves(self.state))
 
-    def _pools(self) -> dict:
-        """What a step writes (as a paged cache's pools): the states."""
+    def _carried(self) -> dict:
+        """What a step writes and the engine keeps (as a paged cache's pools): the states."""
         return dict(state=self.state)
 
     def copy_pages(self, copies) -> SlotStates:

@@ -148,7 +148,8 @@ def register(sub) -> None:
         "--policy",
         action="append",
         help="also the engine with this policy: token eviction applied after the prefill (and while decoding "
-        "with every=N), optionally ending in int:8 or int:4, e.g. snapkv:0.5, h2o:256:every=64 or int:8; "
+        "with every=N), optionally ending in int:8, int:4 or kivi (kivi:2 needs --page-size 32, 64 or 128), e.g. "
+        "snapkv:0.5, h2o:256:every=64 or int:8; "
         "repeatable (default: none)",
     )
     renamed(sb, "--policies", "give --policy once per policy (--policy snapkv:0.5 --policy int:8)")

@@ -222,6 +222,31 @@ def test_a_policy_engine_gives_each_request_what_generator_gives_it_alone(gqa, r
     assert engine.caches[0].k.shape[-1] == width  # head_dim 16: 16 bytes of int8 codes, 8 of int4
 
 
+@pytest.mark.parametrize(
+    "policy, page_size, pages, steps",
+    [("kivi:2:group=4,residual=8", 4, 10, 4), ("streaming:0.5+kivi:4:group=4,residual=8", 8, 5, 4)],
+)
+def test_kivi_pages_give_each_request_what_generator_gives_it_alone(gqa, requests, policy, page_size, pages, steps):
+    """KIVI in pages (`kvjax.paged_kivi`): codes of whole residual blocks in pages, each sequence's newest
+    tokens in a full-precision residual of its own, flushed into its pages as decoding fills it; each
+    request decodes as Generator's dense KIVI cache alone, with preemptions (what it generated re-fed a
+    step at a time) and multi-step calls, and the pages and residual slots hold what the formula says."""
+    gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
+    alone = [gen([list(r.prompt)], r.decoding) for r in requests]
+    engine = Engine(gqa, n_pages=pages, page_size=page_size, slots=4, decode_steps=steps, policy=policy, max_tokens=32)
+    _check(engine.run(requests), alone)
+    assert engine.pool.used_pages == 0 and engine.stats.preemptions > 0
+    att, bits = gqa.config.attention, 2 if "kivi:2" in policy else 4
+    K, H, ps = att.n_kv_heads, att.head_dim, page_size
+    codes = 2 * K * ps * H * bits // 8  # keys and values
+    scales = 2 * K * (ps // 4) * H * 4 + 2 * K * ps * (H // 4) * 4  # key groups of 4 tokens, value groups of 4 channels
+    assert engine.page_nbytes() == 2 * (codes + scales + ps * 4)  # 2 layers, positions an int32 per slot
+    residual = 2 * (2 * K * 8 * H * 4 + 8 * 4)  # 2 layers: K and V of 8 fp32 tokens, their positions
+    assert engine.state_nbytes() == residual and engine.fixed_nbytes(4) == 4 * residual
+    tables = 2 * (4 * (32 // ps) * 4 + 4 * 4 + 4 * 4)  # block tables of 32 tokens, lengths, residual rows
+    assert engine.nbytes() == pages * engine.page_nbytes() + 4 * residual + tables
+
+
 def test_a_policy_takes_the_pages_its_budget_says(gqa):
     """A 40-token prompt and one decoded token: 41 slots are 11 pages of 4; SnapKV at 0.5 keeps 20, so
     21 slots take 6 (H2O too, evicting while decoding); int:8 keeps every token in 11 pages of codes, each
@@ -356,8 +381,14 @@ def test_a_long_generation_stays_within_its_budget(gqa):
 
 def test_policies_the_engine_cannot_page_are_refused(gqa):
     for policy, match in [
-        ("kivi:2", "quantized pages are int:8 or int:4"),
-        ("int:4:asym=true", r"quantized pages are int:8 or int:4 \(symmetric\)"),
+        ("kvquant:4", r"quantized pages are int:8, int:4 \(symmetric\) or kivi"),
+        ("int:4:asym=true", r"quantized pages are int:8, int:4 \(symmetric\) or kivi"),
+        (
+            "kivi:2",
+            r"page_size that is a multiple of the key group \(32\) and divides the residual \(128\): "
+            r"one of \[32, 64, 128\], not 16",
+        ),
+        ("keynorm:0.5+kivi:2:group=4,residual=8", "positions per head .a head-wise eviction before it. are not"),
         ("scissorhands:0.5:every=2", "scissorhands is not supported"),
         ("snapkv:0.5:allocator=adakv", "allocator='adakv'"),
         ("palu:0.5", "palu is not supported"),

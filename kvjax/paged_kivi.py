@@ -1,0 +1,218 @@
+"""KIVI in pages (Liu et al. 2024, arXiv 2402.02750, sec. 3-4; `kvjax/quant/schemes/kivi.py` says what the
+scheme keeps): pages hold only quantized tokens, keys per channel over groups of `group` tokens, values
+per token over channel groups, as `QuantKVCache` quantizes them; each running sequence's most recent
+tokens wait in a full-precision residual of `residual` slots beside the pages, one per sequence slot (as
+`kvjax.slot_states` holds a recurrent state), and whenever a decode step fills it the block is quantized
+into the pages that already hold those slots in its block table.
+
+So a sequence of L tokens has (L // residual) * residual tokens in codes and the rest in its residual, at
+every step exactly as `QuantKVCache` has them: the same codes, scales and zero points from the same
+`quantize` calls on the same blocks, so each request decodes as `Generator` decodes it alone. A page
+holds `page_size` token slots, a multiple of `group` (a key group never spans two pages) that divides
+`residual` (a flush fills whole pages). The host counts slots as for any page (`kvjax.page_pool`): the
+pages past a sequence's codes are reserved for its residual's block before they are written.
+
+A step feeds one token per decode row (`chunk_row` set, no prompt chunk): prompts are compressed whole by
+the Generator and loaded (`load_quant`), and the tokens a preempted request had generated are re-fed one
+decode step each (`Work.stepwise`), so the residual flushes where it did.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.cache import KVView
+from kvjax.paged import PagedKVCache, RowSplit, _slot_major
+from kvjax.quant.cache import QuantKVCache, QuantSpec
+from kvjax.quant.packing import pack, packed_width, unpack
+from kvjax.quant.quantizers import dequantize, quantize
+
+
+def check_kivi_pages(spec: QuantSpec, page_size: int) -> str | None:
+    """Why pages of `page_size` slots cannot hold `spec`'s KIVI codes (None: they can)."""
+    G, R = spec.group, spec.residual
+    if page_size % G or R % page_size:
+        sizes = [s for s in range(G, R + 1, G) if R % s == 0]
+        return (
+            f"KIVI pages need a page_size that is a multiple of the key group ({G}) and divides the residual "
+            f"({R}): one of {sizes}, not {page_size}"
+        )
+    return None
+
+
+@struct.dataclass
+class PagedKiviCache(PagedKVCache):
+    """One layer's KIVI pages: packed codes k, v `[P,K,page_size,H*bits/8]`, key scales and zero points
+    k_scale, k_zero `[P,K,page_size/group,H]` (a row per key group), value ones v_scale, v_zero
+    `[P,K,page_size,H/Gv]`, positions `[P,1,page_size]`; per sequence slot a residual k_res, v_res
+    `[S,K,residual,H]` (full precision) with its positions res_pos `[S,residual]`, and `res_rows` `[B]`:
+    each table row's residual slot (S for an empty row)."""
+
+    k_zero: jax.Array | None = None
+    v_zero: jax.Array | None = None
+    k_res: jax.Array | None = None
+    v_res: jax.Array | None = None
+    res_pos: jax.Array | None = None
+    res_rows: jax.Array | None = None
+    spec: QuantSpec | None = struct.field(pytree_node=False, default=None)
+
+    @classmethod
+    def init_kivi(
+        cls, spec: QuantSpec, n_pages: int, page_size: int, batch: int, max_pages: int, K: int, H: int, dtype
+    ):
+        if why := check_kivi_pages(spec, page_size):
+            raise ValueError(why)
+        G, Gv, R, w = spec.group, spec.value_group(H), spec.residual, packed_width(H, spec.bits)
+        zeros = lambda *shape: jnp.zeros(shape, dtype)  # noqa: E731
+        return cls(
+            k=jnp.zeros((n_pages, K, page_size, w), jnp.uint8),
+            v=jnp.zeros((n_pages, K, page_size, w), jnp.uint8),
+            pos=jnp.full((n_pages, 1, page_size), -1, jnp.int32),
+            table=jnp.zeros((batch, max_pages), jnp.int32),
+            length=jnp.zeros((batch,), jnp.int32),
+            k_scale=zeros(n_pages, K, page_size // G, H),
+            k_zero=zeros(n_pages, K, page_size // G, H),
+            v_scale=zeros(n_pages, K, page_size, H // Gv),
+            v_zero=zeros(n_pages, K, page_size, H // Gv),
+            k_res=zeros(batch, K, R, H),
+            v_res=zeros(batch, K, R, H),
+            res_pos=jnp.full((batch, R), -1, jnp.int32),
+            res_rows=jnp.zeros((batch,), jnp.int32),
+            bits=spec.bits,
+            spec=spec,
+        )
+
+    def _pools(self) -> dict[str, jax.Array]:
+        """The page arrays `[P,...]` (a page's bytes; what a page copy moves): codes, scales, zero points
+        and positions; the residuals are per sequence slot (`slot_nbytes`)."""
+        names = ("k", "v", "pos", "k_scale", "k_zero", "v_scale", "v_zero")
+        return {name: getattr(self, name) for name in names}
+
+    def _carried(self) -> dict[str, jax.Array]:
+        return self._pools() | dict(k_res=self.k_res, v_res=self.v_res, res_pos=self.res_pos)
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes of one sequence slot's residual: its K, V and positions."""
+        return sum(x[0].nbytes for x in (self.k_res, self.v_res, self.res_pos))
+
+    @property
+    def _head_dim(self) -> int:
+        return self.k_res.shape[-1]
+
+    def _put(self, flat: jax.Array, **values: jax.Array) -> PagedKiviCache:
+        """Per-slot values `[N,X,...]` into the flat pool slots `[N]` (one past the pool: dropped)."""
+        page, offset = flat // self.page_size, flat % self.page_size
+        return self.replace(
+            **{
+                n: getattr(self, n).at[page, :, offset].set(x.astype(getattr(self, n).dtype), mode="drop")
+                for n, x in values.items()
+            }
+        )
+
+    def _put_groups(self, first: jax.Array, k_scale: jax.Array, k_zero: jax.Array) -> PagedKiviCache:
+        """Key scales and zero points `[N,K,H]` of the key groups whose first tokens sit at flat slots `[N]`."""
+        page, row = first // self.page_size, first % self.page_size // self.spec.group
+        put = lambda pool, x: pool.at[page, :, row].set(x.astype(pool.dtype), mode="drop")  # noqa: E731
+        return self.replace(k_scale=put(self.k_scale, k_scale), k_zero=put(self.k_zero, k_zero))
+
+    def _store_block(self, start: jax.Array, ok: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array):
+        """Quantize each row's block of `residual` tokens k, v `[B,K,R,H]` (positions `[B,R]`) as KIVI does
+        and write it at the row's slots [start, start + R) where `ok` `[B]`."""
+        spec, R = self.spec, self.spec.residual
+        G, Gv = spec.group, spec.value_group(self._head_dim)
+        kc, ks, kz = quantize(k.swapaxes(2, 3), spec.bits, G, symmetric=False)  # [B,K,H,R], [B,K,H,R/G]
+        vc, vs, vz = quantize(v, spec.bits, Gv, symmetric=False)  # [B,K,R,H], [B,K,R,H/Gv]
+        index = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
+        flat = self._flat_slots(index, ok[:, None])  # [B,R]
+        new = self._put(
+            flat.reshape(-1),
+            k=_slot_major(pack(kc.swapaxes(2, 3), spec.bits)),
+            v=_slot_major(pack(vc, spec.bits)),
+            v_scale=_slot_major(vs),
+            v_zero=_slot_major(vz),
+            pos=pos.reshape(-1, 1),
+        )
+        groups = lambda x: x.transpose(0, 3, 1, 2).reshape(-1, *x.shape[1:3])  # noqa: E731  [B,K,H,R/G] -> [B*R/G,K,H]
+        return new._put_groups(flat[:, ::G].reshape(-1), groups(ks), groups(kz))
+
+    def load_quant(self, row: int, dense: QuantKVCache) -> PagedKiviCache:
+        """Sequence slot `row` (its table set) from row 0 of a Generator's KIVI cache: its codes into the
+        pages, its residual into the row's residual slot."""
+        n, nq, R, G = dense.length[0], dense.n_quant[0], self.spec.residual, self.spec.group
+        S = dense.pos.shape[1]
+        index = jnp.arange(S, dtype=jnp.int32)[None]
+        flat = self.replace(table=self.table[row][None])._flat_slots(index, index < nq)[0]
+        slot_major = lambda x: jnp.moveaxis(x[0], 1, 0)  # noqa: E731  [1,K,S,...] -> [S,K,...]
+        new = self._put(
+            flat,
+            k=slot_major(dense.k_codes),
+            v=slot_major(dense.v_codes),
+            v_scale=slot_major(dense.v_scale.swapaxes(2, 3)),
+            v_zero=slot_major(dense.v_zero.swapaxes(2, 3)),
+            pos=dense.pos[0][:, None],
+        )
+        new = new._put_groups(flat[::G], slot_major(dense.k_scale), slot_major(dense.k_zero))
+        at = nq + jnp.arange(R, dtype=jnp.int32)
+        res_pos = jnp.where(at < n, dense.pos[0][jnp.minimum(at, S - 1)], -1)
+        slot = self.res_rows[row]
+        return new.replace(
+            k_res=new.k_res.at[slot].set(dense.k_res[0].astype(new.k_res.dtype), mode="drop"),
+            v_res=new.v_res.at[slot].set(dense.v_res[0].astype(new.v_res.dtype), mode="drop"),
+            res_pos=new.res_pos.at[slot].set(res_pos, mode="drop"),
+            length=new.length.at[row].set(n),
+        )
+
+    def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[PagedKiviCache, KVView]:
+        """A decode token per row (a mixed step without a prompt chunk: k, v `[1,B,K,H]`, pos `[1,B]`, -1
+        where a row feeds none) into its residual, flushing each residual this fills into its pages; the
+        view of every row's codes, dequantized, then its residual."""
+        B = self.table.shape[0]
+        if self.chunk_row is None or k.shape[:2] != (1, B) or pos.shape != (1, B):
+            raise ValueError(
+                f"KIVI pages take one decode token per row ({B} rows), not k {k.shape} at pos {pos.shape}: "
+                "a prompt is loaded whole (load_quant) and generated tokens are re-fed a step at a time"
+            )
+        R, rows = self.spec.residual, self.res_rows
+        k, v, pos = k[0][:, :, None], v[0][:, :, None], pos[0]  # [B,K,1,H], [B]
+        fed, held = pos >= 0, self.length % R  # a residual holds the tokens past the last full block
+        at = (jnp.arange(R)[None, :] == held[:, None]) & fed[:, None]  # [B,R]
+        read = lambda x: x.at[rows].get(mode="fill", fill_value=0)  # noqa: E731
+        k_res = jnp.where(at[:, None, :, None], k.astype(self.k_res.dtype), read(self.k_res))
+        v_res = jnp.where(at[:, None, :, None], v.astype(self.v_res.dtype), read(self.v_res))
+        res_pos = jnp.where(at, pos[:, None], self.res_pos.at[rows].get(mode="fill", fill_value=-1))
+        length = self.length + fed
+        flush = fed & (held + 1 == R)
+        new = self._store_block(length - R, flush, k_res, v_res, res_pos)
+        res_pos = jnp.where(flush[:, None], -1, res_pos)
+        new = new.replace(
+            k_res=self.k_res.at[rows].set(k_res, mode="drop"),
+            v_res=self.v_res.at[rows].set(v_res, mode="drop"),
+            res_pos=self.res_pos.at[rows].set(res_pos, mode="drop"),
+            length=length,
+        )
+        view = new._kivi_view(k_res, v_res, res_pos)
+        return new, view._replace(reader=RowSplit(view, view, None))
+
+    def _kivi_view(self, k_res: jax.Array, v_res: jax.Array, res_pos: jax.Array) -> KVView:
+        """Every row's codes (the slots below its last full block) dequantized in table order, then its
+        residual: k, v `[B,K,M*page_size+R,H]` (fp32), positions `[B,M*page_size+R]`."""
+        spec, H = self.spec, self._head_dim
+        B, M = self.table.shape
+        gather = lambda pool: pool[self.table].swapaxes(1, 2).reshape(B, pool.shape[1], -1, *pool.shape[3:])  # noqa: E731
+        kc, vc = unpack(gather(self.k), spec.bits), unpack(gather(self.v), spec.bits)  # [B,K,M*ps,H]
+        k = dequantize(
+            kc.swapaxes(2, 3),
+            gather(self.k_scale).swapaxes(2, 3),
+            gather(self.k_zero).swapaxes(2, 3),
+            spec.bits,
+            spec.group,
+        ).swapaxes(2, 3)
+        v = dequantize(vc, gather(self.v_scale), gather(self.v_zero), spec.bits, spec.value_group(H))
+        coded = self.length // spec.residual * spec.residual
+        slot = jnp.arange(M * self.page_size, dtype=jnp.int32)[None, :]
+        pos = jnp.where(slot < coded[:, None], gather(self.pos)[:, 0], -1)
+        join = lambda a, b: jnp.concatenate([a, b.astype(jnp.float32)], axis=2)  # noqa: E731
+        return KVView(join(k, k_res), join(v, v_res), jnp.concatenate([pos, res_pos], axis=1))

@@ -173,7 +173,10 @@ class PagedKVCache(_Arrays):
             for name in ("k", "v"):
                 codes, scale, _ = quantize(values[name], self.bits, values[name].shape[-1], symmetric=True)
                 values[name], values[f"{name}_scale"] = pack(codes, self.bits), scale  # scale [N,K,1]
+        return self._scatter(flat, **values)
 
+    def _scatter(self, flat: jax.Array, **values: jax.Array) -> PagedKVCache:
+        """Per-slot values `[N,X,...]` as given into the flat pool slots `[N]` of the named pools."""
         page, offset = flat // self.page_size, flat % self.page_size  # dropped slots: page P, out of range
 
         def write(pool, new):  # pool [P,X,ps,...]: slot (page, offset) of every head gets new [N,X,...]

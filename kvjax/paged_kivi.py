@@ -102,16 +102,6 @@ class PagedKiviCache(PagedKVCache):
     def _head_dim(self) -> int:
         return self.k_res.shape[-1]
 
-    def _put(self, flat: jax.Array, **values: jax.Array) -> PagedKiviCache:
-        """Per-slot values `[N,X,...]` into the flat pool slots `[N]` (one past the pool: dropped)."""
-        page, offset = flat // self.page_size, flat % self.page_size
-        return self.replace(
-            **{
-                n: getattr(self, n).at[page, :, offset].set(x.astype(getattr(self, n).dtype), mode="drop")
-                for n, x in values.items()
-            }
-        )
-
     def _put_groups(self, first: jax.Array, k_scale: jax.Array, k_zero: jax.Array) -> PagedKiviCache:
         """Key scales and zero points `[N,K,H]` of the key groups whose first tokens sit at flat slots `[N]`."""
         page, row = first // self.page_size, first % self.page_size // self.spec.group
@@ -127,7 +117,7 @@ class PagedKiviCache(PagedKVCache):
         vc, vs, vz = quantize(v, spec.bits, Gv, symmetric=False)  # [B,K,R,H], [B,K,R,H/Gv]
         index = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
         flat = self._flat_slots(index, ok[:, None])  # [B,R]
-        new = self._put(
+        new = self._scatter(
             flat.reshape(-1),
             k=_slot_major(pack(kc.swapaxes(2, 3), spec.bits)),
             v=_slot_major(pack(vc, spec.bits)),
@@ -146,7 +136,7 @@ class PagedKiviCache(PagedKVCache):
         index = jnp.arange(S, dtype=jnp.int32)[None]
         flat = self.replace(table=self.table[row][None])._flat_slots(index, index < nq)[0]
         slot_major = lambda x: jnp.moveaxis(x[0], 1, 0)  # noqa: E731  [1,K,S,...] -> [S,K,...]
-        new = self._put(
+        new = self._scatter(
             flat,
             k=slot_major(dense.k_codes),
             v=slot_major(dense.v_codes),

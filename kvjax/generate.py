@@ -613,13 +613,15 @@ class Generator:
         rng: jax.Array | None = None,
         prefilled: tuple | None = None,
         stepwise: bool = False,
+        width: int | None = None,
     ) -> GenerationResult:
         """Question-agnostic generation (kvpress's `query_aware=False`, its leaderboard's protocol): each
         context is prefilled and compressed alone, its question (one length for every row) then fed through
         the compressed cache as one chunk (the scorers never see it; under decode-time eviction, or with
         `stepwise`, a decode step per token, eviction firing where it falls), and decoding goes on from
         there. `prefilled`: what `prefill_compressed` (or `prefill_shared`) gave for these contexts, padded
-        with room for the question and the new tokens."""
+        with room for the question (padded to `width` tokens, by default the next multiple of
+        QUESTION_BUCKET, `answer_room`) and the new tokens. Questions padded to one width share a compile."""
         sizes = {len(q) for q in questions}
         if len(questions) != len(contexts) or len(sizes) != 1 or 0 in sizes:
             raise ValueError("questions must be one non-empty sequence per context, all of the same length")
@@ -627,14 +629,17 @@ class Generator:
         if forced.min() < 0 or forced.max() >= self.config.vocab_size:
             raise ValueError(f"question token ids must be in [0, {self.config.vocab_size})")
         n = forced.shape[1]
-        room = answer_room(n, decoding.max_new_tokens)
+        width = answer_room(n, 0) if width is None else width
+        if width < n:
+            raise ValueError(f"width={width} must hold the questions' {n} tokens")
+        room = width + decoding.max_new_tokens
         rng = jax.random.key(decoding.seed) if rng is None else rng
         if prefilled is None:
             lengths, logits, caches, stats = self.start(contexts, room)
         else:
             lengths, (logits, caches, stats) = np.array([len(c) for c in contexts], np.int32), prefilled
         evict, arrays = self._evict_args(lengths, room)
-        padded = np.zeros((len(forced), room - decoding.max_new_tokens), np.int32)
+        padded = np.zeros((len(forced), width), np.int32)
         padded[:, :n] = forced
         placed, padded = self._rows(jnp.asarray(lengths), padded)
         stats = stats if stats is not None else (None,) * len(caches)

@@ -22,7 +22,7 @@ import numpy as np
 from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
 from kvjax.errors import ConfigError
-from kvjax.generate import QUESTION_BUCKET, answer_room, prefill_shared, shareable
+from kvjax.generate import answer_room, prefill_shared, shareable
 from kvjax.interrupt import Interrupted
 from kvjax.mappings import release_if_crowded
 from kvjax.report import plural
@@ -93,6 +93,24 @@ def check_results(results: Path, ident: dict) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Shapes:
+    """What the items of one capacity share, so that they share every compiled program: questions padded
+    to `width` tokens, caches leaving `room` slots after their context (that width and the most new
+    tokens any item asks), Generators of `capacity` slots (every context with that room)."""
+
+    width: int
+    room: int
+    capacity: int
+
+    @classmethod
+    def of(cls, items: list[Item]) -> Shapes:
+        width = max((answer_room(len(i.question), 0) for i in items if i.question), default=0)
+        room = width + max(i.max_new_tokens for i in items)
+        capacity = max(max(len(i.context) + room, i.capacity or i.length) for i in items)
+        return cls(width, room, -(-capacity // 16) * 16)
+
+
+@dataclasses.dataclass(frozen=True)
 class Sweep:
     """A sweep's cells (read back or computed now), how many were computed now, and how many of those
     replaced a stored cell whose input had changed (a generator fixed since)."""
@@ -118,7 +136,9 @@ def sweep(
     """Every cell's record, read back from `results` (a JSONL file) or computed and appended to it, with
     the sweep's identity `ident` (a file of another sweep is refused before any compute, `check_results`).
     A stored cell is reused only if its input (a digest of the prompt's tokens) is the one given now.
-    Items of one capacity run in a row, sharing their Generators; with `share`, the policies that compress
+    Items of one capacity run in a row, sharing their Generators and, padded alike (`Shapes`), every compiled
+    program (a sweep that compiled per question length dropped its programs every few samples near
+    Linux's limit on memory mappings, `kvjax.mappings`); with `share`, the policies that compress
     once after the prefill (every scorer, allocator and quantizer) compress one observed prefill per item
     (`prefill_shared`) instead of each its own. `on_cell` sees every record, read or computed; a set
     `stop` (Ctrl-C) ends the sweep after the item in progress with `Interrupted`."""
@@ -126,12 +146,17 @@ def sweep(
     done = finished(results)
     records, computed, stale = [], 0, 0
     gens: dict[str, Generator] = {}
-    capacity = None
+    items = list(items)
+    groups: dict[int, list[Item]] = {}
+    for item in items:
+        groups.setdefault(item.capacity or item.length, []).append(item)
+    shapes = {size: Shapes.of(group) for size, group in groups.items()}
+    shape = None
 
     def generator(run: Run) -> Generator:
         if run.name not in gens:
             policy = parse_policy(run.policy) if run.policy else None
-            gens[run.name] = Generator(model, capacity=capacity, policy=policy, calibration=calibration)
+            gens[run.name] = Generator(model, capacity=shape.capacity, policy=policy, calibration=calibration)
         return gens[run.name]
 
     def seen(record: dict) -> None:
@@ -143,10 +168,9 @@ def sweep(
     try:
         with results.open("a") as log:
             for item in items:
-                # a question is fed padded to a multiple of QUESTION_BUCKET (`answer_room`): room for the padding
-                if (item.capacity or item.length) + QUESTION_BUCKET != capacity:
+                if shapes[item.capacity or item.length] != shape:
                     gens.clear()  # the last capacity's programs are not needed again
-                    capacity = (item.capacity or item.length) + QUESTION_BUCKET
+                    shape = shapes[item.capacity or item.length]
                 prompt = item.context + item.question
                 digest = _digest(prompt)
                 kept = {}
@@ -159,7 +183,7 @@ def sweep(
                     seen(record)
                 pending = [run for run in runs_ if run.name not in kept]
                 release_if_crowded()  # hours of compiles would exhaust the process's memory mappings
-                for run, answer in answers(pending, generator, item, tokenizer, share).items():
+                for run, answer in answers(pending, generator, item, tokenizer, share, shape).items():
                     policy = parse_policy(run.policy) if run.policy else None
                     record = {
                         "task": item.task,
@@ -204,22 +228,22 @@ def _compact(results: Path) -> None:
     os.replace(tmp, results)
 
 
-def answers(pending: list[Run], generator, item: Item, tokenizer, share: bool) -> dict:
-    """Each pending run's greedy answer (text) to the item: its context prefilled (and compressed), then,
-    when a question is given apart, the question fed through that cache (`Generator.answer`). A model that
-    ends its text (EOS) stops there, as Hugging Face's generate does."""
+def answers(pending: list[Run], generator, item: Item, tokenizer, share: bool, shape: Shapes) -> dict:
+    """Each pending run's greedy answer (text) to the item: its context prefilled (and compressed, leaving
+    the `shape`'s room), then, when a question is given apart, the question fed through that cache
+    (`Generator.answer`). A model that ends its text (EOS) stops there, as Hugging Face's generate does."""
     if not pending:
         return {}
     context, question = item.context, item.question
     decoding = DecodingConfig(max_new_tokens=item.max_new_tokens, eos_id=tokenizer.eos_id)
     shared = [run for run in pending if share and (run.policy is None or shareable(generator(run)))]
     key, outs = jax.random.key(decoding.seed), {}
-    room = answer_room(len(question), decoding.max_new_tokens) if question else decoding.max_new_tokens
+    room = shape.room
     tokens, lengths = generator(pending[0]).pad([context], room)
 
     def finish(g: Generator, prefilled: tuple):
         if question:
-            return g.answer([context], [question], decoding, rng=key, prefilled=prefilled)
+            return g.answer([context], [question], decoding, rng=key, prefilled=prefilled, width=shape.width)
         return g.decode(prefilled[1], prefilled[0], lengths, decoding, key, prefilled[2])
 
     if len(shared) > 1:
@@ -231,7 +255,9 @@ def answers(pending: list[Run], generator, item: Item, tokenizer, share: bool) -
         if run.name not in outs and shareable(g):  # caches sized for the bucket: samples share compiles
             outs[run.name] = finish(g, g.prefill_compressed(tokens, lengths, room, sized_for=tokens.shape[1]))
         if run.name not in outs:
-            outs[run.name] = g.answer([context], [question], decoding) if question else g([context], decoding)
+            outs[run.name] = (
+                g.answer([context], [question], decoding, width=shape.width) if question else g([context], decoding)
+            )
         result = outs[run.name]
         ids = np.asarray(result.tokens[0, : result.lengths[0]]).tolist()
         out[run] = tokenizer.decode(ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids)

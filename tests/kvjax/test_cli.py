@@ -156,8 +156,11 @@ def test_serve_bench_compares_architectures_at_one_budget(tmp_path, capsys):
 def test_serve_bench_checks_its_arguments(capsys):
     assert main(["serve-bench", "gqa", "--prompt", "9", "3"]) == 2
     assert "--prompt 9 3: need 1 <= low <= high" in capsys.readouterr().err
-    assert main(["serve-bench", "gqa", "--policy", "kivi:2", "--memory-mib", "1"]) == 2
-    assert "quantized pages are int:8 or int:4" in capsys.readouterr().err
+    assert main(["serve-bench", "gqa", "--policy", "kvquant:4", "--memory-mib", "1"]) == 2
+    assert "quantized pages are int:8, int:4 (symmetric) or kivi only" in capsys.readouterr().err
+    assert main(["serve-bench", "gqa", "--policy", "kivi:2", "--memory-mib", "1"]) == 2  # pages of 16
+    err = capsys.readouterr().err
+    assert "divides the residual (128): one of [32, 64, 128], not 16" in err and "first pass" not in err
     assert main(["serve-bench", "gqa", "--memory-mib", "0.001"]) == 2
     assert re.search(
         r"hold no static row of \d+ tokens; the least that holds one is [\d.]+ MiB", capsys.readouterr().err

@@ -407,7 +407,8 @@ class Engine:
         quantizer (int codes, or KIVI's blocks with a residual per sequence slot, `kvjax.paged_kivi`);
         `stat`: a running statistic per slot (decode-time eviction that accumulates one, H2O's)."""
         att, ps = cfg.attention, self.pool.page_size
-        if self.window is not None and kind in self.windowed:
+        windowed = self.window is not None and kind in self.windowed
+        if windowed:
             n, per_head, codes, stat = self._window_pages(self.width).n_pages, False, None, False
         else:
             n = n_pages
@@ -415,7 +416,7 @@ class Engine:
         if codes is not None and codes.blocked:
             return PagedKiviCache.init_kivi(codes, *shape)
         cache = PagedKVCache.init(*shape, per_head_positions=per_head, bits=codes and codes.bits, stat=stat)
-        return cache.replace(windowed=self.window is not None and kind in self.windowed)
+        return cache.replace(windowed=windowed)
 
     def _window_pages(self, columns: int) -> WindowPages:
         """Fresh bookkeeping of the sliding-window layers' pool (`kvjax.window_pages`) for requests of at most

@@ -18,7 +18,9 @@ running request either way.
 Prompt and output lengths are drawn uniformly from their ranges (numpy seed `seed`); an optional shared
 prefix starts every prompt; every request decodes greedily to its own length. Each server serves the
 whole workload once untimed (all its compiles) and is timed on the second pass, so neither side's
-figures include compiling. Without a memory budget, the servers get what static batches need to hold a
+figures include compiling. Beside each policy, its quality cost on what it served: KL(full || policy) of
+the next-token distributions along every request's served continuation (`kvjax.quality`; `kl=False`
+skips it). Without a memory budget, the servers get what static batches need to hold a
 quarter of the requests at once (`default_memory`): tight enough that paging has something to win.
 """
 
@@ -35,6 +37,7 @@ from kvjax import memory
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.engine import Engine, Request
 from kvjax.generate import Generator
+from kvjax.quality import continuation_kl
 from kvjax.report import format_table
 
 
@@ -118,10 +121,12 @@ def _static(model, requests, rows: int, capacity: int) -> Callable[[], None]:
     return serve
 
 
-def _engine(engine: Engine, requests) -> Callable[[], None]:
+def _engine(engine: Engine, requests, served: list) -> Callable[[], None]:
+    """Serve the workload from a fresh engine state; `served` keeps the last pass's completions."""
+
     def serve():
         engine.reset()
-        engine.run(requests)
+        served[:] = engine.run(requests)
 
     return serve
 
@@ -139,12 +144,14 @@ def serve_bench(
     log: Callable[[str], None] = lambda line: None,
     http: int | None = None,
     tokenizer=None,
+    kl: bool = True,
 ) -> dict:
     """Run every server on the workload at `memory_mib` MiB of K/V and return the figures (see the module
     docstring); a budget too small for the longest request, or a policy budget a prompt cannot meet, is
     a ConfigError before any compute. `log` hears each pass as it ends. With `http` (a concurrency),
     each engine also serves the workload through its thread and through `kvjax serve`'s HTTP app at that
-    many streams at once (`kvjax.serve.bench`; `tokenizer` decodes the text the server sends)."""
+    many streams at once (`kvjax.serve.bench`; `tokenizer` decodes the text the server sends). With `kl`,
+    each policy's served continuations are scored against the full cache (`kvjax.quality`)."""
     cfg = model.config
     requests = workload.sample(cfg.vocab_size)
     budget = int(memory_mib * 2**20)
@@ -200,7 +207,8 @@ def serve_bench(
         }
     )
     for policy, engine in engines.items():
-        seconds = _timed("engine" + (f" + {policy}" if policy else ""), _engine(engine, requests), log)
+        served = []
+        seconds = _timed("engine" + (f" + {policy}" if policy else ""), _engine(engine, requests, served), log)
         s, pool, per_page = engine.stats, engine.pool, engine.page_nbytes()
         lookups = pool.hits + pool.misses
         out["servers"].append(
@@ -225,6 +233,12 @@ def serve_bench(
                 "preemptions": s.preemptions,
             }
         )
+        if kl and policy:
+            start = time.perf_counter()
+            cost = continuation_kl(model, [r.prompt for r in requests], [c.tokens for c in served], policy)
+            out["servers"][-1].update(kl_vs_full=cost.kl, kl_max=cost.kl_max, kl_positions=cost.positions)
+            took = time.perf_counter() - start
+            log(f"engine + {policy}: KL vs full {cost.kl:.4g} over {cost.positions} tokens ({took:.1f} s)")
         if http:
             from kvjax.serve.bench import http_figures
 
@@ -254,6 +268,7 @@ def render(figures: dict) -> str:
                 hit,
                 pages,
                 s.get("preemptions", "-"),
+                f"{s['kl_vs_full']:.3g}" if "kl_vs_full" in s else "-",
             ]
         )
     head = (
@@ -273,6 +288,7 @@ def render(figures: dict) -> str:
             "prefix hits",
             "peak pages",
             "preemptions",
+            "KL vs full",
         ],
         rows,
     )

@@ -27,6 +27,7 @@ from kvjax.compress import (
 from kvjax.config import DecodingConfig
 from kvjax.generate import Generator
 from kvjax.memory import cache_bytes
+from kvjax.quality import kl_per_position
 from kvjax.report import format_table
 from kvjax.timing import decode_rounds
 from kvjax.training.data import DataError, load_corpus, split_documents
@@ -88,7 +89,7 @@ class ContinuationScore:
 
 def kl_divergence(full_logp: np.ndarray, logp: np.ndarray) -> float:
     """Mean over positions of KL(p_full || p), from log-distributions `[..., V]`."""
-    return float(np.mean(np.sum(np.exp(full_logp) * (full_logp - logp), axis=-1)))
+    return float(np.mean(kl_per_position(full_logp, logp)))
 
 
 def stored_bytes_per_token(model, policy: Policy | None, prefix: int, layer_counts=None) -> float:

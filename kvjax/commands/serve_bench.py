@@ -66,6 +66,7 @@ def run(args) -> None:
             log=lambda line, name=name: print(f"serve-bench {name}: {line}", file=sys.stderr, flush=True),
             http=args.http,
             tokenizer=tokenizer,
+            kl=not args.no_kl,
         )
         print(render(figures))
         runs.append(figures)
@@ -153,6 +154,12 @@ def register(sub) -> None:
         "repeatable (default: none)",
     )
     renamed(sb, "--policies", "give --policy once per policy (--policy snapkv:0.5 --policy int:8)")
+    sb.add_argument(
+        "--no-kl",
+        action="store_true",
+        help="skip each policy's quality cost (by default: KL against the full cache of the next-token "
+        "distributions along every continuation the policy served, scored teacher-forced after the timing)",
+    )
     sb.add_argument("--json", help="also write the figures to this file")
     sb.add_argument(
         "--http",

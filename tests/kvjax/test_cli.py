@@ -77,7 +77,7 @@ def test_compiled_generation_holds_what_its_budget_counts(capsys):
 def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
     """`kvjax serve-bench`: static batches, the engine and the engine with int:8 at the same K/V bytes
     (by default what static batches need for a quarter of the requests, here 2 of 5); the JSON has every
-    figure, and the budget buys more int8 pages."""
+    figure, the budget buys more int8 pages, and int:8's served continuations carry their KL."""
     import json
 
     from kvjax.serve_bench import Workload, default_memory
@@ -122,7 +122,11 @@ def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
     assert figures["new_tokens"] == sum(r.decoding.max_new_tokens for r in requests)
     assert static["bytes_allocated"] <= budget and 1 <= static["concurrent"] <= 5  # rows that ran, not that fit
     assert static["concurrent"] == min(static["rows_in_memory"], 5)
-    assert "| engine + int:8 " in capsys.readouterr().out
+    # int:8's quality cost on what it served: every served token but each request's first is scored
+    assert int8["kl_positions"] == figures["new_tokens"] - 5 and 0 < int8["kl_vs_full"] < 1e-2
+    assert "kl_vs_full" not in engine
+    table = capsys.readouterr().out
+    assert "| engine + int:8 " in table and "KL vs full" in table
 
 
 def test_serve_bench_compares_architectures_at_one_budget(tmp_path, capsys):

@@ -12,7 +12,7 @@ import numpy as np
 from kvjax.compress import parse_policy
 from kvjax.generate import Generator
 
-LOGITS_BYTES = 2**28  # host memory one scored batch's fp32 log-distributions may take (each side)
+LOGITS_BYTES = 2**30  # host memory one scored batch's fp32 log-distributions may take (each side)
 
 
 def kl_per_position(full_logp: np.ndarray, logp: np.ndarray) -> np.ndarray:

@@ -12,7 +12,8 @@ Works for attention models whose layers produce or share K/V (MHA/GQA/MQA, CLA, 
 layers included (Gemma's local layers, Mistral's window: by default they page from a pool of their own in
 which a sequence holds only its window's pages, `kvjax.window_pages`; with `window_pages="keep"` the
 window is a mask over pages kept until the request ends, and prefix hits are possible; a policy then
-compresses the other layers' prompts and leaves the windows whole, as `Generator` does), MLA
+compresses the other layers' prompts and leaves the windows whole, as `Generator` does, or under
+`local=true` compresses each window into a ring of its pages that grows back to the window), MLA
 latents (`PagedLatentCache`), and recurrent layers (Mamba, RWKV-7, RetNet, YOCO's gated retention, the
 hybrids), which keep one state slot per running request instead of pages (`kvjax.slot_states`; the
 prefix cache is then off: a prefix hit would skip tokens a state must see).
@@ -49,7 +50,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvjax.cache import LatentCache
+from kvjax.cache import LatentCache, WindowKVCache
 from kvjax.compress import Policy, parse_policy
 from kvjax.compress.methods import METHODS
 from kvjax.compress.policy import Stage
@@ -85,7 +86,8 @@ class Rows(NamedTuple):
     """What `Engine._sync` pushes to the device for the sequences a step feeds, in its row order (a
     sequence has no fixed row: its pages and table say where its tokens are): block tables `[slots,M]`
     and lengths `[slots]` of the main pool and of the sliding-window layers' own pool (whose slot is the
-    token's position, while a compressed prompt's main-pool slots are fewer than its positions), and each
+    token's position, while a compressed prompt's main-pool slots are fewer than its positions; a window
+    compressed under `local=true` is a ring of C slots, its length the tokens it took), and each
     row's recurrent-state slot; under decode-time eviction each row's budgets (`paged_eviction.budget_row`).
     Every jitted function sets them into each layer's cache: one transfer per step, not one per layer."""
 
@@ -94,6 +96,7 @@ class Rows(NamedTuple):
     length: jax.Array
     window_length: jax.Array
     states: jax.Array
+    window_ring: jax.Array  # each row's compressed-ring size C in the window pool (`local=true`), else 0
     budgets: jax.Array | None = None
 
     def first(self, n: int) -> Rows:
@@ -109,7 +112,11 @@ def _with_rows(caches, rows: Rows, chunk_row=None):
         if isinstance(c, SlotStates):
             out.append(c.replace(rows=rows.states, length=rows.window_length, chunk_row=chunk_row))
         elif c.windowed:
-            out.append(c.replace(table=rows.window_table, length=rows.window_length, chunk_row=chunk_row))
+            out.append(
+                c.replace(
+                    table=rows.window_table, length=rows.window_length, chunk_row=chunk_row, ring=rows.window_ring
+                )
+            )
         elif isinstance(c, PagedKiviCache):  # its residuals are per sequence slot, as recurrent states
             out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row, res_rows=rows.states))
         else:
@@ -211,12 +218,16 @@ def _jitted(graphdef, treedef):
 @functools.partial(jax.jit, donate_argnums=0)
 def _load_row(caches, rows: Rows, dense, stats, row):
     """Load row 0 of each layer's dense (compressed) prefill cache into table row `row`'s pages (a
-    sliding-window layer's ring, left whole by the policy, at its tokens' positions in its own pool), with
+    sliding-window layer's ring, left whole by the policy, at its tokens' positions in its own pool; one
+    compressed under `local=true`, a `WindowKVCache`, slot for slot into the ring its row holds), with
     the running statistic of its kept slots where the pages keep one (`stats`: the Generator's, per
     layer); the caches and the rows with the row's new lengths (attention and MLA layers only: the engine
     takes no policy for a model with recurrent layers)."""
     out = []
     for paged, d, stat in zip(_with_rows(caches, rows), dense, stats):
+        if paged.windowed and isinstance(d, WindowKVCache):  # compressed too (local=true): a ring of its slots
+            out.append(paged.load(row, d.length[0], d.pos[0], k=d.k[0], v=d.v[0]))
+            continue
         if paged.windowed:
             out.append(paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0]))
             continue
@@ -235,20 +246,35 @@ def _load_row(caches, rows: Rows, dense, stats, row):
     return tuple(out), _lengths(rows, out)
 
 
-def check_window_policy(policy: Policy, name: str, windowed: list[str], window_pages: str) -> None:
+def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: str) -> None:
     """A policy on a model with sliding-window layers compresses the other layers' prompts and leaves the
     windows whole, which the engine serves when those layers have their own pool (`window_pages="free"`:
-    their slots are positions, the main pool's are the kept tokens); compressing the windows too
-    (`local`) it does not page."""
-    if policy.local:
-        raise ConfigError(
-            f"engine policy {policy}: local=true compresses the sliding-window layers too, which the engine "
-            "does not page; drop local to compress the other layers only"
-        )
+    their slots are positions, the main pool's are the kept tokens). Under `local=true` it compresses the
+    windows too, each into a ring that grows back to the window as decoding goes on (`WindowKVCache`),
+    which that pool holds as its first pages: by token eviction alone, once after the prefill (the pool is
+    full precision, one position per slot), with one window size for every such layer."""
     if window_pages != "free":
         raise ConfigError(
-            f"engine policy {policy}: {name!r} has sliding-window layers ({', '.join(windowed)}), whose prompt a "
+            f"engine policy {policy}: {cfg.name!r} has sliding-window layers ({', '.join(windowed)}), whose prompt a "
             "policy leaves whole: serve it with window_pages='free' (their own pool) or without a policy"
+        )
+    if not policy.local:
+        return
+    last = policy.stages[-1]
+    sizes = sorted({cfg.attention_for(k).window for k in windowed})
+    why = (
+        f"has windows of {sizes} tokens (the engine's rings share one size)"
+        if len(sizes) > 1
+        else "quantizes them (the window pool holds full-precision K/V)"
+        if last.quantizes
+        else f"evicts while decoding (every={policy.decode_stage.every}); the rings are compressed once"
+        if policy.decode_stage
+        else None
+    )
+    if why:
+        raise ConfigError(
+            f"engine policy {policy}: local=true compresses the sliding-window layers too, and this policy {why}; "
+            "drop local to compress the other layers only"
         )
 
 
@@ -329,7 +355,7 @@ class Engine:
             )
         windowed = sorted({k for k in cfg.mixers if k != "mla" and cfg.attention_for(k).window is not None})
         if self.policy is not None and windowed:
-            check_window_policy(self.policy, cfg.name, windowed, window_pages)
+            check_window_policy(self.policy, cfg, windowed, window_pages)
         self.model, self.pool = model, PagePool(n_pages, page_size)
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
         self.windowed, self.recurrent, self.window_pages = windowed, recurrent, window_pages
@@ -402,21 +428,21 @@ class Engine:
         self._sync([])
 
     def _paged(self, cfg, kind: str, n_pages: int, per_head: bool, codes, stat: bool) -> PagedKVCache:
-        """An attention layer's pages: the window pool's for a sliding-window layer when windows are freed (a
-        policy leaves the windows whole: full precision, one position per slot); `codes`: the policy's
+        """An attention layer's pages: the window pool's for a sliding-window layer when windows are freed (full
+        precision: a policy leaves the windows whole, or compresses them by eviction alone); `codes`: the policy's
         quantizer (int codes, or KIVI's blocks with a residual per sequence slot, `kvjax.paged_kivi`);
         `stat`: a running statistic per slot (decode-time eviction that accumulates one, H2O's)."""
         att, ps = cfg.attention, self.pool.page_size
         windowed = self.window is not None and kind in self.windowed
-        if windowed:
-            n, per_head, codes, stat = self._window_pages(self.width).n_pages, False, None, False
+        if windowed:  # full precision, positions as the main pool keeps them (a head-wise `local` ring: per head)
+            n, codes, stat = self._window_pages(self.width).n_pages, None, False
         else:
             n = n_pages
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
         if codes is not None and codes.blocked:
             return PagedKiviCache.init_kivi(codes, *shape)
         cache = PagedKVCache.init(*shape, per_head_positions=per_head, bits=codes and codes.bits, stat=stat)
-        return cache.replace(windowed=windowed)
+        return cache.replace(windowed=True, ring=jnp.zeros((self.slots,), jnp.int32)) if windowed else cache
 
     def _window_pages(self, columns: int) -> WindowPages:
         """Fresh bookkeeping of the sliding-window layers' pool (`kvjax.window_pages`) for requests of at most
@@ -435,6 +461,9 @@ class Engine:
         page's stale contents are never read: a row sees only the slots below its length)."""
         self.requests: list[Request] = []
         self._budgets: dict[int, np.ndarray] = {}  # under decode-time eviction, each request's `budget_row`
+        # a request whose windows its policy compressed (local=true): (its rings' size, the window in whole
+        # pages; its positions less the tokens its rings took)
+        self._rings: dict[int, tuple[int, int]] = {}
         self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
         self._slot_of: dict[int, int] = {}  # a running sequence's recurrent-state slot
         self._free_slots = list(range(self.slots))[::-1]
@@ -526,11 +555,16 @@ class Engine:
         seqs = [*seqs, *[None] * n]
         table = self.pool.table(seqs, self.width)
         length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
-        positions = np.asarray(at, np.int32)
+        ring, shift = (np.asarray([self._rings.get(s, (0, 0))[i] for s in seqs], np.int32) for i in (0, 1))
+        positions = np.asarray(at, np.int32) - shift  # a compressed ring's length: the tokens it took
+        rings = {s: int(c) for s, c in zip(seqs, ring) if c}
+        running = self.scheduler.running
         window = (
-            table if self.windows is None else self.windows.table(seqs, at, ahead, self.width, self.scheduler.running)
+            table
+            if self.windows is None
+            else self.windows.table(seqs, positions.tolist(), ahead, self.width, running, rings)
         )
-        arrays = [table, window, length, positions, self._state_slots(seqs)]
+        arrays = [table, window, length, positions, self._state_slots(seqs), ring]
         if self.evict is not None:
             none = np.zeros(1 + 3 * len(self.evict.slots), np.int32)
             arrays.append(np.stack([none if s is None else self._budgets[s] for s in seqs]))
@@ -594,7 +628,7 @@ class Engine:
             policy = parse_policy(request.policy)
             layout = check_engine_policy(policy)
             if self.windowed:
-                check_window_policy(policy, self.model.config.name, self.windowed, self.window_pages)
+                check_window_policy(policy, self.model.config, self.windowed, self.window_pages)
         if layout != self.layout:
 
             def said(layout):
@@ -639,7 +673,8 @@ class Engine:
                 cap = budget + self.evict.every
         d = request.decoding
         greedy = d.temperature == 0 and not request.top_logprobs  # else each step reads the distribution
-        return Work(tuple(request.prompt), d.max_new_tokens, d.eos_id, greedy, kept, cap, self._stepwise)
+        stepwise = self._stepwise or bool(gen and gen.policy.local)  # a compressed ring takes a token a step
+        return Work(tuple(request.prompt), d.max_new_tokens, d.eos_id, greedy, kept, cap, stepwise)
 
     def check(self, requests: list[Request]) -> list[Work]:
         """Refuse, before any compute, a request this engine can never serve (an empty prompt, an
@@ -682,6 +717,7 @@ class Engine:
         self.scheduler.forget(index)
         self.requests[index] = None
         self._budgets.pop(index, None)
+        self._rings.pop(index, None)
 
     def step(self) -> bool:
         """Run the scheduler's next plan on the device (a prefill, one step, or several greedy steps);
@@ -707,6 +743,12 @@ class Engine:
         gen = self._prefill_capacity(self.policy_of(request), len(request.prompt))
         padded, lengths = gen.pad([request.prompt], 0)
         logits, dense, stats = gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
+        self._rings.pop(seq.index, None)
+        if ring := next((d for d in dense if isinstance(d, WindowKVCache)), None):  # local=true: the windows' ring
+            # any size of at least the window decodes as Generator's ring does (what it writes over is out of
+            # every later query's window); whole pages leave no slot past the ring in its last page
+            size = -(-self.window // self.pool.page_size) * self.pool.page_size
+            self._rings[seq.index] = (size, len(request.prompt) - int(ring.length[0]))
         self._sync([seq.index], [0], [len(request.prompt)])  # the window before the prompt's end
         self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, stats, 0)
         if self.scheduler.prefilled(seq):  # nothing was generated yet: the prefill's logits give the first token

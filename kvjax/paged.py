@@ -77,7 +77,11 @@ class PagedKVCache(_Arrays):
     `QuantKVCache`'s int codes) hold per-token symmetric codes in k, v, packed (uint8 `[P,K,page_size,
     H * bits / 8]`), and their scales in k_scale, v_scale `[P,K,page_size,1]`; the view dequantizes the
     gathered pages. `stat` `[P,K,page_size]` (fp32): each slot's running statistic under a decode-time
-    policy that accumulates one (H2O's attention received, `kvjax.paged_eviction`); a new token's is 0."""
+    policy that accumulates one (H2O's attention received, `kvjax.paged_eviction`); a new token's is 0.
+    `ring` `[B]` (a sliding-window layer's own pool): a row's C > 0 (whole pages) makes its slots a ring
+    of C, as `kvjax.cache.WindowKVCache` is under `local=true`: the n-th token held goes to slot n % C
+    (slots past its length stay masked until the ring is full; past its C lie only null pages); 0 keeps
+    slots as they are (the window pool's slot is a position)."""
 
     k: jax.Array
     v: jax.Array
@@ -88,6 +92,7 @@ class PagedKVCache(_Arrays):
     v_scale: jax.Array | None = None
     chunk_row: jax.Array | None = None
     stat: jax.Array | None = None
+    ring: jax.Array | None = None
     bits: int | None = struct.field(pytree_node=False, default=None)  # 8 or 4: the codes' width
     windowed: bool = struct.field(pytree_node=False, default=False)  # a sliding-window layer's own pool
 
@@ -161,10 +166,18 @@ class PagedKVCache(_Arrays):
         ok = ok & (page != NULL_PAGE) & (index // ps < self.table.shape[1])
         return jnp.where(ok, page * ps + index % ps, self.k.shape[0] * ps)
 
+    def _ringed(self, index: jax.Array, ring: jax.Array | None = None) -> jax.Array:
+        """Row slot indices `[B,T]` of the n-th tokens held `index`: n % C in a row that is a compressed ring
+        of C slots (`ring`, by default the cache's), n elsewhere."""
+        ring = self.ring if ring is None else ring
+        if ring is None:
+            return index
+        return jnp.where(ring[:, None] > 0, index % jnp.maximum(ring, 1)[:, None], index)
+
     def slots(self, pos: jax.Array) -> jax.Array:
         """Flat pool slots `[B,T]` of a chunk appended after each row's length (padding, pos < 0, goes nowhere)."""
         index = self.length[:, None] + jnp.arange(pos.shape[1], dtype=jnp.int32)[None, :]
-        return self._flat_slots(index, pos >= 0)
+        return self._flat_slots(self._ringed(index), pos >= 0)
 
     def _write(self, flat: jax.Array, **values: jax.Array) -> PagedKVCache:
         """Per-slot values `[N,X,...]` (k, v `[N,K,H]`, pos `[N,Kp]`, scales) into the flat pool slots `[N]`;
@@ -193,7 +206,7 @@ class PagedKVCache(_Arrays):
         row = self.chunk_row
         at = self.length[row] + jnp.arange(chunk.shape[0], dtype=jnp.int32)
         flat_chunk = self.replace(table=self.table[row][None])._flat_slots(at[None], chunk[None])[0]
-        flat_decode = self._flat_slots(self.length[:, None], decode[:, None])[:, 0]
+        flat_decode = self._flat_slots(self._ringed(self.length[:, None]), decode[:, None])[:, 0]
         added = decode.astype(jnp.int32).at[row].add(chunk.sum(dtype=jnp.int32))
         return jnp.concatenate([flat_decode, flat_chunk]), added
 
@@ -258,7 +271,8 @@ class PagedKVCache(_Arrays):
         if self.chunk_row is None:
             return self._gather()
         whole, row = self.replace(chunk_row=None), self.chunk_row
-        chunk = whole.replace(table=self.table[row][None], length=self.length[row][None])._gather()
+        ring = None if self.ring is None else self.ring[row][None]
+        chunk = whole.replace(table=self.table[row][None], length=self.length[row][None], ring=ring)._gather()
         R, M = self.table.shape
         return self._split(whole._gather(), chunk, whole if R * M >= self.k.shape[0] else None)
 

@@ -43,9 +43,13 @@ class WindowPages:
         """The most pages a sequence holds before writing `ahead` tokens: its window and them."""
         return -(-(self.window - 1 + ahead) // self.page_size) + 1
 
-    def table(self, seqs: list, lengths: list[int], ahead: list[int], width: int, running) -> np.ndarray:
+    def table(self, seqs: list, lengths: list[int], ahead: list[int], width: int, running, rings=None) -> np.ndarray:
         """Block-table rows `[len(seqs), width]` for a step writing `ahead[i]` tokens after `lengths[i]`
-        for sequence seqs[i] (None: an empty row); sequences not in `running` give their pages back."""
+        for sequence seqs[i] (None: an empty row); sequences not in `running` give their pages back. A
+        sequence in `rings` (sequence -> C) is a ring of C slots (a window compressed under `local=true`,
+        `lengths[i]` the tokens it took): it holds the columns its tokens fill, at most ceil(C / page_size),
+        then writes over them in turn until it ends."""
+        rings = rings or {}
         for seq in [s for s in self.held if s not in running]:
             self.free.extend(self.held.pop(seq).values())
         table = np.full((len(seqs), width), NULL_PAGE, np.int32)
@@ -53,8 +57,11 @@ class WindowPages:
             if seq is None:
                 continue
             held = self.held.setdefault(seq, {})
-            first = max(0, length - self.window + 1) // self.page_size
-            last = min(width, -(-(length + n) // self.page_size))
+            if seq in rings:
+                first, last = 0, -(-min(rings[seq], length + n) // self.page_size)
+            else:
+                first = max(0, length - self.window + 1) // self.page_size
+                last = min(width, -(-(length + n) // self.page_size))
             for column in [c for c in held if c < first]:
                 self.free.append(held.pop(column))
             for column in range(first, last):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+from pathlib import Path
 
 # Tests compile far more than they compute, so they compile cheaply (same results; XLA's graph optimizations
 # still run): LLVM at -O0 cut a cold run of tests/kvjax/test_compress.py from 121 s to 92 s, and XLA:CPU's
@@ -71,6 +72,19 @@ def _release_compiled_programs():
     test_quant.py + test_generate.py leave 20,129 mappings without this and 769 with it, in the same time."""
     yield
     jax.clear_caches()
+
+
+MANY_MAPPINGS = 40_000  # a file's tests may compile this close to the limit before their programs go
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_when_many():
+    """Drop every compiled program after a test that leaves the process near the mappings limit: one file
+    can reach it alone (test_engine.py's engines compile a program per row and chunk bucket)."""
+    yield
+    maps = Path("/proc/self/maps")
+    if maps.exists() and maps.read_bytes().count(b"\n") > MANY_MAPPINGS:
+        jax.clear_caches()
 
 
 # The longest test files, longest first: seconds on one worker of a cold 2-core run, from

@@ -163,8 +163,8 @@ def test_local_and_global_layers_in_pages(make_model, requests):
     local layers page from a pool of their own in which a request holds only its window's pages, at most ceil(8 / 4)
     + 1 = 3 (the pool has room for 4 while a chunk of 4 goes in, and for the tokens of a multi-step call), freed as
     the window moves on; with `window_pages="keep"` the window is a mask over pages kept to the end, and prefix hits
-    happen. Both give what Generator's rings give, with preemptions; a policy, which would compress the global
-    layers' prompts and not the local ones', is refused by name."""
+    happen. Both give what Generator's rings give, with preemptions; a policy under `keep`, and `local=true`
+    ending in codes or evicting while decoding (what the window pool cannot hold), are refused by name."""
     model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
     gen = Generator(model, capacity=40)
     alone = [gen([list(r.prompt)], r.decoding) for r in requests]
@@ -186,8 +186,9 @@ def test_local_and_global_layers_in_pages(make_model, requests):
     assert keep.stats.preemptions > 0 and keep.stats.cached_tokens > 0 and keep.pool.used_pages == 0
     with pytest.raises(ConfigError, match=r"sliding-window layers \(local\).*window_pages='free'"):
         Engine(model, n_pages=8, policy="snapkv:0.5", window_pages="keep")
-    with pytest.raises(ConfigError, match="local=true compresses the sliding-window layers too"):
-        Engine(model, n_pages=8, policy="snapkv:0.5:local")
+    for policy, why in [("tova:0.5:local+int:8", "quantizes them"), ("h2o:6:every=2,local", "evicts while decoding")]:
+        with pytest.raises(ConfigError, match=f"local=true compresses the sliding-window layers too.*{why}"):
+            Engine(model, n_pages=8, policy=policy)
 
 
 @pytest.mark.parametrize("policy", ["snapkv:0.5:obs_window=1+int:8", "snapkv:0.5:obs_window=1"])
@@ -205,6 +206,33 @@ def test_a_policy_on_local_and_global_layers_compresses_the_global_ones(make_mod
     assert local.bits is None and glob.bits == (8 if "int:8" in policy else None)
     with pytest.raises(ConfigError, match="request 0: 33 positions, past the 32 the sliding-window layers'"):
         engine.run([Request(tuple(range(1, 31)), DecodingConfig(max_new_tokens=3))])
+
+
+@pytest.mark.parametrize(
+    "policy, page_size",
+    [("tova:0.5:local", 4), ("snapkv:0.5:obs_window=1,local", 3)],
+)
+def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model, requests, policy, page_size):
+    """Gemma's layout under `local=true`: each local layer's window (the prompt's last 7 tokens) is compressed
+    too, into Generator's ring (`WindowKVCache`), which grows back to the window of 8 as decoding goes on and
+    then writes over its oldest slot. A request holds the window pool's pages its ring fills, at most
+    ceil(8 / page_size) (the last one partly, at pages of 3), never the 4-5 an uncompressed window takes
+    while it decodes; each request equals Generator alone under the policy, with preemptions (what it
+    generated re-fed a step at a time) and multi-step calls; every page comes back; a plain engine serves
+    the policy to the requests that name it."""
+    model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
+    gen = Generator(model, capacity=40, policy=parse_policy(policy))
+    args = dict(page_size=page_size, slots=4, chunk=4, decode_steps=4, max_tokens=32)
+    engine = Engine(model, n_pages=24 // page_size, policy=policy, **args)
+    _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
+    assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0 and engine.windows.used_pages == 0
+    assert engine.windows.peak == -(-8 // page_size) < engine.windows.per_decode
+    # Beside requests its own policy compresses (SnapKV's per-head positions need an engine that keeps them)
+    own = policy.replace(",local", "") if "snapkv" in policy else None
+    mixed = Engine(model, n_pages=48 // page_size, policy=own, **args)
+    served = mixed.run([dataclasses.replace(r, policy=policy if i % 2 else None) for i, r in enumerate(requests)])
+    other = Generator(model, capacity=40, policy=own and parse_policy(own))
+    _check(served, [(gen if i % 2 else other)([list(r.prompt)], r.decoding) for i, r in enumerate(requests)])
 
 
 @pytest.mark.parametrize("policy, width, pages", [("snapkv:0.5:obs_window=1+int:8", 16, 7), ("int:4", 8, 10)])

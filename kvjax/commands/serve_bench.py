@@ -150,7 +150,8 @@ def register(sub) -> None:
         action="append",
         help="also the engine with this policy: token eviction applied after the prefill (and while decoding "
         "with every=N), optionally ending in int:8, int:4 or kivi (kivi:2 needs --page-size 32, 64 or 128), e.g. "
-        "snapkv:0.5, h2o:256:every=64 or int:8; "
+        "snapkv:0.5, h2o:256:every=64 or int:8; on sliding-window models local=true compresses the windows "
+        "too (snapkv:0.5:local); "
         "repeatable (default: none)",
     )
     renamed(sb, "--policies", "give --policy once per policy (--policy snapkv:0.5 --policy int:8)")

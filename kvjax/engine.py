@@ -327,6 +327,7 @@ class Engine:
         policy: str | Policy | None = None,
         decode_steps: int = 8,
         window_pages: str = "free",
+        window_pool: int | None = None,
     ):
         """`mesh` (axes `data` and `tensor`) spreads the step's rows (sequences) over `data` and the pages' KV
         heads over `tensor`, as training splits batch and heads; the weights lie as `kvjax.sharding`
@@ -337,7 +338,10 @@ class Engine:
         a call per step).
         `window_pages`: `free` gives sliding-window layers a pool of their own from which a sequence holds
         only its window's pages (`kvjax.window_pages`; no prefix cache then), `keep` pages them as the
-        other layers, the window a mask, every page kept until the request ends (prefix hits possible)."""
+        other layers, the window a mask, every page kept until the request ends (prefix hits possible).
+        `window_pool`: pages of that own pool (besides its null page); by default every slot's worst case, so
+        it never limits admission; a smaller one (what `fit` buys) admits requests by what their windows can
+        hold (`WindowPages.reserve`)."""
         if window_pages not in ("free", "keep"):
             raise ConfigError(f"window_pages={window_pages!r} must be 'free' or 'keep'")
         cfg = model.config
@@ -359,6 +363,7 @@ class Engine:
         self.model, self.pool = model, PagePool(n_pages, page_size)
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
         self.windowed, self.recurrent, self.window_pages = windowed, recurrent, window_pages
+        self.window_pool = window_pool
         self.window = (
             max((cfg.attention_for(k).window for k in windowed), default=None) if window_pages == "free" else None
         )
@@ -435,7 +440,7 @@ class Engine:
         att, ps = cfg.attention, self.pool.page_size
         windowed = self.window is not None and kind in self.windowed
         if windowed:  # full precision, positions as the main pool keeps them (a head-wise `local` ring: per head)
-            n, codes, stat = self._window_pages(self.width).n_pages, None, False
+            n, codes, stat = self.windows.n_pages, None, False
         else:
             n = n_pages
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
@@ -444,9 +449,9 @@ class Engine:
         cache = PagedKVCache.init(*shape, per_head_positions=per_head, bits=codes and codes.bits, stat=stat)
         return cache.replace(windowed=True, ring=jnp.zeros((self.slots,), jnp.int32)) if windowed else cache
 
-    def _window_pages(self, columns: int) -> WindowPages:
+    def _window_pages(self, columns: int, n_pages: int | None = None) -> WindowPages:
         """Fresh bookkeeping of the sliding-window layers' pool (`kvjax.window_pages`) for requests of at most
-        `columns` pages."""
+        `columns` pages: `n_pages` of them (the null page included), by default every slot's worst case."""
         return WindowPages(
             max_pages=columns,
             window=self.window,
@@ -454,6 +459,7 @@ class Engine:
             slots=self.slots,
             chunk=self.chunk,
             decode_ahead=self.decode_steps,
+            n_pages=n_pages,
         )
 
     def reset(self) -> None:
@@ -467,13 +473,15 @@ class Engine:
         self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
         self._slot_of: dict[int, int] = {}  # a running sequence's recurrent-state slot
         self._free_slots = list(range(self.slots))[::-1]
-        self.windows = self._window_pages(self.width) if self.window else None
+        pool = None if self.window_pool is None else self.window_pool + 1
+        self.windows = self._window_pages(self.width, pool) if self.window else None
         self.scheduler = Scheduler(
             self.pool,
             slots=self.slots,
             chunk=self.chunk,
             decode_steps=self.decode_steps,
             prefix_cache=self.prefix_cache,
+            window_pages=None if self.windows is None else self.windows.n_pages - 1 - self.windows.slack,
         )
 
     @property
@@ -494,32 +502,49 @@ class Engine:
 
     def fixed_nbytes(self, slots: int, max_tokens: int | None = None) -> int:
         """What `slots` running sequences of at most `max_tokens` (default: this engine's) hold whatever
-        their lengths: recurrent states, and the sliding-window layers' own pool (`kvjax.window_pages`: sized
-        for that many sequences' windows)."""
-        window = sum(c.page_nbytes for c in self.caches if isinstance(c, PagedKVCache) and c.windowed)
+        their lengths: recurrent states, and the sliding-window layers' own pool (`kvjax.window_pages`: this
+        engine's, or by default sized for that many sequences' windows)."""
         columns = self.width if max_tokens is None else -(-max_tokens // self.pool.page_size)
         pages = 0 if self.window is None else self._window_pages(columns).pool_pages(slots)
-        return slots * self.state_nbytes() + pages * window
+        if self.window is not None and self.window_pool is not None:
+            pages = self.window_pool + 1
+        return slots * self.state_nbytes() + pages * self._window_page_nbytes()
 
-    def fit(self, budget: int, slots: int, max_tokens: int) -> tuple[int, int]:
-        """(slots, main-pool pages with the null page) that `budget` bytes buy for an engine of this model,
-        policy and page size: what each running sequence holds whatever its length (`fixed_nbytes`) comes
-        out of the budget first (so such a model runs at most as many sequences as the budget holds, each
-        with room for a request of `max_tokens`), the rest are pages. A model with no main-pool layer gets
-        every slot that request's pages (they hold nothing)."""
-        page, per_page = self.page_nbytes(), -(-max_tokens // self.pool.page_size)
-        fixed = lambda n: self.fixed_nbytes(n, max_tokens)  # noqa: E731
-        if budget < fixed(1) + page * per_page:
+    def _window_page_nbytes(self) -> int:
+        """Bytes one page of the sliding-window layers' own pool takes over those layers."""
+        return sum(c.page_nbytes for c in self.caches if isinstance(c, PagedKVCache) and c.windowed)
+
+    def fit(self, budget: int, slots: int, max_tokens: int) -> tuple[int, int, int | None]:
+        """(slots, main-pool pages with the null page, window-pool pages besides its null page, None without
+        sliding-window layers) that `budget` bytes buy for an engine of this model, policy and page size:
+        each running sequence's fixed state (recurrent states, KIVI residuals) comes out of the budget first,
+        for as many slots as leave each room for a request of `max_tokens`; the rest is split between the main
+        pool and the window pool in the proportion one request of `max_tokens` takes of each (the window
+        pool's null page and the one prefilling chunk's extra paid first). A model with no main-pool layer
+        gets every slot that request's pages (they hold nothing)."""
+        page, per_page, state = self.page_nbytes(), -(-max_tokens // self.pool.page_size), self.state_nbytes()
+        wpage = self._window_page_nbytes()
+        windows = self._window_pages(per_page) if self.window is not None else None
+        share = 0 if windows is None else windows.reserve(max_tokens)  # window pages a request holds
+        overhead = 0 if windows is None else (windows.slack + 1) * wpage
+        one = page * per_page + share * wpage + overhead
+        if budget < state + one:
             raise ConfigError(
                 f"a budget of {budget:,} bytes holds no request of {max_tokens} tokens: it needs "
-                f"{fixed(1) + page * per_page:,} ({fixed(1):,} of per-sequence state and window pages, "
+                f"{state + one:,} ({state:,} of per-sequence state, {share * wpage + overhead:,} of window pages, "
                 f"{page * per_page:,} of pages)"
             )
-        if fixed(1):
-            slots = max(n for n in range(1, slots + 1) if fixed(n) + n * page * per_page <= budget)
+        if state:  # as many slots as hold their states and a request of max_tokens each
+            slots = max(n for n in range(1, slots + 1) if n * (state + one - overhead) + overhead <= budget)
+        rest = budget - slots * state - overhead
+        window_pool = None
+        if windows is not None:
+            requests = rest / (page * per_page + share * wpage)  # requests of max_tokens the rest holds
+            window_pool = max(share, int(requests * share)) + windows.slack
+            rest = budget - slots * state - (window_pool + 1) * wpage
         if page == 0:
-            return slots, slots * per_page + 1
-        return slots, (budget - fixed(slots)) // page + 1
+            return slots, slots * per_page + 1, window_pool
+        return slots, rest // page + 1, window_pool
 
     def state_nbytes(self) -> int:
         """Bytes one sequence slot holds whatever its length: its recurrent states over every recurrent
@@ -674,7 +699,12 @@ class Engine:
         d = request.decoding
         greedy = d.temperature == 0 and not request.top_logprobs  # else each step reads the distribution
         stepwise = self._stepwise or bool(gen and gen.policy.local)  # a compressed ring takes a token a step
-        return Work(tuple(request.prompt), d.max_new_tokens, d.eos_id, greedy, kept, cap, stepwise)
+        window = 0
+        if self.windows is not None:  # what its windows can hold: its positions' pages; a ring's, its kept
+            # tokens (at most the largest layer's budget) and those it generates, up to the ring's size
+            ring = min(self._ring_size(), kept + d.max_new_tokens) if gen and gen.policy.local else None
+            window = self.windows.reserve(len(request.prompt) + d.max_new_tokens, ring)
+        return Work(tuple(request.prompt), d.max_new_tokens, d.eos_id, greedy, kept, cap, stepwise, window)
 
     def check(self, requests: list[Request]) -> list[Work]:
         """Refuse, before any compute, a request this engine can never serve (an empty prompt, an
@@ -736,6 +766,12 @@ class Engine:
             self._feed(plan)
         return True
 
+    def _ring_size(self) -> int:
+        """Slots of a window compressed under `local=true`: any size of at least the window decodes as
+        Generator's ring does (what it writes over is out of every later query's window), and whole pages
+        leave no slot past the ring in its last page."""
+        return -(-self.window // self.pool.page_size) * self.pool.page_size
+
     def _prefill(self, seq: Sequence) -> None:
         """Prefill `seq`'s prompt whole, compress it as `Generator` does and load the kept tokens into its
         pages; what it generated before a preemption (if anything) is then fed by the steps."""
@@ -745,10 +781,7 @@ class Engine:
         logits, dense, stats = gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
         self._rings.pop(seq.index, None)
         if ring := next((d for d in dense if isinstance(d, WindowKVCache)), None):  # local=true: the windows' ring
-            # any size of at least the window decodes as Generator's ring does (what it writes over is out of
-            # every later query's window); whole pages leave no slot past the ring in its last page
-            size = -(-self.window // self.pool.page_size) * self.pool.page_size
-            self._rings[seq.index] = (size, len(request.prompt) - int(ring.length[0]))
+            self._rings[seq.index] = (self._ring_size(), len(request.prompt) - int(ring.length[0]))
         self._sync([seq.index], [0], [len(request.prompt)])  # the window before the prompt's end
         self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, stats, 0)
         if self.scheduler.prefilled(seq):  # nothing was generated yet: the prefill's logits give the first token

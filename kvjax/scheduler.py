@@ -6,7 +6,8 @@ preempted; `kvjax.engine` runs each plan on the device and reports back what was
 model, no jax: a schedule can be tested with a stand-in for the device.
 
 Requests wait in arrival order; one is admitted while fewer than `slots` run, no other prompt is being
-prefilled, and the pool has pages for every token it brings (after prefix-cache hits). When a decode row
+prefilled, the pool has pages for every token it brings (after prefix-cache hits) and, on a model with
+sliding-window layers, their own pool has room for what its windows can hold. When a decode row
 needs a page and none is free, the newest request is preempted: its pages are released and it waits at
 the front, to be recomputed from its prompt and what it generated (vLLM V1's only preemption mode).
 Requests may arrive while others run (`submit`) and leave before they end (`cancel`, a client gone: its
@@ -29,7 +30,8 @@ class Work:
     (`kept`: the whole prompt, or what a compression policy keeps of it) and, when the policy evicts
     while decoding, the most slots it ever holds (`cap`: its budget plus `every`); `stepwise`: after a
     preemption what it generated is re-fed one decode step per token, not as a chunk (its pages change as
-    tokens arrive: eviction while decoding, KIVI's residual)."""
+    tokens arrive: eviction while decoding, KIVI's residual); `window`: the most pages its sliding-window
+    layers' own pool holds for it while it decodes (`WindowPages.reserve`), reserved while it runs."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -38,6 +40,7 @@ class Work:
     kept: int | None = None  # None: len(prompt), uncompressed
     cap: int | None = None  # None: it grows by every token it generates
     stepwise: bool = False
+    window: int = 0
 
     @property
     def compressed(self) -> bool:
@@ -113,13 +116,24 @@ class Step:
 
 class Scheduler:
     """Schedule `work` over `pool`: at most `slots` sequences admitted, prompts fed `chunk` tokens a step,
-    up to `decode_steps` greedy steps in one call; `prefix_cache` reuses cached full prompt pages."""
+    up to `decode_steps` greedy steps in one call; `prefix_cache` reuses cached full prompt pages;
+    `window_pages`: the sliding-window layers' own pool, whose pages requests are admitted against by
+    their `Work.window` reservations (None: a pool that holds every slot's worst case)."""
 
-    def __init__(self, pool: PagePool, *, slots: int, chunk: int, decode_steps: int, prefix_cache: bool):
+    def __init__(
+        self,
+        pool: PagePool,
+        *,
+        slots: int,
+        chunk: int,
+        decode_steps: int,
+        prefix_cache: bool,
+        window_pages: int | None = None,
+    ):
         if slots < 1 or chunk < 1 or decode_steps < 1:
             raise ConfigError(f"slots={slots}, chunk={chunk} and decode_steps={decode_steps} must be >= 1")
         self.pool, self.slots, self.chunk, self.decode_steps = pool, slots, chunk, decode_steps
-        self.prefix_cache = prefix_cache
+        self.prefix_cache, self.window_pages = prefix_cache, window_pages
         self.stats = EngineStats()
         self.start([])
 
@@ -134,6 +148,11 @@ class Scheduler:
             if self.pool.pages_for(total) > most:
                 raise ConfigError(
                     f"request {i}: {total} tokens need {self.pool.pages_for(total)} pages; a sequence may hold {most}"
+                )
+            if self.window_pages is not None and w.window > self.window_pages:
+                raise ConfigError(
+                    f"request {i}: its sliding-window layers hold up to {w.window} pages; their pool has "
+                    f"{self.window_pages} for running requests"
                 )
 
     def start(self, work: list[Work]) -> list[Completion]:
@@ -204,6 +223,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.slots and not any(map(self._fills, self.running.values())):
             index = self.waiting[0]
             w, done = self.work[index], self.done[index]
+            if self.window_pages is not None and self.windows_reserved + w.window > self.window_pages:
+                return None
             tokens = [*w.prompt, *done.tokens]  # a preempted request recomputes what it generated
             if w.compressed:  # what it generated is fed after the prefill: as a chunk, or token by token
                 self.pool.admit(index)
@@ -222,6 +243,11 @@ class Scheduler:
                 return Prefill(seq)
             self.stats.cached_tokens += hit
         return None
+
+    @property
+    def windows_reserved(self) -> int:
+        """Window-pool pages reserved by the running requests."""
+        return sum(self.work[i].window for i in self.running)
 
     def _replays(self, s: Sequence) -> bool:
         """Whether `s` re-feeds what it generated before a preemption one decode step at a time (`stepwise`:

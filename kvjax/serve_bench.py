@@ -167,7 +167,7 @@ def serve_bench(
         )
     engines = {}
     for policy in (None, *policies):  # each layout's pages in the budget; every request checked before compute
-        fitted, n_pages = probe(model, page_size, policy).fit(budget, slots, longest)
+        fitted, n_pages, window_pool = probe(model, page_size, policy).fit(budget, slots, longest)
         engines[policy] = Engine(
             model,
             n_pages=n_pages,
@@ -177,6 +177,7 @@ def serve_bench(
             max_tokens=longest,
             policy=policy,
             decode_steps=decode_steps,
+            window_pool=window_pool,
         )
         engines[policy].check(requests)
     new_tokens = sum(r.decoding.max_new_tokens for r in requests)

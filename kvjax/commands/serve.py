@@ -38,11 +38,11 @@ def run(args) -> None:
         loaded = load_model(args.model)
         max_tokens = args.max_tokens or min(loaded.context or DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS)
         probe = Engine(loaded.model, n_pages=2, page_size=args.page_size, slots=1, policy=args.policy)
-        slots = args.slots
+        slots, window_pool = args.slots, None
         if args.pages:
             pages = args.pages
         elif args.memory_mib:  # recurrent states first (as many slots as they fit), then pages
-            slots, pages = probe.fit(int(args.memory_mib * 2**20), args.slots, max_tokens)
+            slots, pages, window_pool = probe.fit(int(args.memory_mib * 2**20), args.slots, max_tokens)
             pages -= 1
         else:  # every slot can hold a whole request
             pages = args.slots * -(-max_tokens // args.page_size)
@@ -54,6 +54,7 @@ def run(args) -> None:
             chunk=args.chunk,
             max_tokens=max_tokens,
             policy=args.policy,
+            window_pool=window_pool,
         )
         if args.warm:
             engine.warm()

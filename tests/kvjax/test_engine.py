@@ -151,7 +151,7 @@ def test_recurrent_layers_keep_a_state_slot_per_request(make_model, requests, na
     page, request = engine.page_nbytes(), per_sequence + engine.page_nbytes() * 10  # 40 tokens: 10 pages
     budget = 3 * request + 5 * page
     pages = 1 + (budget - 3 * per_sequence) // page if page else 1 + 3 * 10  # no paged layer: room, no bytes
-    assert engine.fit(budget, 8, 40) == (3, pages)
+    assert engine.fit(budget, 8, 40) == (3, pages, None)
     with pytest.raises(ConfigError, match=f"holds no request of 40 tokens: it needs {request:,}"):
         engine.fit(request - 1, 8, 40)
     with pytest.raises(ConfigError, match=r"has recurrent layers \(.*\), whose states hold no tokens to compress"):
@@ -174,10 +174,20 @@ def test_local_and_global_layers_in_pages(make_model, requests):
     assert free.windows.per_decode == free.windows.peak == 3 and free.prefix_cache is False
     local, glob = free.caches  # [local, attention] pattern: the local layer's pool is (4 - 1) * 3 + 4 + null
     assert (local.windowed, glob.windowed, local.k.shape[0], glob.k.shape[0]) == (True, False, 14, 10)
-    # A budget pays each running request's window pages (the local pool) first, then main-pool pages.
+    # By default the local pool holds every slot's worst case: (4 - 1) decoding at 3 pages, one prefilling at 4.
     assert free.fixed_nbytes(2) == (1 * 3 + 4 + 1) * local.page_nbytes and free.page_nbytes() == glob.page_nbytes
-    budget = free.fixed_nbytes(2) + 23 * glob.page_nbytes  # two requests of 40 tokens (10 pages) and 3 more
-    assert free.fit(budget, 8, 40) == (2, 1 + 23)
+    # A budget buys a smaller one: after its null page and the prefilling chunk's extra page, the rest is split
+    # as a request of 40 tokens takes it (10 global pages, 3 local ones): 29 pages hold 2.2 such requests, so
+    # 6 + 1 local pages and 23 global ones; requests are admitted while their windows' reservations fit (two of
+    # 3 pages here, where the global pages would hold three of these requests).
+    page = glob.page_nbytes
+    assert free.fit(31 * page, 8, 40) == (8, 1 + 23, 7)
+    tight = Engine(model, n_pages=24, page_size=4, slots=8, chunk=4, decode_steps=1, window_pool=7)
+    _check(tight.run(requests), alone)  # a pool short of a page would raise here
+    assert tight.windows.n_pages == 8 and tight.stats.peak_running == 2 and tight.scheduler.windows_reserved == 0
+    assert [w.window for w in tight.check(requests)] == [3, 3, 3, 3, 3]  # 3 pages of their positions at most
+    with pytest.raises(ConfigError, match="their pool has 1 for running requests"):
+        Engine(model, n_pages=24, page_size=4, slots=8, chunk=4, decode_steps=1, window_pool=2).run(requests)
     steps = Engine(model, n_pages=10, page_size=4, slots=4, chunk=4, decode_steps=4)  # 4 tokens a call: 4 pages
     _check(steps.run(requests), alone)
     assert steps.stats.calls < steps.stats.steps and steps.windows.peak <= steps.windows.per_decode == 4

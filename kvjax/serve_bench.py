@@ -222,6 +222,7 @@ def serve_bench(
                 "requests_per_s": len(requests) / seconds,
                 "pages": pool.n_pages - 1,
                 "peak_pages": s.peak_pages,
+                "window_pages": None if engine.windows is None else engine.windows.n_pages - 1,
                 "page_bytes": per_page,
                 "bytes_allocated": engine.nbytes(),
                 "peak_bytes_used": s.peak_pages * per_page

@@ -241,6 +241,9 @@ def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model,
     own = policy.replace(",local", "") if "snapkv" in policy else None
     mixed = Engine(model, n_pages=48 // page_size, policy=own, **args)
     served = mixed.run([dataclasses.replace(r, policy=policy if i % 2 else None) for i, r in enumerate(requests)])
+    # What a request's windows can hold, reserved at admission: a ring's kept tokens and those it generates
+    ringed, whole = ([w.window for w in e.check(requests)] for e in (engine, mixed))
+    assert all(r <= min(w, -(-8 // page_size)) for r, w in zip(ringed, whole)) and sum(ringed) < sum(whole)
     other = Generator(model, capacity=40, policy=own and parse_policy(own))
     _check(served, [(gen if i % 2 else other)([list(r.prompt)], r.decoding) for i, r in enumerate(requests)])
 

@@ -90,9 +90,10 @@ def default_memory(cfg, workload: Workload) -> float:
     return rows * memory.cache_bytes(cfg, reservation(workload.sample(cfg.vocab_size))) / 2**20
 
 
-def probe(model, page_size: int, policy: str | None) -> Engine:
-    """A one-slot engine of the model, page size and policy, for its page and state bytes."""
-    return Engine(model, n_pages=2, page_size=page_size, slots=1, policy=policy)
+def probe(model, page_size: int, policy: str | None, **engine) -> Engine:
+    """A one-slot engine of the model, page size and policy (and `engine` arguments: the chunk and decode
+    steps size the window pages' reservations), for its page and state bytes and `Engine.fit`."""
+    return Engine(model, n_pages=2, page_size=page_size, slots=1, policy=policy, **engine)
 
 
 def _timed(name: str, serve: Callable[[], None], log: Callable[[str], None]) -> float:
@@ -167,7 +168,8 @@ def serve_bench(
         )
     engines = {}
     for policy in (None, *policies):  # each layout's pages in the budget; every request checked before compute
-        fitted, n_pages, window_pool = probe(model, page_size, policy).fit(budget, slots, longest)
+        sized = probe(model, page_size, policy, chunk=chunk, decode_steps=decode_steps)
+        fitted, n_pages, window_pool = sized.fit(budget, slots, longest)
         engines[policy] = Engine(
             model,
             n_pages=n_pages,

@@ -37,7 +37,7 @@ def run(args) -> None:
     def load() -> Served:
         loaded = load_model(args.model)
         max_tokens = args.max_tokens or min(loaded.context or DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS)
-        probe = Engine(loaded.model, n_pages=2, page_size=args.page_size, slots=1, policy=args.policy)
+        probe = Engine(loaded.model, n_pages=2, page_size=args.page_size, slots=1, chunk=args.chunk, policy=args.policy)
         slots, window_pool = args.slots, None
         if args.pages:
             pages = args.pages

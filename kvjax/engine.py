@@ -467,9 +467,9 @@ class Engine:
         page's stale contents are never read: a row sees only the slots below its length)."""
         self.requests: list[Request] = []
         self._budgets: dict[int, np.ndarray] = {}  # under decode-time eviction, each request's `budget_row`
-        # a request whose windows its policy compressed (local=true): (its rings' size, the window in whole
-        # pages; its positions less the tokens its rings took)
-        self._rings: dict[int, tuple[int, int]] = {}
+        # a request whose windows its policy compressed (local=true, rings of `_ring_size()` slots): its
+        # positions less the tokens its rings took
+        self._rings: dict[int, int] = {}
         self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
         self._slot_of: dict[int, int] = {}  # a running sequence's recurrent-state slot
         self._free_slots = list(range(self.slots))[::-1]
@@ -505,9 +505,12 @@ class Engine:
         their lengths: recurrent states, and the sliding-window layers' own pool (`kvjax.window_pages`: this
         engine's, or by default sized for that many sequences' windows)."""
         columns = self.width if max_tokens is None else -(-max_tokens // self.pool.page_size)
-        pages = 0 if self.window is None else self._window_pages(columns).pool_pages(slots)
-        if self.window is not None and self.window_pool is not None:
+        if self.window is None:
+            pages = 0
+        elif self.window_pool is not None:
             pages = self.window_pool + 1
+        else:
+            pages = self._window_pages(columns).pool_pages(slots)
         return slots * self.state_nbytes() + pages * self._window_page_nbytes()
 
     def _window_page_nbytes(self) -> int:
@@ -580,7 +583,8 @@ class Engine:
         seqs = [*seqs, *[None] * n]
         table = self.pool.table(seqs, self.width)
         length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
-        ring, shift = (np.asarray([self._rings.get(s, (0, 0))[i] for s in seqs], np.int32) for i in (0, 1))
+        ring = np.asarray([self._ring_size() if s in self._rings else 0 for s in seqs], np.int32)
+        shift = np.asarray([self._rings.get(s, 0) for s in seqs], np.int32)
         positions = np.asarray(at, np.int32) - shift  # a compressed ring's length: the tokens it took
         rings = {s: int(c) for s, c in zip(seqs, ring) if c}
         running = self.scheduler.running
@@ -781,7 +785,7 @@ class Engine:
         logits, dense, stats = gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
         self._rings.pop(seq.index, None)
         if ring := next((d for d in dense if isinstance(d, WindowKVCache)), None):  # local=true: the windows' ring
-            self._rings[seq.index] = (self._ring_size(), len(request.prompt) - int(ring.length[0]))
+            self._rings[seq.index] = len(request.prompt) - int(ring.length[0])
         self._sync([seq.index], [0], [len(request.prompt)])  # the window before the prompt's end
         self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, stats, 0)
         if self.scheduler.prefilled(seq):  # nothing was generated yet: the prefill's logits give the first token

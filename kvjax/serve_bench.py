@@ -16,12 +16,15 @@ On a model with sliding-window layers (Gemma 3) the engine's local layers hold o
 running request either way.
 
 Prompt and output lengths are drawn uniformly from their ranges (numpy seed `seed`); an optional shared
-prefix starts every prompt; every request decodes greedily to its own length. Each server serves the
-whole workload once untimed (all its compiles) and is timed on the second pass, so neither side's
-figures include compiling. Beside each policy, its quality cost on what it served: KL(full || policy) of
-the next-token distributions along every request's served continuation (`kvjax.quality`; `kl=False`
-skips it). Without a memory budget, the servers get what static batches need to hold a
-quarter of the requests at once (`default_memory`): tight enough that paging has something to win.
+prefix starts every prompt; every request decodes greedily to its own length. Prompts are random tokens, or
+passages of a text (`text`: a corpus's validation tokens, `kvjax serve-bench --prompts kjv`) at random
+offsets, so that the quality column measures the policies on natural text (speed hardly depends on which:
+every request decodes to its length). Each server serves the whole workload once untimed (all its
+compiles) and is timed on the second pass, so neither side's figures include compiling. Beside each
+policy, its quality cost on what it served: KL(full || policy) of the next-token distributions along every
+request's served continuation (`kvjax.quality`; `kl=False` skips it). Without a memory budget, the
+servers get what static batches need to hold a quarter of the requests at once (`default_memory`): tight
+enough that paging has something to win.
 """
 
 from __future__ import annotations
@@ -57,14 +60,28 @@ class Workload:
         if self.requests < 1 or self.shared_prefix < 0:
             raise ConfigError(f"--requests={self.requests} must be >= 1 and --shared-prefix={self.shared_prefix} >= 0")
 
-    def sample(self, vocab: int) -> list[Request]:
+    def sample(self, vocab: int, text: np.ndarray | None = None) -> list[Request]:
+        """The requests: random tokens below `vocab`, or with `text` (a token stream) passages of it, the
+        shared prefix one passage and each request's own part another, at offsets drawn uniformly."""
+        if text is not None and len(text) < self.shared_prefix + self.prompt[1]:
+            raise ConfigError(
+                f"--prompts: the text has {len(text):,} tokens, fewer than a prompt of {self.shared_prefix} "
+                f"shared + {self.prompt[1]} of its own; give a longer text or shorter prompts"
+            )
         rng = np.random.default_rng(self.seed)
-        shared = [int(t) for t in rng.integers(0, vocab, self.shared_prefix)]
+
+        def tokens(n) -> list[int]:
+            if text is None:
+                return [int(t) for t in rng.integers(0, vocab, n)]
+            start = int(rng.integers(0, len(text) - n + 1))
+            return [int(t) for t in text[start : start + n]]
+
+        shared = tokens(self.shared_prefix)
         out = []
         for _ in range(self.requests):
-            own = rng.integers(0, vocab, rng.integers(self.prompt[0], self.prompt[1] + 1))
+            own = tokens(rng.integers(self.prompt[0], self.prompt[1] + 1))
             new = int(rng.integers(self.new[0], self.new[1] + 1))
-            out.append(Request(tuple(shared + [int(t) for t in own]), DecodingConfig(max_new_tokens=new)))
+            out.append(Request(tuple(shared + own), DecodingConfig(max_new_tokens=new)))
         return out
 
 
@@ -84,10 +101,10 @@ def reservation(requests: list[Request]) -> int:
     return max(len(r.prompt) for r in requests) + max(r.decoding.max_new_tokens for r in requests)
 
 
-def default_memory(cfg, workload: Workload) -> float:
+def default_memory(cfg, workload: Workload, text: np.ndarray | None = None) -> float:
     """MiB of K/V for `ceil(requests / STATIC_SHARE)` static rows of the workload's reservation."""
     rows = -(-workload.requests // STATIC_SHARE)
-    return rows * memory.cache_bytes(cfg, reservation(workload.sample(cfg.vocab_size))) / 2**20
+    return rows * memory.cache_bytes(cfg, reservation(workload.sample(cfg.vocab_size, text))) / 2**20
 
 
 def probe(model, page_size: int, policy: str | None, **engine) -> Engine:
@@ -146,15 +163,20 @@ def serve_bench(
     http: int | None = None,
     tokenizer=None,
     kl: bool = True,
+    text: np.ndarray | None = None,
+    text_name: str = "random tokens",
 ) -> dict:
     """Run every server on the workload at `memory_mib` MiB of K/V and return the figures (see the module
-    docstring); a budget too small for the longest request, or a policy budget a prompt cannot meet, is
-    a ConfigError before any compute. `log` hears each pass as it ends. With `http` (a concurrency),
-    each engine also serves the workload through its thread and through `kvjax serve`'s HTTP app at that
-    many streams at once (`kvjax.serve.bench`; `tokenizer` decodes the text the server sends). With `kl`,
-    each policy's served continuations are scored against the full cache (`kvjax.quality`)."""
+        docstring); a budget too small for the longest request, or a policy budget a prompt cannot meet, is
+        a ConfigError before any compute. `log` hears each pass as it ends. With `http` (a concurrency),
+        each engine also serves the workload through its thread and through `kvjax serve`'s HTTP app at that
+        many streams at once (`kvjax.serve.bench`; `tokenizer` decodes the text the server sends). With `kl`,
+        each policy's served continuations are scored against the full cache (`kvjax.quality`). With `text`
+    (tokens of the text named `text_name`), prompts are passages of it."""
     cfg = model.config
-    requests = workload.sample(cfg.vocab_size)
+    requests = workload.sample(cfg.vocab_size, text)
+    if text is not None and (top := max(max(r.prompt) for r in requests)) >= cfg.vocab_size:
+        raise ConfigError(f"--prompts {text_name}: token {top} is past the model's vocab_size={cfg.vocab_size}")
     budget = int(memory_mib * 2**20)
     longest = max(len(r.prompt) + r.decoding.max_new_tokens for r in requests)
     reserve = reservation(requests)
@@ -163,7 +185,7 @@ def serve_bench(
     if rows < 1:
         raise ConfigError(
             f"--memory-mib={memory_mib:g}: {budget:,} bytes hold no static row of {reserve} tokens; the least "
-            f"that holds one is {row_bytes / 2**20:.3g} MiB (the default, {default_memory(cfg, workload):.3g}, "
+            f"that holds one is {row_bytes / 2**20:.3g} MiB (the default, {default_memory(cfg, workload, text):.3g}, "
             f"holds {-(-workload.requests // STATIC_SHARE)})"
         )
     engines = {}
@@ -190,6 +212,7 @@ def serve_bench(
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "workload": dataclasses.asdict(workload),
+        "prompts": text_name,
         "kv_budget_bytes": budget,
         "new_tokens": new_tokens,
         "prompt_tokens": sum(len(r.prompt) for r in requests),
@@ -277,6 +300,7 @@ def render(figures: dict) -> str:
         )
     head = (
         f"{figures['model']}: {w['requests']} requests, prompts {w['prompt'][0]}-{w['prompt'][1]} "
+        f"{figures.get('prompts', 'random tokens')} "
         f"(+{w['shared_prefix']} shared), outputs {w['new'][0]}-{w['new'][1]}, seed {w['seed']}; K/V budget "
         f"{figures['kv_budget_bytes'] / 2**20:g} MiB ({figures['device']}, jax {figures['jax']})"
     )

@@ -48,12 +48,14 @@ def run(args) -> None:
     if len(names) > 1 and args.http:
         raise ConfigError("--http serves one model; give one model, or drop --http to compare several")
     models = [(name, *_bench_model(name, overrides)) for name in names]
-    for _, model, _ in models:  # what an engine cannot serve (a model's layers, a policy) fails before compute
+    text_name = args.prompts or models[0][3]
+    texts = [None if text_name == "random" else _text_tokens(tokenizer, text_name) for _, _, tokenizer, _ in models]
+    for _, model, _, _ in models:  # what an engine cannot serve (a model's layers, a policy) fails before compute
         for policy in (None, *policies):
             probe(model, args.page_size, policy)
     runs, memory_mib = [], args.memory_mib
-    for name, model, tokenizer in models:  # several models: one budget (the first's default), each served alike
-        memory_mib = memory_mib or default_memory(model.config, workload)
+    for (name, model, tokenizer, _), text in zip(models, texts):  # one budget (the first's default), each served alike
+        memory_mib = memory_mib or default_memory(model.config, workload, text)
         figures = serve_bench(
             model,
             workload,
@@ -67,6 +69,8 @@ def run(args) -> None:
             http=args.http,
             tokenizer=tokenizer,
             kl=not args.no_kl,
+            text=text,
+            text_name="random tokens" if text is None else f"from {text_name}",
         )
         print(render(figures))
         runs.append(figures)
@@ -78,9 +82,22 @@ def run(args) -> None:
         print(f"wrote {args.json}")
 
 
+def _text_tokens(tokenizer, corpus: str):
+    """The validation tokens of `corpus` in the model's tokenizer: the text prompts are passages of."""
+    from kvjax.training.compression_eval import corpus_tokens
+    from kvjax.training.data import DataError
+
+    try:
+        return corpus_tokens(tokenizer, corpus)
+    except DataError as e:
+        raise ConfigError(f"--prompts {corpus}: {e}") from None
+
+
 def _bench_model(ref: str, overrides: list[str]):
     """A model config with overrides (shipped name or YAML: random weights, as throughput does not depend
-    on them), or anything `load_model` takes (a run directory, a GGUF name or file, a transformers directory)."""
+    on them), or anything `load_model` takes (a run directory, a GGUF name or file, a transformers directory),
+    with its tokenizer and the text its prompts default to (random tokens for random weights, else the
+    model's corpus)."""
     from flax import nnx
 
     from kvjax.architectures import Decoder
@@ -89,11 +106,11 @@ def _bench_model(ref: str, overrides: list[str]):
     from kvjax.training.tokenizer import ByteTokenizer
 
     if ref.endswith((".yaml", ".yml")) or (CONFIG_ROOT / "models" / f"{ref}.yaml").is_file():
-        return Decoder(load_config(ref, overrides).model, rngs=nnx.Rngs(0)), ByteTokenizer()
+        return Decoder(load_config(ref, overrides).model, rngs=nnx.Rngs(0)), ByteTokenizer(), "random"
     if overrides:
         raise ConfigError(f"overrides {overrides} apply to a model config; {ref!r} is a trained or imported model")
     loaded = load_model(ref)
-    return loaded.model, loaded.tokenizer
+    return loaded.model, loaded.tokenizer, loaded.corpus
 
 
 def register(sub) -> None:
@@ -131,6 +148,13 @@ def register(sub) -> None:
         help="tokens every prompt starts with (default: 0, or the --workload's)",
     )
     sb.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    sb.add_argument(
+        "--prompts",
+        metavar="TEXT",
+        help="what prompts are made of: random (random tokens) or a corpus (kjv, python-stdlib, text:PATH) "
+        "whose validation text they are passages of, so the KL column measures policies on natural text "
+        "(default: the model's corpus for a trained or imported model, random tokens for a model config)",
+    )
     sb.add_argument(
         "--memory-mib",
         type=POSITIVE_FLOAT,

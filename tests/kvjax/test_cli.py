@@ -1,11 +1,12 @@
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from kvjax import memory
 from kvjax.commands import main
-from kvjax.config import load_config
+from kvjax.config import ConfigError, load_config
 
 
 def rows_by_variant(out: str) -> dict[str, list[str]]:
@@ -77,10 +78,13 @@ def test_compiled_generation_holds_what_its_budget_counts(capsys):
 def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
     """`kvjax serve-bench`: static batches, the engine and the engine with int:8 at the same K/V bytes
     (by default what static batches need for a quarter of the requests, here 2 of 5); the JSON has every
-    figure, the budget buys more int8 pages, and int:8's served continuations carry their KL."""
+    figure, the budget buys more int8 pages, and int:8's served continuations carry their KL. The prompts
+    are passages of the KJV's validation text (in bytes), the shared prefix one passage."""
     import json
 
     from kvjax.serve_bench import Workload, default_memory
+    from kvjax.training.compression_eval import corpus_tokens
+    from kvjax.training.tokenizer import ByteTokenizer
 
     out = tmp_path / "serve.json"
     args = [
@@ -101,6 +105,10 @@ def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
         "3",
         "--chunk",
         "16",
+        "--shared-prefix",
+        "3",
+        "--prompts",
+        "kjv",
         "--policy",
         "int:8",
         "--json",
@@ -114,10 +122,18 @@ def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
     budget = figures["kv_budget_bytes"]
     for s in (engine, int8):
         assert s["pages"] * s["page_bytes"] <= budget < (s["pages"] + 1) * s["page_bytes"]
-        assert s["peak_pages"] <= s["pages"] and s["prefill_tokens"] >= figures["prompt_tokens"]
-    workload = Workload(requests=5, prompt=(9, 16), new=(2, 6))
-    requests = workload.sample(258)
-    assert budget == int(default_memory(load_config("gqa", ["model.n_layers=2"]).model, workload) * 2**20)
+        assert s["peak_pages"] <= s["pages"]
+        assert s["prefill_tokens"] + s["cached_tokens"] >= figures["prompt_tokens"]
+    workload = Workload(requests=5, prompt=(9, 16), new=(2, 6), shared_prefix=3)
+    text = corpus_tokens(ByteTokenizer(), "kjv")
+    requests = workload.sample(258, text)
+    assert figures["prompts"] == "from kjv" and figures["workload"] == json.loads(json.dumps(vars(workload)))
+    stream = bytes(int(t) for t in text)
+    for r in requests:  # a shared passage, then a passage of each request's own
+        assert r.prompt[:3] == requests[0].prompt[:3] and bytes(r.prompt[3:]) in stream
+    assert bytes(requests[0].prompt[:3]) in stream
+    assert requests[0].prompt[3:] != requests[1].prompt[3:]
+    assert budget == int(default_memory(load_config("gqa", ["model.n_layers=2"]).model, workload, text) * 2**20)
     assert static["rows_in_memory"] == 2
     assert figures["new_tokens"] == sum(r.decoding.max_new_tokens for r in requests)
     assert static["bytes_allocated"] <= budget and 1 <= static["concurrent"] <= 5  # rows that ran, not that fit
@@ -158,8 +174,14 @@ def test_serve_bench_compares_architectures_at_one_budget(tmp_path, capsys):
 
 
 def test_serve_bench_checks_its_arguments(capsys):
+    from kvjax.serve_bench import Workload
+
     assert main(["serve-bench", "gqa", "--prompt", "9", "3"]) == 2
     assert "--prompt 9 3: need 1 <= low <= high" in capsys.readouterr().err
+    assert main(["serve-bench", "gqa", "--prompts", "bible"]) == 2
+    assert "--prompts bible: corpus='bible' must be one of" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="the text has 20 tokens, fewer than a prompt of 4 shared [+] 17 of its own"):
+        Workload(prompt=(2, 17), shared_prefix=4).sample(8, np.arange(20))
     assert main(["serve-bench", "gqa", "--policy", "kvquant:4", "--memory-mib", "1"]) == 2
     assert "quantized pages are int:8, int:4 (symmetric) or kivi only" in capsys.readouterr().err
     assert main(["serve-bench", "gqa", "--policy", "kivi:2", "--memory-mib", "1"]) == 2  # pages of 16

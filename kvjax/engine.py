@@ -26,12 +26,16 @@ tokens waiting in a full-precision residual slot of its own (`kvjax.paged_kivi`)
 the same memory. Decoding then appends every new
 token, unless the policy evicts while decoding (`every=N`, `kvjax.paged_eviction`): each step then observes
 the rows' attention and a request's every N-th token re-selects its slots within its pages and frees the
-pages past them, so it never holds more than its budget plus N slots. With a policy, pages hold compressed
-prompts, so the prefix cache is off; a preempted request is recomputed by compressing its prompt again and
+pages past them, so it never holds more than its budget plus N slots. With a policy, a request's pages hold
+its compressed prompt, and the prefix cache holds prompts' full pages uncompressed beside them (where the
+pages are full precision and keep no running statistic): a prompt that starts with cached pages reads
+them into its prefill and computes only the rest (at least the queries its policy observes: SnapKV's
+window, TOVA's last query; H2O observes every query, so it only enters pages), then enters its own full
+pages, while pages are free for them. A preempted request is recomputed by compressing its prompt again and
 re-appending the tokens it generated (under `every=` or KIVI, one decode step at a time). A request may name its
 own policy (`Request.policy`) when its pages have the engine's layout (positions shared by the heads or
 per head, full precision or int8 codes, the same stage evicting while decoding, if any): a plain engine
-serves `streaming:0.5` or `tova:0.5` beside uncompressed requests, whose prompts alone enter the prefix cache.
+serves `streaming:0.5` or `tova:0.5` beside uncompressed requests, all sharing the prefix cache.
 
 `run` serves a list of requests to completion; a server drives the same engine one `step` at a time,
 `submit`ting requests as they arrive and `cancel`ling those whose clients left.
@@ -58,14 +62,14 @@ from kvjax.compress.scorers import accumulates
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import Generator
 from kvjax.kinds import KINDS
-from kvjax.page_pool import PagePool
+from kvjax.page_pool import NULL_PAGE, PagePool, PoolExhausted
 from kvjax.paged import PagedKVCache, PagedLatentCache
 from kvjax.paged_eviction import Eviction, budget_row, evicting_step
 from kvjax.paged_kivi import PagedKiviCache, check_kivi_pages
-from kvjax.plan import LayerPlan, compressible
+from kvjax.plan import LayerPlan, compressible, init_caches
 from kvjax.quant.cache import QuantKVCache, QuantSpec
 from kvjax.sampling import sample
-from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequence, Step, Work
+from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequence, Step, Work, prefix_key
 from kvjax.sharding import place_params
 from kvjax.slot_states import SlotStates
 from kvjax.window_pages import WindowPages
@@ -246,6 +250,24 @@ def _load_row(caches, rows: Rows, dense, stats, row):
     return tuple(out), _lengths(rows, out)
 
 
+@jax.jit
+def _gather_prefix(caches, pages, n, empty):
+    """The first `n` slots of the pages `pages` `[M]` (the prefix cache's whole prompt pages, in order) of
+    every layer, as the dense caches `empty` (one row, at least M pages of slots) hold a prompt's: K/V
+    head-major, positions 0..n-1, the rest empty."""
+    out = []
+    for paged, d in zip(caches, empty):
+        S, idx = d.k.shape[2], jnp.arange(d.k.shape[2], dtype=jnp.int32)
+
+        def dense(pool):  # [P,K,ps,H] -> [1,K,S,H]: the pages in order, zero past n
+            x = pool[pages].transpose(1, 0, 2, 3).reshape(pool.shape[1], -1, pool.shape[3])
+            x = jnp.pad(x, ((0, 0), (0, S - x.shape[1]), (0, 0)))
+            return jnp.where((idx < n)[None, :, None], x, 0).astype(d.k.dtype)[None]
+
+        out.append(d.replace(k=dense(paged.k), v=dense(paged.v), pos=jnp.where(idx < n, idx, -1)[None], length=n[None]))
+    return tuple(out)
+
+
 def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: str) -> None:
     """A policy on a model with sliding-window layers compresses the other layers' prompts and leaves the
     windows whole, which the engine serves when those layers have their own pool (`window_pages="free"`:
@@ -367,8 +389,14 @@ class Engine:
         self.window = (
             max((cfg.attention_for(k).window for k in windowed), default=None) if window_pages == "free" else None
         )
-        # A prefix hit skips the prefix's tokens: a recurrent layer's state, a freed window, would miss them.
-        self.prefix_cache = prefix_cache and self.policy is None and not recurrent and self.window is None
+        # A prefix hit skips the prefix's tokens: a recurrent layer's state, a freed window, would miss them;
+        # the cache's pages hold whole prompts, full precision (where a policy's are codes, they are not)
+        self.prefix_cache = (
+            prefix_cache
+            and not recurrent
+            and self.window is None
+            and (self.policy is None or check_engine_policy(self.policy)[1] is None)
+        )
         self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
         self.reset()  # the scheduler: it checks slots, chunk and decode_steps
         att = cfg.attention
@@ -420,6 +448,14 @@ class Engine:
         graphdef, self.params = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(self.params)
         self._step, self._greedy_steps = _jitted(graphdef, treedef)
+        # compressed prompts read and enter the prefix cache's whole pages where theirs are alike (plain K/V),
+        # on one device (a policy's prefill runs on one)
+        self._prefix_pages = (
+            self.prefix_cache
+            and mesh is None
+            and all(type(c) is PagedKVCache and not c.quantized and c.stat is None for c in self.caches)
+        )
+        self._empty: dict[int, tuple] = {}  # a Generator's empty dense caches (one row), by capacity
         self.mesh = mesh
         if mesh is not None:
             if slots % mesh.shape["data"] or att.n_kv_heads % mesh.shape["tensor"]:
@@ -708,7 +744,9 @@ class Engine:
             # tokens (at most the largest layer's budget) and those it generates, up to the ring's size
             ring = min(self._ring_size(), kept + d.max_new_tokens) if gen and gen.policy.local else None
             window = self.windows.reserve(len(request.prompt) + d.max_new_tokens, ring)
-        return Work(tuple(request.prompt), d.max_new_tokens, d.eos_id, greedy, kept, cap, stepwise, window)
+        # a prefix-cache hit may cover a compressed prompt up to the queries its policy observes
+        cacheable = len(request.prompt) - gen.observed_queries(len(request.prompt)) if gen and self._prefix_pages else 0
+        return Work(tuple(request.prompt), d.max_new_tokens, d.eos_id, greedy, kept, cap, stepwise, window, cacheable)
 
     def check(self, requests: list[Request]) -> list[Work]:
         """Refuse, before any compute, a request this engine can never serve (an empty prompt, an
@@ -761,7 +799,7 @@ class Engine:
             self._sync([])  # the finished requests' state slots and window pages go back
             return False
         if isinstance(plan, Prefill):
-            self._prefill(plan.seq)
+            self._prefill(plan.seq, plan.cached)
             return True
         self.caches = tuple(c.copy_pages(plan.copies) for c in self.caches)
         if plan.greedy_steps:
@@ -776,20 +814,65 @@ class Engine:
         leave no slot past the ring in its last page."""
         return -(-self.window // self.pool.page_size) * self.pool.page_size
 
-    def _prefill(self, seq: Sequence) -> None:
-        """Prefill `seq`'s prompt whole, compress it as `Generator` does and load the kept tokens into its
-        pages; what it generated before a preemption (if anything) is then fed by the steps."""
-        request = self.requests[seq.index]
+    def _prefill(self, seq: Sequence, cached: int) -> None:
+        """Prefill `seq`'s prompt, compress it as `Generator` does and load the kept tokens into its pages;
+        what it generated before a preemption (if anything) is then fed by the steps. Where compressed
+        prompts share the prefix cache (`Work.cacheable`), its first `cached` tokens are read from the
+        cache's pages (only the rest is computed) and its other full pages enter the cache, uncompressed."""
+        request, key = self.requests[seq.index], prefix_key(seq.index)
         gen = self._prefill_capacity(self.policy_of(request), len(request.prompt))
         padded, lengths = gen.pad([request.prompt], 0)
-        logits, dense, stats = gen.prefill_compressed(padded, lengths, 0, sized_for=padded.shape[1])
+        prefix, tokens = None, padded
+        if cached:
+            prefix = (self._dense_prefix(key, cached, gen.capacity), cached)
+            tokens, _ = gen.pad([request.prompt[cached:]], 0)
+        caching = self.scheduler.work[seq.index].cacheable > 0
+        whole = caching and self._hold_whole_pages(key, len(request.prompt))
+        out = gen.prefill_compressed(tokens, lengths, 0, sized_for=padded.shape[1], prefix=prefix, whole=whole)
+        logits, dense, stats = out[:3]
+        if whole:
+            self._write_whole_pages(key, out[3], request.prompt, cached)
+        if caching:
+            self.pool.release(key)
         self._rings.pop(seq.index, None)
         if ring := next((d for d in dense if isinstance(d, WindowKVCache)), None):  # local=true: the windows' ring
             self._rings[seq.index] = len(request.prompt) - int(ring.length[0])
         self._sync([seq.index], [0], [len(request.prompt)])  # the window before the prompt's end
         self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, stats, 0)
-        if self.scheduler.prefilled(seq):  # nothing was generated yet: the prefill's logits give the first token
+        if self.scheduler.prefilled(seq, cached):  # nothing generated yet: the prefill's logits give the first token
             self._pick(seq, np.asarray(jax.nn.log_softmax(logits[0])))
+
+    def _dense_prefix(self, key, n: int, capacity: int) -> tuple:
+        """The first `n` tokens of the prompt whose cached pages `key` holds, as a Generator's dense caches
+        of `capacity` slots (one row)."""
+        if capacity not in self._empty:
+            self._empty[capacity] = init_caches(self.model.config, 1, capacity)
+        pages = self.pool.table([key], self.width)[0]
+        return _gather_prefix(self.caches, pages, jnp.int32(n), self._empty[capacity])
+
+    def _hold_whole_pages(self, key, length: int) -> bool:
+        """Give `key` pages for the full pages of a prompt of `length` past those it holds (the cache's
+        hits), to enter the prefix cache; False when there are none to enter or no page is free for them
+        (the cache is a saving, never a reason to wait)."""
+        new = length // self.pool.page_size * self.pool.page_size - self.pool.lengths[key]
+        try:
+            return new > 0 and not self.pool.reserve(key, new)
+        except PoolExhausted:
+            return False
+
+    def _write_whole_pages(self, key, whole: tuple, prompt, cached: int) -> None:
+        """Write the full pages of `prompt` past its first `cached` tokens from the uncompressed prefill
+        caches `whole` into the pages `key` holds, and enter them into the prefix cache."""
+        full = len(self.pool.tables[key]) * self.pool.page_size
+        table = self.pool.table([key, *[None] * (self.slots - 1)], self.width)
+        table[0, : cached // self.pool.page_size] = NULL_PAGE  # the hits hold their tokens already
+        empty = np.zeros(self.slots, np.int32)
+        arrays = [table, table, empty, empty, np.full(self.slots, self.slots, np.int32), empty]
+        rows = Rows(*(self._rows_placed(x) for x in arrays))
+        dense = tuple(d.replace(length=jnp.full_like(d.length, full)) for d in whole)
+        self.caches, _ = _load_row(self.caches, rows, dense, (None,) * len(dense), 0)
+        self.pool.advance(key, full - cached)
+        self.pool.register(key, prompt)
 
     def _feed(self, plan: Step) -> None:
         """One step: the decode rows (rows 0.. of the step) and the chunk of the sequence being filled

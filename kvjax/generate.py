@@ -117,13 +117,28 @@ def _last_logits(model, hidden, lengths):
     return model.logits(jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0])
 
 
-def _prefill_compressed(graphdef, params, tokens, lengths, obs_index, arrays, *, capacity, statics, slots):
-    """Prefill that observes the attention the policy's scorers need, then compresses the caches."""
+def _prefill_compressed(
+    graphdef, params, tokens, lengths, obs_index, arrays, prefix=None, *, capacity, statics, slots, whole=False
+):
+    """Prefill that observes the attention the policy's scorers need, then compresses the caches. With
+    `prefix` (caches holding every prompt's first `start` tokens, `start`), `tokens` are the prompts from
+    position `start` on (obs_index indexes them), and only they are computed. `whole`: also return the
+    caches as they were before compression."""
     model = nnx.merge(graphdef, params)
     stages = tuple(static[0] for static in statics)
-    hidden, caches, observed = _observe_prompt(model, tokens, lengths, obs_index, stages, capacity)
+    if prefix is None:
+        start = 0
+        hidden, caches, observed = _observe_prompt(model, tokens, lengths, obs_index, stages, capacity)
+    else:
+        caches, start = prefix
+        idx = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        positions = jnp.where(idx < lengths[:, None], idx, -1)
+        rings = any(st.local for st in stages)
+        hidden, caches, observed = model.observe(tokens, positions, caches, obs_index, observe_fn(stages), rings=rings)
+    before = caches
     caches, stats = compress_caches(caches, observed, statics, arrays, lengths - 1, slots)
-    return _last_logits(model, hidden, lengths), caches, stats
+    logits = _last_logits(model, hidden, lengths - start)
+    return (logits, caches, stats, before) if whole else (logits, caches, stats)
 
 
 def _prefill_observed(graphdef, params, tokens, lengths, obs_index, *, capacity, stages):
@@ -299,7 +314,7 @@ def _programs(graphdef) -> SimpleNamespace:
         prefill_chunk=jax.jit(partial(_prefill_chunk, graphdef), donate_argnums=(1, 2)),
         logits=jax.jit(partial(_logits, graphdef)),
         prefill_compressed=jax.jit(
-            partial(_prefill_compressed, graphdef), static_argnames=("capacity", "statics", "slots")
+            partial(_prefill_compressed, graphdef), static_argnames=("capacity", "statics", "slots", "whole")
         ),
         prefill_observed=jax.jit(partial(_prefill_observed, graphdef), static_argnames=("capacity", "stages")),
         prefill_densities=jax.jit(
@@ -486,16 +501,40 @@ class Generator:
             dataclasses.replace(p, keep_caps=s.keep_caps, capacities=s.capacities) for p, s in zip(plans, sized)
         )
 
+    def observed_queries(self, length: int) -> int:
+        """How many of a prompt's last queries (of `length`) the policy's scorers observe: at least the
+        last one, whose logits the prefill returns. A prefix before them may come from a cache."""
+        return max(1, *(observed_queries(st, length) for st in self.policy.stages))
+
     def prefill_compressed(
-        self, tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int, sized_for: int | None = None
+        self,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        max_new_tokens: int,
+        sized_for: int | None = None,
+        prefix: tuple | None = None,
+        whole: bool = False,
     ):
         """Prefill, then compress with the policy: (logits `[B,V]`, compressed caches, scorer statistics
-        for decode-time eviction). The caches leave room for max_new_tokens (or the policy's `every`)."""
-        window = max(observed_queries(st, tokens.shape[1]) for st in self.policy.stages)
-        obs_index = np.asarray(lengths)[:, None] - max(window, 1) + np.arange(max(window, 1))[None, :]
+        for decode-time eviction). The caches leave room for max_new_tokens (or the policy's `every`).
+        `prefix` (caches at this generator's capacity holding the prompts' first `start` tokens, `start`):
+        `tokens` are the rest of each prompt (its `lengths` still whole), as when a prefix cache holds
+        the start of the prompts; the queries the scorers observe must all lie in that rest. `whole`: also
+        return the caches as they were before compression (a prefix cache's pages are made of them)."""
+        start = 0 if prefix is None else int(prefix[1])
+        for n in map(int, lengths) if start else ():
+            if n - start < (seen := self.observed_queries(n)):
+                raise ValueError(
+                    f"a prefix of {start} tokens leaves {n - start} of a {n}-token prompt; the policy "
+                    f"observes its last {seen} queries, which must be computed"
+                )
+        window = self.observed_queries(tokens.shape[1])
+        obs_index = np.asarray(lengths)[:, None] - start - window + np.arange(window)[None, :]
         obs_index = np.where(obs_index >= 0, obs_index, -1).astype(np.int32)
         slots = compressible(self.config, self.policy.local)
         if self._budgets_at_prefill:  # layer budgets from the prefill's attention, then compress
+            if prefix is not None or whole:
+                raise ValueError(f"policy {self.policy}: budgets planned at the prefill take whole prompts")
             logits, caches, observed, sigma = self._prefill_densities(
                 self.params,
                 *self._rows(tokens, lengths, obs_index),
@@ -522,9 +561,11 @@ class Generator:
             self.params,
             *self._rows(tokens, lengths, obs_index),
             tuple(p.arrays for p in plans),
+            None if prefix is None else (prefix[0], jnp.int32(start)),
             capacity=self.capacity,
             statics=tuple(p.static for p in plans),
             slots=slots,
+            whole=whole,
         )
 
     def _evict_args(self, lengths, max_new_tokens):

@@ -51,24 +51,25 @@ class PagePool:
         return -(-tokens // self.page_size)
 
     # --- sequences --------------------------------------------------------------------------------
-    def admit(self, seq, prompt=None) -> int:
+    def admit(self, seq, prompt=None, limit: int | None = None) -> int:
         """Start `seq` with no pages; given its `prompt`, reuse the cached full pages the prompt begins
-        with (at most all but its last token, which must be computed to predict the next) and count
-        the hits and misses. Returns the prompt tokens already cached."""
+        with (at most all but its last token, which must be computed to predict the next, and at most
+        `limit` tokens: then the prompt is only looked up, as a compressed one that needs fewer pages of
+        its own) and count the hits and misses. Returns the prompt tokens already cached."""
         if seq in self.tables:
             raise ValueError(f"sequence {seq!r} is already admitted")
         self.tables[seq], self.lengths[seq] = [], 0
         if prompt is None:
             return 0
         prompt = np.asarray(prompt)
-        if self.pages_for(len(prompt)) > self.n_pages - 1:
+        if limit is None and self.pages_for(len(prompt)) > self.n_pages - 1:
             del self.tables[seq], self.lengths[seq]
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens needs {self.pages_for(len(prompt))} pages of "
                 f"{self.page_size}; the whole pool has {self.n_pages - 1}"
             )
-        key = b""
-        for i in range((len(prompt) - 1) // self.page_size):
+        key, most = b"", (len(prompt) - 1) // self.page_size
+        for i in range(most if limit is None else min(most, limit // self.page_size)):
             key = page_hash(key, prompt[i * self.page_size : (i + 1) * self.page_size])
             page = self.cached.get(key)
             if page is None:

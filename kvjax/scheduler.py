@@ -31,7 +31,9 @@ class Work:
     while decoding, the most slots it ever holds (`cap`: its budget plus `every`); `stepwise`: after a
     preemption what it generated is re-fed one decode step per token, not as a chunk (its pages change as
     tokens arrive: eviction while decoding, KIVI's residual); `window`: the most pages its sliding-window
-    layers' own pool holds for it while it decodes (`WindowPages.reserve`), reserved while it runs."""
+    layers' own pool holds for it while it decodes (`WindowPages.reserve`), reserved while it runs;
+    `cacheable`: of a compressed prompt, the tokens a prefix-cache hit may cover (0: none), those before
+    the queries its policy observes (which must be computed)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -41,6 +43,7 @@ class Work:
     cap: int | None = None  # None: it grows by every token it generates
     stepwise: bool = False
     window: int = 0
+    cacheable: int = 0
 
     @property
     def compressed(self) -> bool:
@@ -94,9 +97,18 @@ class Sequence:
 @dataclasses.dataclass(frozen=True)
 class Prefill:
     """Compute `seq`'s whole prompt, compress it and load what is kept into its pages (then report
-    `prefilled`). Only for a compressed request: an uncompressed prompt is fed by `Step` chunks."""
+    `prefilled`). Only for a compressed request: an uncompressed prompt is fed by `Step` chunks. Its first
+    `cached` prompt tokens are in the prefix cache's full pages, held for it under `prefix_key(seq.index)`
+    (the prefill reads them, enters the prompt's other full pages beside them, then releases the key)."""
 
     seq: Sequence
+    cached: int = 0
+
+
+def prefix_key(index: int) -> tuple[str, int]:
+    """The pool key under which a compressed request's whole prompt pages are held while it prefills:
+    they are the prefix cache's, not its own (its own hold what its policy keeps)."""
+    return ("prefix", index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +240,8 @@ class Scheduler:
             tokens = [*w.prompt, *done.tokens]  # a preempted request recomputes what it generated
             if w.compressed:  # what it generated is fed after the prefill: as a chunk, or token by token
                 self.pool.admit(index)
-                hit, need = 0, w.kept + (0 if w.stepwise else len(done.tokens))
+                hit = self.pool.admit(prefix_key(index), w.prompt, w.cacheable) if w.cacheable else 0
+                need = w.kept + (0 if w.stepwise else len(done.tokens))
             else:
                 hit = self.pool.admit(index, tokens if self.prefix_cache else None)  # full pages cached
                 need = len(tokens) - hit
@@ -236,12 +249,15 @@ class Scheduler:
                 self.pool.reserve(index, need)
             except PoolExhausted:
                 self.pool.release(index)
+                if w.compressed and w.cacheable:
+                    self.pool.release(prefix_key(index))
                 return None
             self.waiting.popleft()
-            self.running[index] = seq = Sequence(index, tokens, done, at=hit, fill=len(tokens))
-            if w.compressed:
-                return Prefill(seq)
             self.stats.cached_tokens += hit
+            if w.compressed:
+                self.running[index] = seq = Sequence(index, tokens, done, at=0, fill=len(tokens))
+                return Prefill(seq, hit)
+            self.running[index] = Sequence(index, tokens, done, at=hit, fill=len(tokens))
         return None
 
     @property
@@ -296,10 +312,11 @@ class Scheduler:
         return stops
 
     # --- what the device did ----------------------------------------------------------------------
-    def prefilled(self, seq: Sequence) -> bool:
-        """`seq`'s compressed prompt is in its pages; True when its next token is to be picked (from the
-        prefill's logits: nothing was generated before a preemption)."""
-        self.stats.prefill_tokens += len(self.work[seq.index].prompt)
+    def prefilled(self, seq: Sequence, cached: int = 0) -> bool:
+        """`seq`'s compressed prompt is in its pages, its first `cached` tokens read from the prefix cache
+        (`Prefill.cached`); True when its next token is to be picked (from the prefill's logits: nothing
+        was generated before a preemption)."""
+        self.stats.prefill_tokens += len(self.work[seq.index].prompt) - cached
         self.pool.advance(seq.index, self.work[seq.index].kept)
         seq.at = len(self.work[seq.index].prompt)
         return seq.pending == 0

@@ -364,16 +364,17 @@ def test_a_request_may_bring_its_own_policy_and_top_logprobs(gqa, requests):
         engine.submit(dataclasses.replace(requests[0], policy="tova:0.5:every=2"))
 
 
-def _audit(engine, caps) -> None:
+def _audit(engine, caps, evicting: bool = True) -> None:
     """The pool's accounting: each page either free or held (reference counts equal to the tables that
-    hold it), none lost, no running request above its cap of pages nor holding a page past its slots."""
+    hold it), none lost, no running request above its cap of pages nor, when it evicts while decoding,
+    holding a page past its slots (else pages are reserved ahead of the tokens)."""
     pool = engine.pool
     held = [p for table in pool.tables.values() for p in table]
     assert not set(held) & set(pool.free) and set(held) | set(pool.free) == set(range(1, pool.n_pages))
     assert all(pool.refs[p] == held.count(p) for p in set(held))
     assert all(len(pool.tables[i]) <= caps[i] for i in pool.tables)
     # after a step, a capped request holds the pages of its slots and no more (eviction freed the rest)
-    assert all(len(pool.tables[i]) == pool.pages_for(pool.lengths[i]) for i in pool.tables)
+    assert not evicting or all(len(pool.tables[i]) == pool.pages_for(pool.lengths[i]) for i in pool.tables)
 
 
 @pytest.mark.parametrize(
@@ -525,3 +526,37 @@ def test_eight_devices_serve_what_one_device_serves():
     assert out["hf q"] == ["P(None, 'tensor')", True]
     assert out["cli 2"][:2] == out["cli 1"][:2] and out["cli 1"][0] == 0 and "In the" in out["cli 1"][1]
     assert out["cli 3"][0] == 2 and "mesh tensor=3 must divide model.attention.n_kv_heads=2" in out["cli 3"][2]
+
+
+@pytest.mark.parametrize("policy, pages", [("snapkv:0.5:obs_window=2", 40), ("tova:0.5", 8)])
+def test_compressed_prompts_read_and_enter_the_prefix_cache(gqa, requests, policy, pages):
+    """Under a policy the prefix cache holds prompts' full pages uncompressed (beside each request's
+    compressed pages): a prompt that starts with cached pages computes only the rest, its observed
+    queries never from the cache (SnapKV's window, TOVA's last query), and equals Generator alone; with
+    few pages (preemptions, no page free to cache) the same. H2O observes every query: nothing is cached."""
+    gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
+    engine = Engine(gqa, n_pages=pages, page_size=4, slots=4, chunk=8, policy=policy)
+    for r in requests:
+        engine.submit(r)
+    window = 2 if "snapkv" in policy else 1
+    assert [w.cacheable for w in engine.scheduler.work] == [len(r.prompt) - window for r in requests]
+    caps = {i: engine.pool.pages_for(len(r.prompt) + r.decoding.max_new_tokens) for i, r in enumerate(requests)}
+    while engine.step():
+        _audit(engine, caps, evicting=False)
+    _check(engine.done, [gen([list(r.prompt)], r.decoding) for r in requests])
+    s = engine.stats
+    assert engine.pool.used_pages == 0 and (s.preemptions > 0) == (pages < 40)
+    computed, prompts = s.prefill_tokens + s.cached_tokens, sum(len(r.prompt) for r in requests)
+    assert computed == prompts if pages == 40 else computed > prompts  # a preempted request's prompt again
+    assert s.cached_tokens >= (12 if pages == 40 else 0)  # the shared 3 pages, read by the second prompt
+    h2o = Engine(gqa, n_pages=40, page_size=4, slots=4, chunk=8, policy="h2o:0.5")
+    shared = requests[1:4:2]
+    gen = Generator(gqa, capacity=40, policy=parse_policy("h2o:0.5"))
+    _check(h2o.run(shared), [gen([list(r.prompt)], r.decoding) for r in shared])
+    assert h2o.stats.cached_tokens == 0 and not h2o.pool.cached
+    with pytest.raises(
+        ValueError, match="prefix of 28 tokens leaves 1 of a 29-token prompt; the policy observes its last 2"
+    ):
+        Generator(gqa, capacity=40, policy=parse_policy("snapkv:0.5:obs_window=2")).prefill_compressed(
+            np.zeros((1, 8), np.int32), np.array([29]), 0, prefix=((), 28)
+        )

@@ -95,6 +95,8 @@ def test_full_pages_are_reused_through_the_prefix_cache():
     pool.release("a"), pool.release("b"), pool.release("c")
     assert pool.used_pages == 0 and pool.admit("d", prompt) == 8  # unreferenced cached pages still hit
     assert (pool.hits, pool.misses) == (2 + 1 + 2, 3 + 1 + 1 + 1)
+    # a lookup of at most `limit` tokens (a compressed prompt's start): hits below it, pages never required
+    assert pool.admit("e", prompt, limit=7) == 4 and pool.admit("f", np.arange(99), limit=20) == 8
 
 
 def test_requests_the_pool_cannot_hold_are_refused():

@@ -30,7 +30,7 @@ pages past them, so it never holds more than its budget plus N slots. With a pol
 its compressed prompt, and the prefix cache holds prompts' full pages uncompressed beside them (where the
 pages are full precision and keep no running statistic): a prompt that starts with cached pages reads
 them into its prefill and computes only the rest (at least the queries its policy observes: SnapKV's
-window, TOVA's last query; H2O observes every query, so it only enters pages), then enters its own full
+window, TOVA's last query; H2O observes every query: it neither reads nor enters them), then enters its own full
 pages, while pages are free for them. A preempted request is recomputed by compressing its prompt again and
 re-appending the tokens it generated (under `every=` or KIVI, one decode step at a time). A request may name its
 own policy (`Request.policy`) when its pages have the engine's layout (positions shared by the heads or

@@ -549,6 +549,8 @@ def test_compressed_prompts_read_and_enter_the_prefix_cache(gqa, requests, polic
     computed, prompts = s.prefill_tokens + s.cached_tokens, sum(len(r.prompt) for r in requests)
     assert computed == prompts if pages == 40 else computed > prompts  # a preempted request's prompt again
     assert s.cached_tokens >= (12 if pages == 40 else 0)  # the shared 3 pages, read by the second prompt
+    if pages < 40:  # once: H2O and the refused prefix do not depend on the pool
+        return
     h2o = Engine(gqa, n_pages=40, page_size=4, slots=4, chunk=8, policy="h2o:0.5")
     shared = requests[1:4:2]
     gen = Generator(gqa, capacity=40, policy=parse_policy("h2o:0.5"))

@@ -250,19 +250,19 @@ def _load_row(caches, rows: Rows, dense, stats, row):
     return tuple(out), _lengths(rows, out)
 
 
-@jax.jit
-def _gather_prefix(caches, pages, n, empty):
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
+def _gather_prefix(caches, pages, n, *, cfg, capacity):
     """The first `n` slots of the pages `pages` `[M]` (the prefix cache's whole prompt pages, in order) of
-    every layer, as the dense caches `empty` (one row, at least M pages of slots) hold a prompt's: K/V
-    head-major, positions 0..n-1, the rest empty."""
+    every layer, as a Generator's dense caches of `capacity` slots (at least M pages) hold a prompt's:
+    K/V head-major, positions 0..n-1, the rest empty."""
+    idx = jnp.arange(capacity, dtype=jnp.int32)
     out = []
-    for paged, d in zip(caches, empty):
-        S, idx = d.k.shape[2], jnp.arange(d.k.shape[2], dtype=jnp.int32)
+    for paged, d in zip(caches, init_caches(cfg, 1, capacity)):
+        row = paged.replace(table=pages[None])
 
-        def dense(pool):  # [P,K,ps,H] -> [1,K,S,H]: the pages in order, zero past n
-            x = pool[pages].transpose(1, 0, 2, 3).reshape(pool.shape[1], -1, pool.shape[3])
-            x = jnp.pad(x, ((0, 0), (0, S - x.shape[1]), (0, 0)))
-            return jnp.where((idx < n)[None, :, None], x, 0).astype(d.k.dtype)[None]
+        def dense(pool):  # the pages in table order `[1,K,M*ps,H]`, zero past n and padded to capacity
+            x = jnp.pad(row._rows_of(pool), ((0, 0), (0, 0), (0, capacity - pages.shape[0] * paged.page_size), (0, 0)))
+            return jnp.where((idx < n)[None, None, :, None], x, 0).astype(d.k.dtype)
 
         out.append(d.replace(k=dense(paged.k), v=dense(paged.v), pos=jnp.where(idx < n, idx, -1)[None], length=n[None]))
     return tuple(out)
@@ -455,7 +455,6 @@ class Engine:
             and mesh is None
             and all(type(c) is PagedKVCache and not c.quantized and c.stat is None for c in self.caches)
         )
-        self._empty: dict[int, tuple] = {}  # a Generator's empty dense caches (one row), by capacity
         self.mesh = mesh
         if mesh is not None:
             if slots % mesh.shape["data"] or att.n_kv_heads % mesh.shape["tensor"]:
@@ -845,10 +844,8 @@ class Engine:
     def _dense_prefix(self, key, n: int, capacity: int) -> tuple:
         """The first `n` tokens of the prompt whose cached pages `key` holds, as a Generator's dense caches
         of `capacity` slots (one row)."""
-        if capacity not in self._empty:
-            self._empty[capacity] = init_caches(self.model.config, 1, capacity)
         pages = self.pool.table([key], self.width)[0]
-        return _gather_prefix(self.caches, pages, jnp.int32(n), self._empty[capacity])
+        return _gather_prefix(self.caches, pages, jnp.int32(n), cfg=self.model.config, capacity=capacity)
 
     def _hold_whole_pages(self, key, length: int) -> bool:
         """Give `key` pages for the full pages of a prompt of `length` past those it holds (the cache's

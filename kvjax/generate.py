@@ -102,13 +102,14 @@ def _prefill_chunk(graphdef, params, caches, hidden, tokens, lengths, start):
     return jnp.where(((last >= 0) & (last < C))[:, None], out, hidden.astype(out.dtype)), caches
 
 
-def _observe_prompt(model, tokens, lengths, obs_index, stages, capacity):
+def _observe_prompt(model, tokens, lengths, obs_index, stages, capacity, prefix=None):
     """Prefill that observes the attention the stages' scorers need: (hidden, caches, observed). Runs
-    every layer on every prompt token (no early exit): the scorers read every producer's queries."""
+    every layer on every prompt token (no early exit): the scorers read every producer's queries. With
+    `prefix` (caches holding every prompt's first `start` tokens, `start`), `tokens` start at `start`."""
     B, T = tokens.shape
-    idx = jnp.arange(T, dtype=jnp.int32)[None, :]
+    caches, start = (init_caches(model.config, B, capacity, fresh=True), 0) if prefix is None else prefix
+    idx = start + jnp.arange(T, dtype=jnp.int32)[None, :]
     positions = jnp.where(idx < lengths[:, None], idx, -1)
-    caches = init_caches(model.config, B, capacity, fresh=True)
     rings = any(st.local for st in stages)  # a policy that compresses sliding-window rings scores them too
     return model.observe(tokens, positions, caches, obs_index, observe_fn(stages), rings=rings)
 
@@ -126,18 +127,9 @@ def _prefill_compressed(
     caches as they were before compression."""
     model = nnx.merge(graphdef, params)
     stages = tuple(static[0] for static in statics)
-    if prefix is None:
-        start = 0
-        hidden, caches, observed = _observe_prompt(model, tokens, lengths, obs_index, stages, capacity)
-    else:
-        caches, start = prefix
-        idx = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        positions = jnp.where(idx < lengths[:, None], idx, -1)
-        rings = any(st.local for st in stages)
-        hidden, caches, observed = model.observe(tokens, positions, caches, obs_index, observe_fn(stages), rings=rings)
-    before = caches
-    caches, stats = compress_caches(caches, observed, statics, arrays, lengths - 1, slots)
-    logits = _last_logits(model, hidden, lengths - start)
+    hidden, before, observed = _observe_prompt(model, tokens, lengths, obs_index, stages, capacity, prefix)
+    caches, stats = compress_caches(before, observed, statics, arrays, lengths - 1, slots)
+    logits = _last_logits(model, hidden, lengths - (0 if prefix is None else prefix[1]))
     return (logits, caches, stats, before) if whole else (logits, caches, stats)
 
 
@@ -522,8 +514,8 @@ class Generator:
         the start of the prompts; the queries the scorers observe must all lie in that rest. `whole`: also
         return the caches as they were before compression (a prefix cache's pages are made of them)."""
         start = 0 if prefix is None else int(prefix[1])
-        for n in map(int, lengths) if start else ():
-            if n - start < (seen := self.observed_queries(n)):
+        for n in map(int, lengths):
+            if start and n - start < (seen := self.observed_queries(n)):
                 raise ValueError(
                     f"a prefix of {start} tokens leaves {n - start} of a {n}-token prompt; the policy "
                     f"observes its last {seen} queries, which must be computed"

@@ -249,7 +249,7 @@ class Scheduler:
                 self.pool.reserve(index, need)
             except PoolExhausted:
                 self.pool.release(index)
-                if w.compressed and w.cacheable:
+                if w.cacheable:
                     self.pool.release(prefix_key(index))
                 return None
             self.waiting.popleft()

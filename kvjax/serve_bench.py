@@ -167,11 +167,11 @@ def serve_bench(
     text_name: str = "random tokens",
 ) -> dict:
     """Run every server on the workload at `memory_mib` MiB of K/V and return the figures (see the module
-        docstring); a budget too small for the longest request, or a policy budget a prompt cannot meet, is
-        a ConfigError before any compute. `log` hears each pass as it ends. With `http` (a concurrency),
-        each engine also serves the workload through its thread and through `kvjax serve`'s HTTP app at that
-        many streams at once (`kvjax.serve.bench`; `tokenizer` decodes the text the server sends). With `kl`,
-        each policy's served continuations are scored against the full cache (`kvjax.quality`). With `text`
+    docstring); a budget too small for the longest request, or a policy budget a prompt cannot meet, is
+    a ConfigError before any compute. `log` hears each pass as it ends. With `http` (a concurrency),
+    each engine also serves the workload through its thread and through `kvjax serve`'s HTTP app at that
+    many streams at once (`kvjax.serve.bench`; `tokenizer` decodes the text the server sends). With `kl`,
+    each policy's served continuations are scored against the full cache (`kvjax.quality`). With `text`
     (tokens of the text named `text_name`), prompts are passages of it."""
     cfg = model.config
     requests = workload.sample(cfg.vocab_size, text)

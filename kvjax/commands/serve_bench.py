@@ -29,6 +29,8 @@ def run(args) -> None:
         check_engine_policy(parse_policy(policy))  # before any compute
     if args.json:
         check_output(args.json, "--json", directory=False)
+    if args.prompts == "":
+        raise ConfigError("--prompts is empty: give random or a corpus (kjv, python-stdlib, text:PATH)")
     preset = WORKLOADS[args.workload] if args.workload else dict(prompt=(32, 256), new=(8, 128), shared_prefix=0)
     workload = Workload(
         requests=args.requests,
@@ -48,7 +50,7 @@ def run(args) -> None:
     if len(names) > 1 and args.http:
         raise ConfigError("--http serves one model; give one model, or drop --http to compare several")
     models = [(name, *_bench_model(name, overrides)) for name in names]
-    text_name = args.prompts or models[0][3]
+    text_name = models[0][3] if args.prompts is None else args.prompts
     texts = [None if text_name == "random" else _text_tokens(tokenizer, text_name) for _, _, tokenizer, _ in models]
     for _, model, _, _ in models:  # what an engine cannot serve (a model's layers, a policy) fails before compute
         for policy in (None, *policies):

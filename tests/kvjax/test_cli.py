@@ -180,6 +180,8 @@ def test_serve_bench_checks_its_arguments(capsys):
     assert "--prompt 9 3: need 1 <= low <= high" in capsys.readouterr().err
     assert main(["serve-bench", "gqa", "--prompts", "bible"]) == 2
     assert "--prompts bible: corpus='bible' must be one of" in capsys.readouterr().err
+    assert main(["serve-bench", "gqa", "--prompts", ""]) == 2
+    assert "--prompts is empty: give random or a corpus" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="the text has 20 tokens, fewer than a prompt of 4 shared [+] 17 of its own"):
         Workload(prompt=(2, 17), shared_prefix=4).sample(8, np.arange(20))
     assert main(["serve-bench", "gqa", "--policy", "kvquant:4", "--memory-mib", "1"]) == 2

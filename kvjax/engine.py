@@ -23,7 +23,8 @@ the whole prompt, then eviction and/or `int:8` / `int:4` / `kivi` quantization),
 into pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token
 (`int:4` two codes a byte), KIVI pages whole residual blocks of 2- or 4-bit codes, each sequence's newest
 tokens waiting in a full-precision residual slot of its own (`kvjax.paged_kivi`), so more requests fit in
-the same memory. Decoding then appends every new
+the same memory; AdaKV's per-head budgets (`allocator=adakv`) fill pages of entries its heads share
+unevenly (`kvjax.paged_pooled`). Decoding then appends every new
 token, unless the policy evicts while decoding (`every=N`, `kvjax.paged_eviction`): each step then observes
 the rows' attention and a request's every N-th token re-selects its slots within its pages and frees the
 pages past them, so it never holds more than its budget plus N slots. With a policy, a request's pages hold
@@ -66,6 +67,7 @@ from kvjax.page_pool import NULL_PAGE, PagePool, PoolExhausted
 from kvjax.paged import PagedKVCache, PagedLatentCache
 from kvjax.paged_eviction import Eviction, budget_row, evicting_step
 from kvjax.paged_kivi import PagedKiviCache, check_kivi_pages
+from kvjax.paged_pooled import PagedPooledCache
 from kvjax.plan import LayerPlan, compressible, init_caches
 from kvjax.quant.cache import QuantKVCache, QuantSpec
 from kvjax.sampling import sample
@@ -238,6 +240,9 @@ def _load_row(caches, rows: Rows, dense, stats, row):
         if isinstance(paged, PagedKiviCache):
             out.append(paged.load_quant(row, d))
             continue
+        if isinstance(paged, PagedPooledCache):  # AdaKV's pool: its entries in order
+            out.append(paged.load_pool(row, d))
+            continue
         if isinstance(d, QuantKVCache):
             values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
         elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
@@ -291,6 +296,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
         if last.quantizes
         else f"evicts while decoding (every={policy.decode_stage.every}); the rings are compressed once"
         if policy.decode_stage
+        else "pools its heads' budgets (allocator=adakv); the window pool holds K/V per slot"
+        if any(s.pooled for s in policy.stages)
         else None
     )
     if why:
@@ -300,10 +307,31 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
         )
 
 
-def check_engine_policy(policy: Policy) -> tuple[bool, QuantSpec | None, Stage | None]:
-    """What the engine's pages need for `policy` (positions per head; the codes' scheme, None for full
-    precision: int:8 or int:4 codes per token, or KIVI's blocks, `kvjax.paged_kivi`; the stage that evicts
-    while decoding, `every=`); a policy it cannot page is a ConfigError naming the stage."""
+class PageLayout(NamedTuple):
+    """What a policy's pages hold: positions per KV head; the codes' scheme (None: full precision; int:8 or
+    int:4 codes per token, or KIVI's blocks, `kvjax.paged_kivi`); the stage that evicts while decoding
+    (`every=`, None: none); entries pooled over the heads (AdaKV's per-head budgets, `kvjax.paged_pooled`)."""
+
+    per_head: bool = False
+    codes: QuantSpec | None = None
+    decoding: Stage | None = None
+    pooled: bool = False
+
+    def __str__(self) -> str:
+        heads = (
+            "entries pooled over heads"
+            if self.pooled
+            else "positions per head"
+            if self.per_head
+            else "one position per slot"
+        )
+        codes = f", {self.codes.method}{self.codes.bits} codes" if self.codes else ", full precision"
+        return heads + codes + (f", evicting by {self.decoding} while decoding" if self.decoding else "")
+
+
+def check_engine_policy(policy: Policy) -> PageLayout:
+    """What the engine's pages need for `policy` (`PageLayout`); a policy it cannot page is a ConfigError
+    naming the stage."""
     for stage in policy.stages:
         where = f"engine policy stage {stage.method!r}"
         if stage.quantizes:
@@ -315,20 +343,26 @@ def check_engine_policy(policy: Policy) -> tuple[bool, QuantSpec | None, Stage |
             raise ConfigError(
                 f"{where}: the engine pages token eviction, int:8, int:4 and kivi; {stage.method} is not supported"
             )
-        elif not stage.allocation.same_everywhere:
+        elif not (stage.allocation.same_everywhere or stage.pooled):
             raise ConfigError(
-                f"{where}: the engine pages one budget for every layer and head (allocator={stage.allocator!r} "
-                "is not supported)"
+                f"{where}: the engine pages one budget for every layer (allocator={stage.allocator!r} gives each "
+                "layer its own, which needs a block table per layer; allocator=adakv's per-head budgets are paged)"
             )
     last = policy.stages[-1]
     per_head = any(s.per_head for s in policy.stages if not s.quantizes)
     codes = last.quant_spec if last.quantizes else None
+    pooled = any(s.pooled for s in policy.stages)
     if codes is not None and codes.blocked and per_head:
         raise ConfigError(
             f"engine policy {policy}: KIVI pages keep one position per slot; positions per head (a head-wise "
             "eviction before it) are not paged with them"
         )
-    return per_head, codes, policy.decode_stage
+    if pooled and (codes is not None or policy.decode_stage):
+        raise ConfigError(
+            f"engine policy {policy}: allocator=adakv's pages pool full-precision entries compressed once after "
+            f"the prefill; {'quantizing them' if codes else 'evicting while decoding (every=)'} is not paged"
+        )
+    return PageLayout(per_head and not pooled, codes, policy.decode_stage, pooled)
 
 
 class Engine:
@@ -395,16 +429,17 @@ class Engine:
             prefix_cache
             and not recurrent
             and self.window is None
-            and (self.policy is None or check_engine_policy(self.policy)[1] is None)
+            and (self.policy is None or check_engine_policy(self.policy).codes is None)
         )
         self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
         self.reset()  # the scheduler: it checks slots, chunk and decode_steps
         att = cfg.attention
         self.gens: dict[str, Generator] = {}  # the compressed prefill of each policy served, by its text
-        self.layout = (False, None, None)  # pages: (positions per head, the codes' scheme, the evicting stage)
+        self.layout = PageLayout()  # what the pages hold
         self.evict = None  # decode-time eviction (`kvjax.paged_eviction`)
         if self.policy is not None:
-            self.layout = per_head, codes, decoding = check_engine_policy(self.policy)
+            self.layout = check_engine_policy(self.policy)
+            codes, decoding = self.layout.codes, self.layout.decoding
             if codes and "mla" in cfg.mixers:
                 raise ConfigError(
                     f"engine policy {self.policy} quantizes K/V pages; MLA's latent pages are not quantized"
@@ -414,6 +449,10 @@ class Engine:
                     raise ConfigError(f"engine policy {self.policy}: {why}")
                 if mesh is not None:
                     raise ConfigError(f"engine policy {self.policy}: KIVI pages are served on one device (no mesh)")
+            if self.layout.pooled and mesh is not None:
+                raise ConfigError(
+                    f"engine policy {self.policy}: allocator=adakv's pooled pages are served on one device"
+                )
             if decoding and "mla" in cfg.mixers:
                 raise ConfigError(
                     f"engine policy {self.policy}: every={decoding.every} evicts while decoding, which the engine "
@@ -423,7 +462,7 @@ class Engine:
             if decoding:
                 plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]
                 self.evict = Eviction.of(plan, self.width * page_size, compressible(cfg))
-        per_head, codes, decoding = self.layout
+        codes, decoding = self.layout.codes, self.layout.decoding
         # a preempted request's generated tokens are re-fed a decode step each (never as a chunk) where the
         # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks
         self._stepwise = decoding is not None or (codes is not None and codes.blocked)
@@ -442,7 +481,7 @@ class Engine:
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
-            else self._paged(cfg, plan.mixers[i], n_pages, per_head, codes, bool(decoding and accumulates(decoding)))
+            else self._paged(cfg, plan.mixers[i], n_pages, self.layout)
             for i in plan.producers
         )
         graphdef, self.params = nnx.split(model)
@@ -467,21 +506,24 @@ class Engine:
             self.caches = tuple(self._placed(c) for c in self.caches)
         self._sync([])
 
-    def _paged(self, cfg, kind: str, n_pages: int, per_head: bool, codes, stat: bool) -> PagedKVCache:
-        """An attention layer's pages: the window pool's for a sliding-window layer when windows are freed (full
-        precision: a policy leaves the windows whole, or compresses them by eviction alone); `codes`: the policy's
-        quantizer (int codes, or KIVI's blocks with a residual per sequence slot, `kvjax.paged_kivi`);
-        `stat`: a running statistic per slot (decode-time eviction that accumulates one, H2O's)."""
+    def _paged(self, cfg, kind: str, n_pages: int, layout: PageLayout) -> PagedKVCache:
+        """An attention layer's pages as `layout` says: the window pool's for a sliding-window layer when windows
+        are freed (full precision: a policy leaves the windows whole, or compresses them by eviction alone); the
+        policy's codes (int codes, or KIVI's blocks with a residual per sequence slot, `kvjax.paged_kivi`); a
+        running statistic per slot (decode-time eviction that accumulates one, H2O's); pooled entries (AdaKV)."""
         att, ps = cfg.attention, self.pool.page_size
+        codes, stat = layout.codes, bool(layout.decoding and accumulates(layout.decoding))
         windowed = self.window is not None and kind in self.windowed
         if windowed:  # full precision, positions as the main pool keeps them (a head-wise `local` ring: per head)
             n, codes, stat = self.windows.n_pages, None, False
         else:
             n = n_pages
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
+        if layout.pooled and not windowed:
+            return PagedPooledCache.init_pooled(*shape)
         if codes is not None and codes.blocked:
             return PagedKiviCache.init_kivi(codes, *shape)
-        cache = PagedKVCache.init(*shape, per_head_positions=per_head, bits=codes and codes.bits, stat=stat)
+        cache = PagedKVCache.init(*shape, per_head_positions=layout.per_head, bits=codes and codes.bits, stat=stat)
         return cache.replace(windowed=True, ring=jnp.zeros((self.slots,), jnp.int32)) if windowed else cache
 
     def _window_pages(self, columns: int, n_pages: int | None = None) -> WindowPages:
@@ -687,23 +729,16 @@ class Engine:
         if request.policy is None:
             return self.policy
         if request.policy == "none":
-            policy, layout = None, (False, None, None)
+            policy, layout = None, PageLayout()
         else:
             policy = parse_policy(request.policy)
             layout = check_engine_policy(policy)
             if self.windowed:
                 check_window_policy(policy, self.model.config, self.windowed, self.window_pages)
         if layout != self.layout:
-
-            def said(layout):
-                heads = "positions per head" if layout[0] else "one position per slot"
-                evicts = f", evicting by {layout[2]} while decoding" if layout[2] else ""
-                codes = layout[1] and f", {layout[1].method}{layout[1].bits} codes"
-                return heads + (codes or ", full precision") + evicts
-
             raise ConfigError(
-                f"policy {request.policy}: this engine's pages hold {said(self.layout)} (its policy: "
-                f"{self.policy or 'none'}), and {request.policy} needs {said(layout)}; serve it from an engine "
+                f"policy {request.policy}: this engine's pages hold {self.layout} (its policy: "
+                f"{self.policy or 'none'}), and {request.policy} needs {layout}; serve it from an engine "
                 "started with it"
             )
         return policy

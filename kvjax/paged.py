@@ -36,11 +36,13 @@ class RowSplit(NamedTuple):
     the view of every slot's pages `rows`, the chunk after them the view of its own slot's pages `chunk`.
     As a `KVView.reader` it runs the attention op on each part; MLA maps its own attention over both.
     With `pool` (the decode rows' cache), XLA attends the decode queries over the whole pool instead of
-    the gathered rows (`PagedKVCache.attend_pool`)."""
+    the gathered rows (`PagedKVCache.attend_pool`). `heads`: the KV heads of a pooled view's entries
+    (`kvjax.paged_pooled`), which the op masks by."""
 
     rows: KVView | LatentView  # batch R
     chunk: KVView | LatentView  # batch 1
     pool: PagedKVCache | None = None
+    heads: int | None = None
 
     def map(self, fn, queries: tuple[jax.Array, ...], positions: jax.Array, rows_fn=None) -> jax.Array:
         """fn(*queries, view, positions) on each part of the step's queries `[1, R + C, ...]` (the decode
@@ -58,7 +60,8 @@ class RowSplit(NamedTuple):
 
         def op(q, view, pos):
             args = dict(window=window, impl=impl, paged=view.paged, softcap=softcap)
-            return attention(q, view.k, view.v, pos, view.pos, **args)
+            pooled = dict(k_head=view.head, n_kv_heads=self.heads) if self.heads else {}
+            return attention(q, view.k, view.v, pos, view.pos, **args, **pooled)
 
         def over_pool(q, view, pos):
             return self.pool.attend_pool(q, pos, window, softcap=softcap)

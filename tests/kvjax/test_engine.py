@@ -15,9 +15,12 @@ from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
 from kvjax.config import ConfigError
 from kvjax.engine import Engine, Request
+from kvjax.paged import PagedKVCache
+from kvjax.paged_pooled import PagedPooledCache
 from tests.conftest import GEMMA_LIKE
 
 PROMPT_LENGTHS, NEW = (5, 17, 3, 11, 9), (6, 3, 8, 2, 5)
+ADAKV = "snapkv:0.5:obs_window=1,allocator=adakv"  # AdaKV's per-head budgets, pooled pages
 
 
 @pytest.fixture(scope="module")
@@ -196,17 +199,22 @@ def test_local_and_global_layers_in_pages(make_model, requests):
     assert keep.stats.preemptions > 0 and keep.stats.cached_tokens > 0 and keep.pool.used_pages == 0
     with pytest.raises(ConfigError, match=r"sliding-window layers \(local\).*window_pages='free'"):
         Engine(model, n_pages=8, policy="snapkv:0.5", window_pages="keep")
-    for policy, why in [("tova:0.5:local+int:8", "quantizes them"), ("h2o:6:every=2,local", "evicts while decoding")]:
+    for policy, why in [
+        ("tova:0.5:local+int:8", "quantizes them"),
+        ("h2o:6:every=2,local", "evicts while decoding"),
+        ("snapkv:0.5:allocator=adakv,local", "pools its heads' budgets"),
+    ]:
         with pytest.raises(ConfigError, match=f"local=true compresses the sliding-window layers too.*{why}"):
             Engine(model, n_pages=8, policy=policy)
 
 
-@pytest.mark.parametrize("policy", ["snapkv:0.5:obs_window=1+int:8", "snapkv:0.5:obs_window=1"])
+@pytest.mark.parametrize("policy", ["snapkv:0.5:obs_window=1+int:8", ADAKV])
 def test_a_policy_on_local_and_global_layers_compresses_the_global_ones(make_model, requests, policy):
     """Gemma's layout with a policy: the global layers' pages hold the compressed prompt (kept slots, int8
-    codes), the local layers' own pool the window of the whole prompt at its positions, as Generator's
-    rings (the policy leaves them whole); each request equals Generator alone under the policy, with
-    preemptions and multi-step calls. Positions, not kept slots, must fit the window tables."""
+    codes; AdaKV's pooled entries), the local layers' own pool the window of the whole prompt at its
+    positions, as Generator's rings (the policy leaves them whole); each request equals Generator alone
+    under the policy, with preemptions and multi-step calls. Positions, not kept slots, must fit the window
+    tables."""
     model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
     gen = Generator(model, capacity=40, policy=parse_policy(policy))
     engine = Engine(model, n_pages=6, page_size=4, slots=4, chunk=4, decode_steps=4, policy=policy, max_tokens=32)
@@ -214,6 +222,7 @@ def test_a_policy_on_local_and_global_layers_compresses_the_global_ones(make_mod
     assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0 and engine.windows.used_pages == 0
     local, glob = engine.caches
     assert local.bits is None and glob.bits == (8 if "int:8" in policy else None)
+    assert isinstance(glob, PagedPooledCache) == ("adakv" in policy) and type(local) is PagedKVCache
     with pytest.raises(ConfigError, match="request 0: 33 positions, past the 32 the sliding-window layers'"):
         engine.run([Request(tuple(range(1, 31)), DecodingConfig(max_new_tokens=3))])
 
@@ -288,17 +297,36 @@ def test_kivi_pages_give_each_request_what_generator_gives_it_alone(gqa, request
     assert engine.nbytes() == pages * engine.page_nbytes() + 4 * residual + tables
 
 
+def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
+    """AdaKV in pages (`kvjax.paged_pooled`): a layer's heads share K x budget entries, here unevenly (the
+    longest prompt's 14 a head are 16 and 12), yet a request holds its budget's pages as under a uniform
+    one; each request equals Generator's dense pool alone, with preemptions (the pool's 6 pages are reused,
+    so a row whose length the host miscounted would read another's entries) and multi-step calls."""
+    gen = Generator(gqa, capacity=40, policy=parse_policy(ADAKV))
+    padded, lengths = gen.pad([list(requests[1].prompt)], 0)
+    pool = gen.prefill_compressed(padded, lengths, 0)[1][0]
+    assert np.bincount(np.asarray(pool.head[0])[np.asarray(pool.pos[0]) >= 0]).tolist() == [16, 12]
+    engine = Engine(gqa, n_pages=7, page_size=4, slots=4, chunk=8, decode_steps=4, policy=ADAKV)
+    work = engine.check(requests)
+    _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
+    assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps and engine.pool.used_pages == 0
+    assert [w.kept for w in work] == [len(r.prompt) // 2 for r in requests]
+
+
 def test_a_policy_takes_the_pages_its_budget_says(gqa):
     """A 40-token prompt and one decoded token: 41 slots are 11 pages of 4; SnapKV at 0.5 keeps 20, so
-    21 slots take 6 (H2O too, evicting while decoding); int:8 keeps every token in 11 pages of codes, each
+    21 slots take 6 (H2O too, evicting while decoding; AdaKV too, its 2 x 20 entries spread unevenly over
+    the 2 heads); int:8 keeps every token in 11 pages of codes, each
     page a third of the fp32 bytes (codes, plus a scale per token and head)."""
     request = Request(tuple(range(1, 41)), DecodingConfig(max_new_tokens=2))
     peaks, engines = {}, {}
-    for policy in (None, "snapkv:0.5:obs_window=1", "int:8", "int:4", "h2o:0.5:every=4"):
+    for policy in (None, "snapkv:0.5:obs_window=1", "int:8", "int:4", "h2o:0.5:every=4", ADAKV):
         engines[policy] = Engine(gqa, n_pages=20, page_size=4, slots=1, policy=policy)
         engines[policy].run([request])
         peaks[policy] = engines[policy].stats.peak_pages
-    assert peaks == {None: 11, "snapkv:0.5:obs_window=1": 6, "int:8": 11, "int:4": 11, "h2o:0.5:every=4": 6}
+    assert peaks == {None: 11, "snapkv:0.5:obs_window=1": 6, "int:8": 11, "int:4": 11, "h2o:0.5:every=4": 6} | {
+        ADAKV: 6
+    }
     att, producers = gqa.config.attention, 2
     K, H, ps, P = att.n_kv_heads, att.head_dim, 4, 20
     tables = 19 * 4 + 4  # one sequence slot: its block table (a column per usable page) and length
@@ -309,6 +337,9 @@ def test_a_policy_takes_the_pages_its_budget_says(gqa):
     # H2O's running sums: an fp32 per slot and KV head beside the positions (kept per head)
     h2o = producers * (P * K * ps * H * 4 * 2 + P * K * ps * 4 + P * K * ps * 4 + tables)
     assert engines["h2o:0.5:every=4"].nbytes() == h2o
+    # AdaKV's pooled entries: K x page_size a page, each one head's K and V, its position and its head
+    pooled = producers * (P * K * ps * (H * 4 * 2 + 4 + 4) + tables)
+    assert engines[ADAKV].nbytes() == pooled
 
 
 def test_requests_submitted_while_others_run_and_cancelled_midway(gqa, requests, alone):
@@ -432,7 +463,9 @@ def test_policies_the_engine_cannot_page_are_refused(gqa):
         ),
         ("keynorm:0.5+kivi:2:group=4,residual=8", "positions per head .a head-wise eviction before it. are not"),
         ("scissorhands:0.5:every=2", "scissorhands is not supported"),
-        ("snapkv:0.5:allocator=adakv", "allocator='adakv'"),
+        ("snapkv:0.5:allocator=pyramid", "allocator='pyramid' gives each layer its own, which needs a block table"),
+        ("snapkv:0.5:allocator=adakv+int:8", "adakv's pages pool full-precision entries .* quantizing them is not"),
+        ("snapkv:0.5:allocator=adakv,every=4", r"evicting while decoding \(every=\) is not paged"),
         ("palu:0.5", "palu is not supported"),
         ("duo:0.5", "duo is not supported"),
     ]:

@@ -1,0 +1,102 @@
+"""AdaKV's per-head budgets in pages (Feng et al. 2024, arXiv 2407.11550, sec. 4: the heads of a layer
+share K x budget entries, stored flattened so that memory really shrinks): `PagedPooledCache` pages
+`kvjax.cache.PooledKVCache`. A page holds `page_size` tokens' worth of entries, K of them a token, each one
+KV head's key, value and position, tagged with that head; whichever heads a compressed prompt's entries
+belong to, its K x budget entries fill `budget` tokens' pages, so the host (`kvjax.page_pool`, the
+scheduler) counts rows in tokens as for any page, and heads keep different numbers of tokens at no cost
+in pages. A new token appends K entries, one per head in head order; attention masks each query head's
+view to its KV head's entries (`kvjax.ops.attention` with `k_head`), as over a dense pool.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.cache import KVView, PooledKVCache
+from kvjax.paged import PagedKVCache, RowSplit
+
+
+@struct.dataclass
+class PagedPooledCache(PagedKVCache):
+    """One layer's pages of pooled entries: k, v `[P,1,K*page_size,H]`, pos and head `[P,1,K*page_size]`
+    (-1 and 0 where empty). `length` counts a row's tokens, as the host does: its entries are the first
+    K x length of its pages (`heads` = K). Full precision, one device, no running statistic: the engine
+    pages AdaKV's prompts compressed once."""
+
+    head: jax.Array | None = None
+    heads: int = struct.field(pytree_node=False, default=1)
+
+    @classmethod
+    def init_pooled(
+        cls, n_pages: int, page_size: int, batch: int, max_pages: int, n_kv_heads: int, head_dim: int, dtype
+    ):
+        entries = (n_pages, 1, n_kv_heads * page_size)
+        return cls(
+            k=jnp.zeros((*entries, head_dim), dtype),
+            v=jnp.zeros((*entries, head_dim), dtype),
+            pos=jnp.full(entries, -1, jnp.int32),
+            head=jnp.zeros(entries, jnp.int32),
+            table=jnp.zeros((batch, max_pages), jnp.int32),
+            length=jnp.zeros((batch,), jnp.int32),
+            heads=n_kv_heads,
+        )
+
+    def _pools(self) -> dict[str, jax.Array]:
+        return super()._pools() | dict(head=self.head)
+
+    def _mine(self) -> jax.Array:
+        """`[B,1,M*E]`: the entries below each row's K x length (E = K x page_size a page)."""
+        return (
+            jnp.arange(self.table.shape[1] * self.page_size, dtype=jnp.int32)[None, None, :]
+            < (self.length * self.heads)[:, None, None]
+        )
+
+    def _entries(self, first: jax.Array, ok: jax.Array) -> jax.Array:
+        """Flat pool slots `[B,T*K]` of T tokens appended at token index `first` `[B]` of each row (`ok`
+        `[B,T]`: a token, not padding): entry (first + t) x K + h for head h of token t."""
+        T, K = ok.shape[1], self.heads
+        index = first[:, None] * K + jnp.arange(T * K, dtype=jnp.int32)[None]
+        return self._flat_slots(index, jnp.repeat(ok, K, axis=1))
+
+    def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[PagedPooledCache, KVView]:
+        """Write a chunk k, v `[B,T,K,H]` at positions `[B,T]` (a mixed step: `[1, R + C, ...]`) as K entries
+        a token, and return the view of every row's pages."""
+        B, T, K, H = k.shape
+        if K != self.heads or v.shape[:3] != k.shape[:3] or pos.shape != (B, T):
+            raise ValueError(f"new k {k.shape} / v {v.shape} / pos {pos.shape} must be [B, T, K={self.heads}, H]")
+        if self.chunk_row is None:
+            flat, added = self._entries(self.length, pos >= 0), (pos >= 0).sum(axis=1, dtype=jnp.int32)
+        else:  # one decode token per row, then the chunk of row `chunk_row`
+            R, row = self.table.shape[0], self.chunk_row
+            decode, chunk = pos[0, :R] >= 0, pos[0, R:] >= 0
+            flat_chunk = self.replace(table=self.table[row][None])._entries(self.length[row][None], chunk[None])
+            flat = jnp.concatenate([self._entries(self.length, decode[:, None]).reshape(-1), flat_chunk[0]])
+            added = decode.astype(jnp.int32).at[row].add(chunk.sum(dtype=jnp.int32))
+        entries = dict(
+            k=k.reshape(-1, 1, H),
+            v=v.reshape(-1, 1, v.shape[-1]),
+            pos=jnp.repeat(pos, K, axis=1).reshape(-1, 1),
+            head=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, T, K)).reshape(-1, 1),
+        )
+        new = self._scatter(flat.reshape(-1), **entries).replace(length=self.length + added)
+        return new, new.view()
+
+    def load_pool(self, row: int, pool: PooledKVCache) -> PagedPooledCache:
+        """Fill sequence slot `row`'s pages (its table set) from row 0 of a compressed `PooledKVCache`, its
+        entries in order: AdaKV keeps K x budget of them (`reducers.top_slots`), the row's length budget."""
+        index = jnp.arange(pool.capacity, dtype=jnp.int32)[None]
+        flat = self.replace(table=self.table[row][None])._flat_slots(index, index < pool.length[0])[0]
+        new = self._scatter(flat, **{name: getattr(pool, name)[0][:, None] for name in ("k", "v", "pos", "head")})
+        return new.replace(length=new.length.at[row].set(pool.length[0] // self.heads))
+
+    def _gather(self) -> KVView:
+        """Every row's entries in table order: k, v `[B,M*E,H]`, pos and head `[B,M*E]` (-1 past its length)."""
+        pos = jnp.where(self._mine(), self._rows_of(self.pos), -1)[:, 0]
+        k, v, head = (self._rows_of(x)[:, 0] for x in (self.k, self.v, self.head))
+        return KVView(k, v, pos, head)
+
+    def _split(self, rows: KVView, chunk: KVView, pool) -> KVView:
+        """A mixed step's reader: each part over its rows' gathered entries (no whole-pool path)."""
+        return rows._replace(reader=RowSplit(rows, chunk, heads=self.heads))

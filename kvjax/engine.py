@@ -55,7 +55,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvjax.cache import LatentCache, WindowKVCache
+from kvjax.cache import LatentCache, PooledKVCache, WindowKVCache
 from kvjax.compress import Policy, parse_policy
 from kvjax.compress.methods import METHODS
 from kvjax.compress.policy import Stage
@@ -67,7 +67,7 @@ from kvjax.page_pool import NULL_PAGE, PagePool, PoolExhausted
 from kvjax.paged import PagedKVCache, PagedLatentCache
 from kvjax.paged_eviction import Eviction, budget_row, evicting_step
 from kvjax.paged_kivi import PagedKiviCache, check_kivi_pages
-from kvjax.paged_pooled import PagedPooledCache
+from kvjax.paged_pooled import PagedPooledCache, as_entries
 from kvjax.plan import LayerPlan, compressible, init_caches
 from kvjax.quant.cache import QuantKVCache, QuantSpec
 from kvjax.sampling import sample
@@ -240,8 +240,8 @@ def _load_row(caches, rows: Rows, dense, stats, row):
         if isinstance(paged, PagedKiviCache):
             out.append(paged.load_quant(row, d))
             continue
-        if isinstance(paged, PagedPooledCache):  # AdaKV's pool: its entries in order
-            out.append(paged.load_pool(row, d))
+        if isinstance(paged, PagedPooledCache):  # AdaKV's pool, or a whole prompt's slots K entries each
+            out.append(paged.load_pool(row, d if isinstance(d, PooledKVCache) else as_entries(d)))
             continue
         if isinstance(d, QuantKVCache):
             values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
@@ -266,7 +266,8 @@ def _gather_prefix(caches, pages, n, *, cfg, capacity):
         row = paged.replace(table=pages[None])
 
         def dense(pool):  # the pages in table order `[1,K,M*ps,H]`, zero past n and padded to capacity
-            x = jnp.pad(row._rows_of(pool), ((0, 0), (0, 0), (0, capacity - pages.shape[0] * paged.page_size), (0, 0)))
+            x = row.prompt_rows(pool)
+            x = jnp.pad(x, ((0, 0), (0, 0), (0, capacity - x.shape[2]), (0, 0)))
             return jnp.where((idx < n)[None, None, :, None], x, 0).astype(d.k.dtype)
 
         out.append(d.replace(k=dense(paged.k), v=dense(paged.v), pos=jnp.where(idx < n, idx, -1)[None], length=n[None]))
@@ -492,7 +493,9 @@ class Engine:
         self._prefix_pages = (
             self.prefix_cache
             and mesh is None
-            and all(type(c) is PagedKVCache and not c.quantized and c.stat is None for c in self.caches)
+            and all(
+                type(c) in (PagedKVCache, PagedPooledCache) and not c.quantized and c.stat is None for c in self.caches
+            )
         )
         self.mesh = mesh
         if mesh is not None:

@@ -289,6 +289,11 @@ class PagedKVCache(_Arrays):
         gathered = pool.reshape(*pool.shape[:3], -1)[self.table].transpose(0, 2, 1, 3, 4)
         return gathered.reshape(B, pool.shape[1], M * self.page_size, *pool.shape[3:])
 
+    def prompt_rows(self, pool: jax.Array) -> jax.Array:
+        """K or V pages `[P,K,page_size,H]` in each row's table order, `[B,K,M*page_size,H]`, one slot a
+        token: how the prefix cache's pages of whole prompts read back (`engine._gather_prefix`)."""
+        return self._rows_of(pool)
+
     def _mine(self) -> jax.Array:
         """`[B,1,M*page_size]`: the row slots below each row's length."""
         return (

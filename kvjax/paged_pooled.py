@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import KVView, PooledKVCache
+from kvjax.cache import KVCache, KVView, PooledKVCache
 from kvjax.paged import PagedKVCache, RowSplit
 
 
@@ -91,6 +91,12 @@ class PagedPooledCache(PagedKVCache):
         new = self._scatter(flat, **{name: getattr(pool, name)[0][:, None] for name in ("k", "v", "pos", "head")})
         return new.replace(length=new.length.at[row].set(pool.length[0] // self.heads))
 
+    def prompt_rows(self, pool: jax.Array) -> jax.Array:
+        """A whole prompt's entries (K a token, in token order: `as_entries`) as K or V `[B,K,M*page_size,H]`."""
+        B, M = self.table.shape
+        x = self._rows_of(pool)[:, 0]
+        return x.reshape(B, M * self.page_size // self.heads, self.heads, x.shape[-1]).transpose(0, 2, 1, 3)
+
     def _gather(self) -> KVView:
         """Every row's entries in table order: k, v `[B,M*E,H]`, pos and head `[B,M*E]` (-1 past its length)."""
         pos = jnp.where(self._mine(), self._rows_of(self.pos), -1)[:, 0]
@@ -100,3 +106,17 @@ class PagedPooledCache(PagedKVCache):
     def _split(self, rows: KVView, chunk: KVView, pool) -> KVView:
         """A mixed step's reader: each part over its rows' gathered entries (no whole-pool path)."""
         return rows._replace(reader=RowSplit(rows, chunk, heads=self.heads))
+
+
+def as_entries(cache: KVCache) -> PooledKVCache:
+    """A dense cache of whole tokens (positions `[B,S]`) as entries, K a slot in slot order, as new tokens
+    are appended: so page p of a whole prompt holds its tokens p x page_size on (the prefix cache's pages)."""
+    B, K, S, H = cache.k.shape
+    entries = lambda x: x.transpose(0, 2, 1, 3).reshape(B, S * K, x.shape[-1])  # noqa: E731
+    return PooledKVCache(
+        k=entries(cache.k),
+        v=entries(cache.v),
+        pos=jnp.repeat(cache.pos, K, axis=1),
+        head=jnp.broadcast_to(jnp.tile(jnp.arange(K, dtype=jnp.int32), S), (B, S * K)),
+        length=cache.length * K,
+    )

@@ -22,8 +22,9 @@ from kvjax.paged import PagedKVCache, RowSplit
 class PagedPooledCache(PagedKVCache):
     """One layer's pages of pooled entries: k, v `[P,1,K*page_size,H]`, pos and head `[P,1,K*page_size]`
     (-1 and 0 where empty). `length` counts a row's tokens, as the host does: its entries are the first
-    K x length of its pages (`heads` = K). Full precision, one device, no running statistic: the engine
-    pages AdaKV's prompts compressed once."""
+    K x length of its pages (`heads` = K), and `page_size` counts entries (K x the host's page size). Full
+    precision, one device, no running statistic: the engine pages AdaKV's prompts compressed once, so the
+    slot-wise writes of other layouts (`load`, `compact`, `attend_pool`) do not apply."""
 
     head: jax.Array | None = None
     heads: int = struct.field(pytree_node=False, default=1)

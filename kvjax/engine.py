@@ -358,10 +358,10 @@ def check_engine_policy(policy: Policy) -> PageLayout:
             f"engine policy {policy}: KIVI pages keep one position per slot; positions per head (a head-wise "
             "eviction before it) are not paged with them"
         )
-    if pooled and (codes is not None or policy.decode_stage):
+    if pooled and policy.decode_stage:  # (nothing follows AdaKV in a chain: `compress.apply.check_policy`)
         raise ConfigError(
-            f"engine policy {policy}: allocator=adakv's pages pool full-precision entries compressed once after "
-            f"the prefill; {'quantizing them' if codes else 'evicting while decoding (every=)'} is not paged"
+            f"engine policy {policy}: allocator=adakv's pages pool entries compressed once after the prefill; "
+            "evicting while decoding (every=) is not paged"
         )
     return PageLayout(per_head and not pooled, codes, policy.decode_stage, pooled)
 

@@ -69,7 +69,7 @@ from kvjax.paged_eviction import Eviction, budget_row, evicting_step
 from kvjax.paged_kivi import PagedKiviCache, check_kivi_pages
 from kvjax.paged_pooled import PagedPooledCache, as_entries
 from kvjax.plan import LayerPlan, compressible, init_caches
-from kvjax.quant.cache import QuantKVCache, QuantSpec
+from kvjax.quant.cache import QuantKVCache, QuantSpec, WindowQuantKVCache, rings_codes
 from kvjax.sampling import sample
 from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequence, Step, Work, prefix_key
 from kvjax.sharding import place_params
@@ -234,6 +234,10 @@ def _load_row(caches, rows: Rows, dense, stats, row):
         if paged.windowed and isinstance(d, WindowKVCache):  # compressed too (local=true): a ring of its slots
             out.append(paged.load(row, d.length[0], d.pos[0], k=d.k[0], v=d.v[0]))
             continue
+        if paged.windowed and isinstance(d, WindowQuantKVCache):  # a ring of int codes
+            codes = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
+            out.append(paged.load(row, d.length[0], d.pos[0], **codes))
+            continue
         if paged.windowed:
             out.append(paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0]))
             continue
@@ -280,7 +284,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     their slots are positions, the main pool's are the kept tokens). Under `local=true` it compresses the
     windows too, each into a ring that grows back to the window as decoding goes on (`WindowKVCache`),
     which that pool holds as its first pages: by token eviction alone, once after the prefill (the pool is
-    full precision, one position per slot), with one window size for every such layer."""
+    full precision, one position per slot, or per-token int codes after it: `WindowQuantKVCache`), with one
+    window size for every such layer."""
     if window_pages != "free":
         raise ConfigError(
             f"engine policy {policy}: {cfg.name!r} has sliding-window layers ({', '.join(windowed)}), whose prompt a "
@@ -293,8 +298,9 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     why = (
         f"has windows of {sizes} tokens (the engine's rings share one size)"
         if len(sizes) > 1
-        else "quantizes them (the window pool holds full-precision K/V)"
-        if last.quantizes
+        else "quantizes them in KIVI's blocks or with a scheme's parts, which grow with decoding (the window pool "
+        "holds rings of K/V or of per-token int codes)"
+        if last.quantizes and not rings_codes(last.quant_spec)
         else f"evicts while decoding (every={policy.decode_stage.every}); the rings are compressed once"
         if policy.decode_stage
         else "pools its heads' budgets (allocator=adakv); the window pool holds K/V per slot"
@@ -311,12 +317,14 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
 class PageLayout(NamedTuple):
     """What a policy's pages hold: positions per KV head; the codes' scheme (None: full precision; int:8 or
     int:4 codes per token, or KIVI's blocks, `kvjax.paged_kivi`); the stage that evicts while decoding
-    (`every=`, None: none); entries pooled over the heads (AdaKV's per-head budgets, `kvjax.paged_pooled`)."""
+    (`every=`, None: none); entries pooled over the heads (AdaKV's per-head budgets, `kvjax.paged_pooled`);
+    whether the sliding-window layers' pool holds the codes too (`local=true`: rings of int codes)."""
 
     per_head: bool = False
     codes: QuantSpec | None = None
     decoding: Stage | None = None
     pooled: bool = False
+    window_codes: bool = False
 
     def __str__(self) -> str:
         heads = (
@@ -327,6 +335,7 @@ class PageLayout(NamedTuple):
             else "one position per slot"
         )
         codes = f", {self.codes.method}{self.codes.bits} codes" if self.codes else ", full precision"
+        codes += " (the windows' rings too)" if self.window_codes else ""
         return heads + codes + (f", evicting by {self.decoding} while decoding" if self.decoding else "")
 
 
@@ -363,7 +372,7 @@ def check_engine_policy(policy: Policy) -> PageLayout:
             f"engine policy {policy}: allocator=adakv's pages pool entries compressed once after the prefill; "
             "evicting while decoding (every=) is not paged"
         )
-    return PageLayout(per_head and not pooled, codes, policy.decode_stage, pooled)
+    return PageLayout(per_head and not pooled, codes, policy.decode_stage, pooled, bool(policy.local and codes))
 
 
 class Engine:
@@ -517,8 +526,9 @@ class Engine:
         att, ps = cfg.attention, self.pool.page_size
         codes, stat = layout.codes, bool(layout.decoding and accumulates(layout.decoding))
         windowed = self.window is not None and kind in self.windowed
-        if windowed:  # full precision, positions as the main pool keeps them (a head-wise `local` ring: per head)
-            n, codes, stat = self.windows.n_pages, None, False
+        if windowed:  # positions as the main pool keeps them (a head-wise `local` ring: per head); codes only in
+            # rings compressed under `local=true`, the windows otherwise whole
+            n, codes, stat = self.windows.n_pages, codes if layout.window_codes else None, False
         else:
             n = n_pages
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
@@ -872,7 +882,7 @@ class Engine:
         if caching:
             self.pool.release(key)
         self._rings.pop(seq.index, None)
-        if ring := next((d for d in dense if isinstance(d, WindowKVCache)), None):  # local=true: the windows' ring
+        if ring := next((d for d in dense if isinstance(d, WindowKVCache | WindowQuantKVCache)), None):  # local=true
             self._rings[seq.index] = len(request.prompt) - int(ring.length[0])
         self._sync([seq.index], [0], [len(request.prompt)])  # the window before the prompt's end
         self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, stats, 0)

@@ -27,6 +27,7 @@ from kvjax.memory import layer_memory
 from kvjax.ops import grouped_mask
 from kvjax.plan import compressible, kv_heads, ring_window, rope_base
 from kvjax.quant import QuantKVCache, QuantSpec
+from kvjax.quant.cache import WindowQuantKVCache, rings_codes
 from kvjax.quant.packing import packed_width
 from kvjax.quant.parts import LowRankError, Outliers, Sinks
 
@@ -231,9 +232,12 @@ def observe_fn(stages: tuple[Stage, ...]):
 
 
 def wraps(stage: Stage) -> bool:
-    """Whether a ring this (last) stage compresses keeps plain slots and so becomes a `WindowKVCache`
-    capped at its window: token eviction into the cache's own layout (what the engine can page); quantized,
-    re-encoded and pooled caches grow with decoding instead."""
+    """Whether a ring this (last) stage compresses becomes a ring again, capped at its window: token
+    eviction into the cache's own layout (`WindowKVCache`, what the engine can page) or per-token int codes
+    (`WindowQuantKVCache`); KIVI's blocks, the other quantizers' parts, re-encoded and pooled caches grow
+    with decoding instead."""
+    if stage.quantizes:
+        return rings_codes(stage.quant_spec)
     return stage.hooks is not None and stage.hooks.pageable and not stage.pooled
 
 
@@ -262,6 +266,8 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
             stats = stats[1:] or stats  # the next stage's statistic comes first; the last one is kept
         if rings[j] and wraps(statics[-1][0]) and type(cache) is KVCache:
             cache = WindowKVCache(k=cache.k, v=cache.v, pos=cache.pos, length=cache.length)
+        elif rings[j] and wraps(statics[-1][0]) and type(cache) is QuantKVCache:
+            cache = WindowQuantKVCache.of(cache)
         caches[slot], last_stats[slot] = cache, stats[0]
     return tuple(caches), tuple(last_stats)
 

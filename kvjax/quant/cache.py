@@ -269,9 +269,13 @@ class QuantKVCache(_Positioned):
     def head_dim(self) -> int:
         return self.k_codes.shape[-1] * 8 // self.spec.bits
 
+    def _slots(self, pos: jax.Array) -> jax.Array:
+        """Slots `[B,T]` of a chunk at positions `pos` `[B,T]`: after each row's tokens."""
+        return _append_slots(self.length, pos, self.capacity)
+
     def _append(self, k_hm, v_hm, pos):
         """Write head-major k, v `[B,K,T,H]` (pre-RoPE keys with `pre_rope_keys`) at positions `[B,T]`."""
-        slots = _append_slots(self.length, pos, self.capacity)
+        slots = self._slots(pos)
         new = self._write_slots(slots, pos)
         if not self.spec.blocked:
             return new._store(slots, k_hm, v_hm, self.spec.bits).replace(n_quant=new.length)
@@ -373,3 +377,26 @@ class QuantKVCache(_Positioned):
         if spec.scheme.pre_rope_keys:  # RoPE at each slot's true position
             k = rotate_slots(k, self.pos, spec.rope_theta)
         return k, v
+
+
+@struct.dataclass
+class WindowQuantKVCache(QuantKVCache):
+    """A sliding-window layer's ring compressed under `local=true` into per-token int codes (a plain,
+    unblocked scheme): as `kvjax.cache.WindowKVCache`, its kept tokens in position order, then each new
+    token in the next slot and, once its C slots are full, over the oldest (slot n % C for the n-th token
+    held), which no later query sees. A token's codes and scale are its slot's alone, so a ring of them
+    decodes as the cache left to grow does, in at most the window's slots."""
+
+    @classmethod
+    def of(cls, cache: QuantKVCache) -> WindowQuantKVCache:
+        return cls(**{f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)})
+
+    def _slots(self, pos: jax.Array) -> jax.Array:
+        if pos.shape[1] != 1:
+            raise ValueError(f"a compressed ring takes one decode token at a time, not {pos.shape[1]}")
+        return jnp.where(pos >= 0, self.length[:, None] % self.capacity, self.capacity)
+
+
+def rings_codes(spec: QuantSpec) -> bool:
+    """Whether `spec`'s codes can ring (`WindowQuantKVCache`): per token, with no other part."""
+    return spec.scheme.plain and not spec.blocked

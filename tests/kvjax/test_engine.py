@@ -200,7 +200,7 @@ def test_local_and_global_layers_in_pages(make_model, requests):
     with pytest.raises(ConfigError, match=r"sliding-window layers \(local\).*window_pages='free'"):
         Engine(model, n_pages=8, policy="snapkv:0.5", window_pages="keep")
     for policy, why in [
-        ("tova:0.5:local+int:8", "quantizes them"),
+        ("tova:0.5:local+kivi:2", "quantizes them in KIVI's blocks"),
         ("h2o:6:every=2,local", "evicts while decoding"),
         ("snapkv:0.5:allocator=adakv,local", "pools its heads' budgets"),
     ]:
@@ -229,7 +229,7 @@ def test_a_policy_on_local_and_global_layers_compresses_the_global_ones(make_mod
 
 @pytest.mark.parametrize(
     "policy, page_size",
-    [("tova:0.5:local", 4), ("snapkv:0.5:obs_window=1,local", 3)],
+    [("tova:0.5:local", 4), ("snapkv:0.5:obs_window=1,local", 3), ("tova:0.5:local+int:8", 4)],
 )
 def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model, requests, policy, page_size):
     """Gemma's layout under `local=true`: each local layer's window (the prompt's last 7 tokens) is compressed
@@ -238,7 +238,8 @@ def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model,
     ceil(8 / page_size) (the last one partly, at pages of 3), never the 4-5 an uncompressed window takes
     while it decodes; each request equals Generator alone under the policy, with preemptions (what it
     generated re-fed a step at a time) and multi-step calls; every page comes back; a plain engine serves
-    the policy to the requests that name it."""
+    the policy to the requests that name it. Rings of int8 codes (`WindowQuantKVCache`) page as codes in
+    the window pool, which an engine whose windows stay whole cannot hold."""
     model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
     gen = Generator(model, capacity=40, policy=parse_policy(policy))
     args = dict(page_size=page_size, slots=4, chunk=4, decode_steps=4, max_tokens=32)
@@ -246,6 +247,15 @@ def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model,
     _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
     assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0 and engine.windows.used_pages == 0
     assert engine.windows.peak == -(-8 // page_size) < engine.windows.per_decode
+    if "int:8" in policy:
+        assert [c.bits for c in engine.caches] == [8, 8]  # the window pool's codes, the global layer's
+        with pytest.raises(
+            ConfigError, match=r"hold .*int8 codes \(its policy.* needs .*int8 codes \(the windows' rings too\)"
+        ):
+            Engine(model, n_pages=8, policy="tova:0.5+int:8", **args).check(
+                [dataclasses.replace(requests[0], policy=policy)]
+            )
+        return
     # Beside requests its own policy compresses (SnapKV's per-head positions need an engine that keeps them)
     own = policy.replace(",local", "") if "snapkv" in policy else None
     mixed = Engine(model, n_pages=48 // page_size, policy=own, **args)

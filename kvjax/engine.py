@@ -231,14 +231,7 @@ def _load_row(caches, rows: Rows, dense, stats, row):
     takes no policy for a model with recurrent layers)."""
     out = []
     for paged, d, stat in zip(_with_rows(caches, rows), dense, stats):
-        if paged.windowed and isinstance(d, WindowKVCache):  # compressed too (local=true): a ring of its slots
-            out.append(paged.load(row, d.length[0], d.pos[0], k=d.k[0], v=d.v[0]))
-            continue
-        if paged.windowed and isinstance(d, WindowQuantKVCache):  # a ring of int codes
-            codes = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
-            out.append(paged.load(row, d.length[0], d.pos[0], **codes))
-            continue
-        if paged.windowed:
+        if paged.windowed and not isinstance(d, WindowKVCache | WindowQuantKVCache):  # left whole: by position
             out.append(paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0]))
             continue
         if isinstance(paged, PagedKiviCache):

@@ -13,7 +13,7 @@ from kvjax.architectures.layers import GatedMLP, RMSNorm, dense
 from kvjax.architectures.mixers import MIXERS
 from kvjax.cache import KVCache, LatentCache, LayerCache, PooledKVCache, RingKVCache
 from kvjax.config import ModelConfig
-from kvjax.paged import PagedKVCache
+from kvjax.paged import PagedKVCache, SharedPool
 from kvjax.plan import LayerPlan, sharable_kinds
 from kvjax.slot_states import SlotStates
 
@@ -139,7 +139,7 @@ class Decoder(nnx.Module):
         plan = self.plan
         new_caches = None if caches is None else list(caches)
         observed = [None] * len(plan.producers)
-        views = {}
+        views, shared = {}, SharedPool()  # layers whose pages are one pool take it in turn
         for i, block in enumerate(self.blocks[:stop]):
             src = plan.kv_source[i]
             if src != i:
@@ -151,19 +151,20 @@ class Decoder(nnx.Module):
             if joined:
                 cache = cache.replace(merged=new_caches[cache.source])
             x_in = x
+            cache = shared.enter(slot, cache)
             if isinstance(cache, SlotStates):  # the engine's states of a recurrent layer (kvjax.slot_states)
                 x, cache, views[i] = cache.run(block, x, positions)
             else:
                 x, cache, views[i] = block(x, positions, cache)
             if new_caches is not None:
-                new_caches[slot] = cache.replace(merged=None) if joined else cache
+                new_caches[slot] = shared.leave(cache.replace(merged=None) if joined else cache)
             if observe is not None and (
                 isinstance(cache, KVCache | PooledKVCache | LatentCache)
                 or (isinstance(cache, PagedKVCache) and not cache.windowed)  # the engine's (`kvjax.paged_eviction`)
                 or (observe[2] and isinstance(cache, RingKVCache))
             ):
                 observed[slot] = _observed(block, x_in, positions, views[i], *observe[:2])
-        return x, None if new_caches is None else tuple(new_caches), tuple(observed)
+        return x, None if new_caches is None else tuple(shared.close(new_caches)), tuple(observed)
 
     @property
     def tail_start(self) -> int:

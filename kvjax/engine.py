@@ -24,7 +24,8 @@ into pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit
 (`int:4` two codes a byte), KIVI pages whole residual blocks of 2- or 4-bit codes, each sequence's newest
 tokens waiting in a full-precision residual slot of its own (`kvjax.paged_kivi`), so more requests fit in
 the same memory; AdaKV's per-head budgets (`allocator=adakv`) fill pages of entries its heads share
-unevenly (`kvjax.paged_pooled`). Decoding then appends every new
+unevenly (`kvjax.paged_pooled`); PyramidKV's per-layer budgets (`allocator=pyramid`) give each layer a
+block table of its own over one pool of single-layer pages (`kvjax.layer_pages`). Decoding then appends every new
 token, unless the policy evicts while decoding (`every=N`, `kvjax.paged_eviction`): each step then observes
 the rows' attention and a request's every N-th token re-selects its slots within its pages and frees the
 pages past them, so it never holds more than its budget plus N slots. With a policy, a request's pages hold
@@ -63,8 +64,9 @@ from kvjax.compress.scorers import accumulates
 from kvjax.config import ConfigError, DecodingConfig
 from kvjax.generate import Generator
 from kvjax.kinds import KINDS
+from kvjax.layer_pages import LayerPages
 from kvjax.page_pool import NULL_PAGE, PagePool, PoolExhausted
-from kvjax.paged import PagedKVCache, PagedLatentCache
+from kvjax.paged import PagedKVCache, PagedLatentCache, SharedPool
 from kvjax.paged_eviction import Eviction, budget_row, evicting_step
 from kvjax.paged_kivi import PagedKiviCache, check_kivi_pages
 from kvjax.paged_pooled import PagedPooledCache, as_entries
@@ -95,7 +97,9 @@ class Rows(NamedTuple):
     token's position, while a compressed prompt's main-pool slots are fewer than its positions; a window
     compressed under `local=true` is a ring of C slots, its length the tokens it took), and each
     row's recurrent-state slot; under decode-time eviction each row's budgets (`paged_eviction.budget_row`).
-    Every jitted function sets them into each layer's cache: one transfer per step, not one per layer."""
+    Where the main pool's layers keep different numbers of tokens (`kvjax.layer_pages`), its tables and
+    lengths have a layer axis after the rows' (`[slots,L,M]`, `[slots,L]`). Every jitted function sets them
+    into each layer's cache: one transfer per step, not one per layer."""
 
     table: jax.Array
     window_table: jax.Array
@@ -113,7 +117,7 @@ def _with_rows(caches, rows: Rows, chunk_row=None):
     """Each layer's cache with the step's rows: paged caches their block tables and lengths (a
     sliding-window layer with its own pool, `kvjax.window_pages`, its own), recurrent layers their state
     slots (`kvjax.slot_states`)."""
-    out = []
+    out, layer = [], 0
     for c in caches:
         if isinstance(c, SlotStates):
             out.append(c.replace(rows=rows.states, length=rows.window_length, chunk_row=chunk_row))
@@ -125,6 +129,9 @@ def _with_rows(caches, rows: Rows, chunk_row=None):
             )
         elif isinstance(c, PagedKiviCache):  # its residuals are per sequence slot, as recurrent states
             out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row, res_rows=rows.states))
+        elif rows.length.ndim == 2:  # a table per layer (`kvjax.layer_pages`)
+            out.append(c.replace(table=rows.table[:, layer], length=rows.length[:, layer], chunk_row=chunk_row))
+            layer += 1
         else:
             out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row))
     return tuple(out)
@@ -133,6 +140,8 @@ def _with_rows(caches, rows: Rows, chunk_row=None):
 def _lengths(rows: Rows, written) -> Rows:
     """`rows` with the lengths the caches `written` now hold (main pool; window pool and states)."""
     main = [c.length for c in written if isinstance(c, PagedKVCache) and not c.windowed]
+    if rows.length.ndim == 2:  # a table per layer: no windows, no states
+        return rows._replace(length=jnp.stack(main, axis=1))
     window = [c.length for c in written if isinstance(c, SlotStates) or c.windowed]
     main = main[0] if main else window[0]
     return rows._replace(length=main, window_length=window[0] if window else main)
@@ -229,27 +238,30 @@ def _load_row(caches, rows: Rows, dense, stats, row):
     the running statistic of its kept slots where the pages keep one (`stats`: the Generator's, per
     layer); the caches and the rows with the row's new lengths (attention and MLA layers only: the engine
     takes no policy for a model with recurrent layers)."""
-    out = []
-    for paged, d, stat in zip(_with_rows(caches, rows), dense, stats):
-        if paged.windowed and not isinstance(d, WindowKVCache | WindowQuantKVCache):  # left whole: by position
-            out.append(paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0]))
-            continue
-        if isinstance(paged, PagedKiviCache):
-            out.append(paged.load_quant(row, d))
-            continue
-        if isinstance(paged, PagedPooledCache):  # AdaKV's pool, or a whole prompt's slots K entries each
-            out.append(paged.load_pool(row, d if isinstance(d, PooledKVCache) else as_entries(d)))
-            continue
-        if isinstance(d, QuantKVCache):
-            values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
-        elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
-            values = dict(k=d.c[0][None], v=d.k_rope[0][None])
-        else:
-            values = dict(k=d.k[0], v=d.v[0])
-        if paged.stat is not None:
-            values["stat"] = stat[0]
-        out.append(paged.load(row, d.length[0], d.pos[0], **values))
-    return tuple(out), _lengths(rows, out)
+    out, shared = [], SharedPool()
+    for i, (paged, d, stat) in enumerate(zip(_with_rows(caches, rows), dense, stats)):
+        out.append(shared.leave(_loaded(shared.enter(i, paged), d, stat, row)))
+    out = tuple(shared.close(out))
+    return out, _lengths(rows, out)
+
+
+def _loaded(paged, d, stat, row):
+    """One layer's pages with row 0 of its dense prefill cache `d` loaded into table row `row` (`_load_row`)."""
+    if paged.windowed and not isinstance(d, WindowKVCache | WindowQuantKVCache):  # left whole: by position
+        return paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0])
+    if isinstance(paged, PagedKiviCache):
+        return paged.load_quant(row, d)
+    if isinstance(paged, PagedPooledCache):  # AdaKV's pool, or a whole prompt's slots K entries each
+        return paged.load_pool(row, d if isinstance(d, PooledKVCache) else as_entries(d))
+    if isinstance(d, QuantKVCache):
+        values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
+    elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
+        values = dict(k=d.c[0][None], v=d.k_rope[0][None])
+    else:
+        values = dict(k=d.k[0], v=d.v[0])
+    if paged.stat is not None:
+        values["stat"] = stat[0]
+    return paged.load(row, d.length[0], d.pos[0], **values)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
@@ -311,13 +323,15 @@ class PageLayout(NamedTuple):
     """What a policy's pages hold: positions per KV head; the codes' scheme (None: full precision; int:8 or
     int:4 codes per token, or KIVI's blocks, `kvjax.paged_kivi`); the stage that evicts while decoding
     (`every=`, None: none); entries pooled over the heads (AdaKV's per-head budgets, `kvjax.paged_pooled`);
-    whether the sliding-window layers' pool holds the codes too (`local=true`: rings of int codes)."""
+    whether the sliding-window layers' pool holds the codes too (`local=true`: rings of int codes); a
+    block table per layer (PyramidKV's per-layer budgets, `kvjax.layer_pages`)."""
 
     per_head: bool = False
     codes: QuantSpec | None = None
     decoding: Stage | None = None
     pooled: bool = False
     window_codes: bool = False
+    layered: bool = False
 
     def __str__(self) -> str:
         heads = (
@@ -329,7 +343,8 @@ class PageLayout(NamedTuple):
         )
         codes = f", {self.codes.method}{self.codes.bits} codes" if self.codes else ", full precision"
         codes += " (the windows' rings too)" if self.window_codes else ""
-        return heads + codes + (f", evicting by {self.decoding} while decoding" if self.decoding else "")
+        layers = ", a block table per layer" if self.layered else ""
+        return heads + codes + layers + (f", evicting by {self.decoding} while decoding" if self.decoding else "")
 
 
 def check_engine_policy(policy: Policy) -> PageLayout:
@@ -346,15 +361,11 @@ def check_engine_policy(policy: Policy) -> PageLayout:
             raise ConfigError(
                 f"{where}: the engine pages token eviction, int:8, int:4 and kivi; {stage.method} is not supported"
             )
-        elif not (stage.allocation.same_everywhere or stage.pooled):
-            raise ConfigError(
-                f"{where}: the engine pages one budget for every layer (allocator={stage.allocator!r} gives each "
-                "layer its own, which needs a block table per layer; allocator=adakv's per-head budgets are paged)"
-            )
     last = policy.stages[-1]
     per_head = any(s.per_head for s in policy.stages if not s.quantizes)
     codes = last.quant_spec if last.quantizes else None
     pooled = any(s.pooled for s in policy.stages)
+    layered = any(not (s.allocation.same_everywhere or s.pooled) for s in policy.stages if not s.quantizes)
     if codes is not None and codes.blocked and per_head:
         raise ConfigError(
             f"engine policy {policy}: KIVI pages keep one position per slot; positions per head (a head-wise "
@@ -365,7 +376,15 @@ def check_engine_policy(policy: Policy) -> PageLayout:
             f"engine policy {policy}: allocator=adakv's pages pool entries compressed once after the prefill; "
             "evicting while decoding (every=) is not paged"
         )
-    return PageLayout(per_head and not pooled, codes, policy.decode_stage, pooled, bool(policy.local and codes))
+    if layered and (policy.decode_stage or (codes is not None and codes.blocked)):
+        raise ConfigError(
+            f"engine policy {policy}: its layers keep different numbers of tokens, each with its own block table "
+            "(kvjax.layer_pages), compressed once after the prefill into full-precision or int:8 / int:4 pages; "
+            "evicting while decoding (every=) and KIVI's blocks are not paged with them"
+        )
+    return PageLayout(
+        per_head and not pooled, codes, policy.decode_stage, pooled, bool(policy.local and codes), layered
+    )
 
 
 class Engine:
@@ -419,7 +438,15 @@ class Engine:
         windowed = sorted({k for k in cfg.mixers if k != "mla" and cfg.attention_for(k).window is not None})
         if self.policy is not None and windowed:
             check_window_policy(self.policy, cfg, windowed, window_pages)
-        self.model, self.pool = model, PagePool(n_pages, page_size)
+        layout = PageLayout() if self.policy is None else check_engine_policy(self.policy)
+        if layout.layered and (windowed or "mla" in cfg.mixers or mesh is not None):
+            raise ConfigError(
+                f"engine policy {self.policy}: a block table per layer (its layers keep different numbers of "
+                "tokens) is served for attention layers without sliding windows, on one device; "
+                + ("MLA's latents are" if "mla" in cfg.mixers else f"{windowed} are" if windowed else "a mesh is")
+                + " not"
+            )
+        self.model, self.n_pages, self.page_size, self.layout = model, n_pages, page_size, layout
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
         self.windowed, self.recurrent, self.window_pages = windowed, recurrent, window_pages
         self.window_pool = window_pool
@@ -428,20 +455,19 @@ class Engine:
         )
         # A prefix hit skips the prefix's tokens: a recurrent layer's state, a freed window, would miss them;
         # the cache's pages hold whole prompts, full precision (where a policy's are codes, they are not)
-        self.prefix_cache = (
-            prefix_cache
-            and not recurrent
-            and self.window is None
-            and (self.policy is None or check_engine_policy(self.policy).codes is None)
-        )
-        self.width = -(-(max_tokens or (n_pages - 1) * page_size) // page_size)  # block-table columns
+        # the cache's pages hold whole prompts, full precision (where a policy's are codes, they are not), and
+        # serve every layer (where each layer has its own tables, they do not)
+        whole = layout.codes is None and not layout.layered
+        self.prefix_cache = prefix_cache and not recurrent and self.window is None and whole
+        # block-table columns: by default a request may hold the pool; with a table per layer, its largest layer
+        # twice a layer's share of it (PyramidKV's largest budget is below twice the mean)
+        most = max_tokens or (n_pages - 1) * page_size * (2 if layout.layered else 1)
+        self.width = -(-most // page_size)
         self.reset()  # the scheduler: it checks slots, chunk and decode_steps
         att = cfg.attention
         self.gens: dict[str, Generator] = {}  # the compressed prefill of each policy served, by its text
-        self.layout = PageLayout()  # what the pages hold
         self.evict = None  # decode-time eviction (`kvjax.paged_eviction`)
         if self.policy is not None:
-            self.layout = check_engine_policy(self.policy)
             codes, decoding = self.layout.codes, self.layout.decoding
             if codes and "mla" in cfg.mixers:
                 raise ConfigError(
@@ -484,7 +510,7 @@ class Engine:
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
-            else self._paged(cfg, plan.mixers[i], n_pages, self.layout)
+            else self._paged(cfg, plan.mixers[i], n_pages, self.layout, first=i == plan.producers[0])
             for i in plan.producers
         )
         graphdef, self.params = nnx.split(model)
@@ -511,11 +537,13 @@ class Engine:
             self.caches = tuple(self._placed(c) for c in self.caches)
         self._sync([])
 
-    def _paged(self, cfg, kind: str, n_pages: int, layout: PageLayout) -> PagedKVCache:
+    def _paged(self, cfg, kind: str, n_pages: int, layout: PageLayout, first: bool) -> PagedKVCache:
         """An attention layer's pages as `layout` says: the window pool's for a sliding-window layer when windows
         are freed (full precision: a policy leaves the windows whole, or compresses them by eviction alone); the
         policy's codes (int codes, or KIVI's blocks with a residual per sequence slot, `kvjax.paged_kivi`); a
-        running statistic per slot (decode-time eviction that accumulates one, H2O's); pooled entries (AdaKV)."""
+        running statistic per slot (decode-time eviction that accumulates one, H2O's); pooled entries (AdaKV);
+        one physical pool of every layer's pages where each layer has its own tables (`layered`: the `first`
+        layer's cache holds it, the others zero-size stand-ins, `kvjax.paged.SharedPool`)."""
         att, ps = cfg.attention, self.pool.page_size
         codes, stat = layout.codes, bool(layout.decoding and accumulates(layout.decoding))
         windowed = self.window is not None and kind in self.windowed
@@ -523,14 +551,16 @@ class Engine:
             # rings compressed under `local=true`, the windows otherwise whole
             n, codes, stat = self.windows.n_pages, codes if layout.window_codes else None, False
         else:
-            n = n_pages
+            n = (self.pool.n_pages if first else 0) if layout.layered else n_pages
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
         if layout.pooled and not windowed:
             return PagedPooledCache.init_pooled(*shape)
         if codes is not None and codes.blocked:
             return PagedKiviCache.init_kivi(codes, *shape)
         cache = PagedKVCache.init(*shape, per_head_positions=layout.per_head, bits=codes and codes.bits, stat=stat)
-        return cache.replace(windowed=True, ring=jnp.zeros((self.slots,), jnp.int32)) if windowed else cache
+        if windowed:
+            return cache.replace(windowed=True, ring=jnp.zeros((self.slots,), jnp.int32))
+        return cache.replace(shared=layout.layered)
 
     def _window_pages(self, columns: int, n_pages: int | None = None) -> WindowPages:
         """Fresh bookkeeping of the sliding-window layers' pool (`kvjax.window_pages`) for requests of at most
@@ -553,7 +583,11 @@ class Engine:
         # a request whose windows its policy compressed (local=true, rings of `_ring_size()` slots): its
         # positions less the tokens its rings took
         self._rings: dict[int, int] = {}
-        self.pool = PagePool(self.pool.n_pages, self.pool.page_size)
+        self.pool = (
+            LayerPages(self.n_pages, self.page_size, len(compressible(self.model.config)))
+            if self.layout.layered
+            else PagePool(self.n_pages, self.page_size)
+        )
         self._slot_of: dict[int, int] = {}  # a running sequence's recurrent-state slot
         self._free_slots = list(range(self.slots))[::-1]
         pool = None if self.window_pool is None else self.window_pool + 1
@@ -580,8 +614,10 @@ class Engine:
         return sum(c.nbytes() for c in self.caches)
 
     def page_nbytes(self) -> int:
-        """Bytes one page of the main pool takes over every layer paging from it."""
-        return sum(c.page_nbytes for c in self.caches if isinstance(c, PagedKVCache) and not c.windowed)
+        """Bytes one page of the main pool takes over every layer paging from it (one layer's page where each
+        layer has its own tables: the pool's pages are single-layer pages, `kvjax.layer_pages`)."""
+        main = [c for c in self.caches if isinstance(c, PagedKVCache) and not c.windowed]
+        return main[0].page_nbytes if self.layout.layered else sum(c.page_nbytes for c in main)
 
     def fixed_nbytes(self, slots: int, max_tokens: int | None = None) -> int:
         """What `slots` running sequences of at most `max_tokens` (default: this engine's) hold whatever
@@ -609,6 +645,7 @@ class Engine:
         pool's null page and the one prefilling chunk's extra paid first). A model with no main-pool layer
         gets every slot that request's pages (they hold nothing)."""
         page, per_page, state = self.page_nbytes(), -(-max_tokens // self.pool.page_size), self.state_nbytes()
+        page *= self.pool.n_layers if self.layout.layered else 1  # the n_pages this engine takes: over every layer
         wpage = self._window_page_nbytes()
         windows = self._window_pages(per_page) if self.window is not None else None
         share = 0 if windows is None else windows.reserve(max_tokens)  # window pages a request holds
@@ -665,7 +702,10 @@ class Engine:
         at = [*(at or [self.pool.lengths[s] for s in seqs]), *[0] * n]
         seqs = [*seqs, *[None] * n]
         table = self.pool.table(seqs, self.width)
-        length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
+        if self.layout.layered:  # each layer's slots (`kvjax.layer_pages`)
+            length = self.pool.layer_lengths(seqs)
+        else:
+            length = np.asarray([0 if s is None else self.pool.lengths[s] for s in seqs], np.int32)
         ring = np.asarray([self._ring_size() if s in self._rings else 0 for s in seqs], np.int32)
         shift = np.asarray([self._rings.get(s, 0) for s in seqs], np.int32)
         positions = np.asarray(at, np.int32) - shift  # a compressed ring's length: the tokens it took
@@ -773,6 +813,8 @@ class Engine:
             plan = gen.compression_plan(np.array([len(request.prompt)]), 0)[-1]
             budget = int(plan.counts.max())
             kept = min(budget, len(request.prompt))  # under every=, a budget above the prompt is a cap
+            if self.layout.layered:  # each layer's own budget (PyramidKV's)
+                self.pool.shape(index, np.minimum(plan.counts[:, 0], len(request.prompt)))
             if self.evict is not None:  # held at its budget while decoding: at most `every` slots more
                 self._budgets[index] = budget_row(plan, len(request.prompt))
                 cap = budget + self.evict.every
@@ -794,6 +836,15 @@ class Engine:
         returns what the scheduler needs of each."""
         work = [self._work(r, len(self.requests) + i) for i, r in enumerate(requests)]
         self.scheduler.check(work, self.width)
+        for i, w in enumerate(work):  # each layer's own pages, where each has its own tables
+            if (
+                self.layout.layered
+                and (need := self.pool.most_pages(len(self.requests) + i, w.slots)) > self.pool.n_pages - 1
+            ):
+                raise ConfigError(
+                    f"request {len(self.requests) + i}: its layers hold up to {need} pages of one layer; the pool "
+                    f"has {self.n_pages - 1} per layer, {self.pool.n_pages - 1} in all"
+                )
         if self.windows is not None:  # window pages are indexed by position, compressed or not
             for i, r in enumerate(requests):
                 if (n := len(r.prompt) + r.decoding.max_new_tokens) > self.width * self.pool.page_size:
@@ -828,6 +879,8 @@ class Engine:
         """Drop ended request `index`'s prompt and completion (read them first)."""
         self.scheduler.forget(index)
         self.requests[index] = None
+        if self.layout.layered:
+            self.pool.forget(index)
         self._budgets.pop(index, None)
         self._rings.pop(index, None)
 

@@ -81,6 +81,8 @@ class PagedKVCache(_Arrays):
     H * bits / 8]`), and their scales in k_scale, v_scale `[P,K,page_size,1]`; the view dequantizes the
     gathered pages. `stat` `[P,K,page_size]` (fp32): each slot's running statistic under a decode-time
     policy that accumulates one (H2O's attention received, `kvjax.paged_eviction`); a new token's is 0.
+    `shared`: the layer's pages are one physical pool with the other shared layers', each layer holding its
+    own block tables and lengths (PyramidKV's budgets differ per layer, `kvjax.layer_pages`; `SharedPool`).
     `ring` `[B]` (a sliding-window layer's own pool): a row's C > 0 (whole pages) makes its slots a ring
     of C, as `kvjax.cache.WindowKVCache` is under `local=true`: the n-th token held goes to slot n % C
     (slots past its length stay masked until the ring is full; past its C lie only null pages); 0 keeps
@@ -98,6 +100,7 @@ class PagedKVCache(_Arrays):
     ring: jax.Array | None = None
     bits: int | None = struct.field(pytree_node=False, default=None)  # 8 or 4: the codes' width
     windowed: bool = struct.field(pytree_node=False, default=False)  # a sliding-window layer's own pool
+    shared: bool = struct.field(pytree_node=False, default=False)  # one physical pool with other layers (`SharedPool`)
 
     @classmethod
     def init(
@@ -384,6 +387,39 @@ class PagedKVCache(_Arrays):
             return self
         src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
         return self.replace(**{name: pool.at[dst].set(pool[src]) for name, pool in self._pools().items()})
+
+
+class SharedPool:
+    """Threads one physical page pool through the layers that share it (`PagedKVCache.shared`), in layer
+    order: the first such layer's cache holds the pool's arrays and the others zero-size placeholders (so
+    a step carries, donates and returns the pool once); `enter` hands a layer the arrays the one before it
+    wrote, `leave` takes them back, `close` leaves the last ones with the first layer."""
+
+    def __init__(self):
+        self.first: int | None = None
+        self.pools: dict[str, jax.Array] = {}
+
+    def enter(self, index: int, cache):
+        """`cache` (at `index` of its caches) with the pool as the layers before it left it."""
+        if not getattr(cache, "shared", False):
+            return cache
+        if self.first is None:
+            self.first = index
+            return cache
+        return cache.replace(**self.pools)
+
+    def leave(self, cache):
+        """`cache` after its layer wrote, the pool taken from it (a placeholder left in its place)."""
+        if not getattr(cache, "shared", False):
+            return cache
+        self.pools = cache._pools()
+        return cache.replace(**{name: x[:0] for name, x in self.pools.items()})
+
+    def close(self, caches: list) -> list:
+        """`caches` with the pool, as the last layer left it, back in the first shared layer's cache."""
+        if self.first is not None:
+            caches[self.first] = caches[self.first].replace(**self.pools)
+        return caches
 
 
 def _slot_major(x: jax.Array) -> jax.Array:

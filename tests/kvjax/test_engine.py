@@ -21,6 +21,7 @@ from tests.conftest import GEMMA_LIKE
 
 PROMPT_LENGTHS, NEW = (5, 17, 3, 11, 9), (6, 3, 8, 2, 5)
 ADAKV = "snapkv:0.5:obs_window=2,allocator=adakv"  # AdaKV's per-head budgets, pooled pages
+PYRAMID = "snapkv:0.5:obs_window=2,allocator=pyramid,beta=2"  # PyramidKV's layer budgets, a block table per layer
 
 
 @pytest.fixture(scope="module")
@@ -323,19 +324,45 @@ def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
     assert [w.kept for w in work] == [max(len(r.prompt) // 2, 2) for r in requests]  # the window of 2 at least
 
 
+@pytest.mark.parametrize("policy", [PYRAMID, PYRAMID + "+int:8"])
+def test_pyramid_pages_hold_each_layers_own_budget(gqa, requests, policy):
+    """PyramidKV in pages (`kvjax.layer_pages`): the lower layer keeps 3x the upper's tokens (beta=2), each
+    layer in a block table of its own over one pool of single-layer pages that the layers take in turn
+    (`kvjax.paged.SharedPool`); each request equals Generator alone, with preemptions (the pool's 2 x 6
+    pages change hands between layers and requests) and multi-step calls; after every step each page is
+    free or held once, and no (request, layer) holds more than its own slots' pages."""
+    gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
+    padded, lengths = gen.pad([list(requests[1].prompt)], 0)
+    assert [int(c.length[0]) for c in gen.prefill_compressed(padded, lengths, 0)[1]] == [22, 7]  # 29 tokens
+    engine = Engine(gqa, n_pages=7, page_size=4, slots=4, chunk=8, decode_steps=4, policy=policy)
+    for r in requests:
+        engine.submit(r)
+    pages, pool = engine.pool, engine.pool.pool
+    while engine.step():
+        held = [p for table in pool.tables.values() for p in table]
+        assert sorted(held + list(pool.free)) == list(range(1, pool.n_pages))
+        for i in engine.scheduler.running:
+            most = pages.layer_slots(i, engine.scheduler.work[i].slots)
+            assert all(len(pool.tables[(i, layer)]) <= pages.pages_for(int(n)) for layer, n in enumerate(most))
+    _check(engine.done, [gen([list(r.prompt)], r.decoding) for r in requests])
+    assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps and pages.used_pages == 0
+
+
 def test_a_policy_takes_the_pages_its_budget_says(gqa):
     """A 40-token prompt and one decoded token: 41 slots are 11 pages of 4; SnapKV at 0.5 keeps 20, so
     21 slots take 6 (H2O too, evicting while decoding; AdaKV too, its 2 x 20 entries spread unevenly over
     the 2 heads); int:8 keeps every token in 11 pages of codes, each
-    page a third of the fp32 bytes (codes, plus a scale per token and head)."""
+    page a third of the fp32 bytes (codes, plus a scale per token and head). PyramidKV's layers keep 30
+    and 10 (31 and 11 slots): 8 + 3 single-layer pages, of a pool of 2 x 19 (its tables twice as wide)."""
     request = Request(tuple(range(1, 41)), DecodingConfig(max_new_tokens=2))
     peaks, engines = {}, {}
-    for policy in (None, "snapkv:0.5:obs_window=1", "int:8", "int:4", "h2o:0.5:every=4", ADAKV):
+    for policy in (None, "snapkv:0.5:obs_window=1", "int:8", "int:4", "h2o:0.5:every=4", ADAKV, PYRAMID):
         engines[policy] = Engine(gqa, n_pages=20, page_size=4, slots=1, policy=policy)
         engines[policy].run([request])
         peaks[policy] = engines[policy].stats.peak_pages
     assert peaks == {None: 11, "snapkv:0.5:obs_window=1": 6, "int:8": 11, "int:4": 11, "h2o:0.5:every=4": 6} | {
-        ADAKV: 6
+        ADAKV: 6,
+        PYRAMID: 11,
     }
     att, producers = gqa.config.attention, 2
     K, H, ps, P = att.n_kv_heads, att.head_dim, 4, 20
@@ -350,6 +377,9 @@ def test_a_policy_takes_the_pages_its_budget_says(gqa):
     # AdaKV's pooled entries: K x page_size a page, each one head's K and V, its position and its head
     pooled = producers * (P * K * ps * (H * 4 * 2 + 4 + 4) + tables)
     assert engines[ADAKV].nbytes() == pooled
+    one_pool = (producers * (P - 1) + 1) * K * ps * (H * 4 * 2 + 4)  # the first layer's; SnapKV's positions per head
+    assert engines[PYRAMID].nbytes() == one_pool + producers * (2 * 19 * 4 + 4)
+    assert engines[PYRAMID].page_nbytes() * producers == engines["snapkv:0.5:obs_window=1"].page_nbytes()
 
 
 def test_requests_submitted_while_others_run_and_cancelled_midway(gqa, requests, alone):
@@ -473,7 +503,8 @@ def test_policies_the_engine_cannot_page_are_refused(gqa):
         ),
         ("keynorm:0.5+kivi:2:group=4,residual=8", "positions per head .a head-wise eviction before it. are not"),
         ("scissorhands:0.5:every=2", "scissorhands is not supported"),
-        ("snapkv:0.5:allocator=pyramid", "allocator='pyramid' gives each layer its own, which needs a block table"),
+        (PYRAMID + ",every=4", r"different numbers of tokens.*evicting while decoding \(every=\)"),
+        ("tova:0.5:allocator=pyramid+kivi:2", r"different numbers of tokens.*KIVI's blocks are not paged with them"),
         ("snapkv:0.5:allocator=adakv+int:8", "allocator='adakv' must be the last stage of a chain"),
         ("snapkv:0.5:allocator=adakv,every=4", r"evicting while decoding \(every=\) is not paged"),
         ("palu:0.5", "palu is not supported"),

@@ -303,9 +303,9 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     why = (
         f"has windows of {sizes} tokens (the engine's rings share one size)"
         if len(sizes) > 1
-        else "quantizes them in KIVI's blocks or with a scheme's parts, which grow with decoding (the window pool "
-        "holds rings of K/V or of per-token int codes)"
-        if last.quantizes and not rings_codes(last.quant_spec)
+        else "quantizes them in KIVI's blocks or with a scheme's parts (the window pool holds rings of K/V or of "
+        "per-token int codes)"
+        if last.quantizes and (last.quant_spec.blocked or not rings_codes(last.quant_spec))
         else f"evicts while decoding (every={policy.decode_stage.every}); the rings are compressed once"
         if policy.decode_stage
         else "pools its heads' budgets (allocator=adakv); the window pool holds K/V per slot"

@@ -233,9 +233,9 @@ def observe_fn(stages: tuple[Stage, ...]):
 
 def wraps(stage: Stage) -> bool:
     """Whether a ring this (last) stage compresses becomes a ring again, capped at its window: token
-    eviction into the cache's own layout (`WindowKVCache`, what the engine can page) or per-token int codes
-    (`WindowQuantKVCache`); KIVI's blocks, the other quantizers' parts, re-encoded and pooled caches grow
-    with decoding instead."""
+    eviction into the cache's own layout (`WindowKVCache`, what the engine can page) or a plain scheme's codes
+    (`WindowQuantKVCache`: int's per token, KIVI's blocks); the other quantizers' parts, re-encoded and pooled
+    caches grow with decoding instead."""
     if stage.quantizes:
         return rings_codes(stage.quant_spec)
     return stage.hooks is not None and stage.hooks.pageable and not stage.pooled

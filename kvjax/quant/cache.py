@@ -221,7 +221,7 @@ class QuantKVCache(_Positioned):
         if not spec.scheme.plain:
             return None
         slot = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
-        in_codes = slot < self.n_quant[:, None]
+        in_codes = self._held(slot) < self.n_quant[:, None]
         pos = jnp.where(in_codes if self.pos.ndim == 2 else in_codes[:, None], self.pos, -1)
         if not spec.blocked:
             B, K, S, _ = self.k_scale.shape
@@ -242,9 +242,9 @@ class QuantKVCache(_Positioned):
                 value_group=self.head_dim,
             )
         R = spec.residual
-        at = self.n_quant[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # residual token i's slot
+        at = self.n_quant[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # residual token i
         live = at < self.length[:, None]
-        at = jnp.minimum(at, self.capacity - 1)
+        at = jnp.minimum(self._ring(at), self.capacity - 1)  # its slot
         if self.pos.ndim == 2:
             res_pos = jnp.where(live, jnp.take_along_axis(self.pos, at, axis=1), -1)
         else:
@@ -272,6 +272,14 @@ class QuantKVCache(_Positioned):
     def _slots(self, pos: jax.Array) -> jax.Array:
         """Slots `[B,T]` of a chunk at positions `pos` `[B,T]`: after each row's tokens."""
         return _append_slots(self.length, pos, self.capacity)
+
+    def _ring(self, index: jax.Array) -> jax.Array:
+        """The slot of the index-th token held (`WindowQuantKVCache`: a ring)."""
+        return index
+
+    def _held(self, slot: jax.Array) -> jax.Array:
+        """The index of the token slot `slot` `[1,S]` holds (past each row's length where it holds none)."""
+        return slot
 
     def _append(self, k_hm, v_hm, pos):
         """Write head-major k, v `[B,K,T,H]` (pre-RoPE keys with `pre_rope_keys`) at positions `[B,T]`."""
@@ -318,7 +326,7 @@ class QuantKVCache(_Positioned):
         total = n_res + added
         flush = total // R * R
         i = jnp.arange(W, dtype=jnp.int32)[None, :]
-        slots = jnp.where(i < flush[:, None], self.n_quant[:, None] + i, self.capacity)
+        slots = jnp.where(i < flush[:, None], self._ring(self.n_quant[:, None] + i), self.capacity)
         dense_k, dense_v, extra, chunk_outliers = work_k, work_v, {}, None
         if spec.n_outliers(H):  # dense and sparse: each vector's outliers stay exact, out of the range
             dense_k, dense_v, chunk_outliers = Outliers.taken_from(
@@ -329,7 +337,8 @@ class QuantKVCache(_Positioned):
         kc, ks, kz = quantize(dense_k.swapaxes(2, 3), spec.bits, G, symmetric=False)  # [B,K,H,W], [B,K,H,W/G]
         vc, vs, vz = quantize(dense_v, spec.bits, Gv, symmetric=False)
         groups = jnp.arange(W // G, dtype=jnp.int32)[None, :]
-        gslots = jnp.where((groups + 1) * G <= flush[:, None], self.n_quant[:, None] // G + groups, self.capacity)
+        first = self._ring(self.n_quant[:, None] + groups * G)  # each group's first slot (groups tile a ring)
+        gslots = jnp.where((groups + 1) * G <= flush[:, None], first // G, self.capacity)
         keep = flush[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]  # what stays in the residual
         take = lambda w: jnp.take_along_axis(w, jnp.minimum(keep, W - 1)[:, None, :, None], axis=2)  # noqa: E731
         live = (jnp.arange(R)[None, :] < (total - flush)[:, None])[:, None, :, None]
@@ -372,7 +381,7 @@ class QuantKVCache(_Positioned):
                 k, v = part.apply(k, v)
         R = spec.residual
         at = self.n_quant[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
-        at = jnp.where(at < self.length[:, None], at, self.capacity)
+        at = jnp.where(at < self.length[:, None], self._ring(at), self.capacity)
         k, v = scatter_head_major(k, at, self.k_res), scatter_head_major(v, at, self.v_res)
         if spec.scheme.pre_rope_keys:  # RoPE at each slot's true position
             k = rotate_slots(k, self.pos, spec.rope_theta)
@@ -381,11 +390,14 @@ class QuantKVCache(_Positioned):
 
 @struct.dataclass
 class WindowQuantKVCache(QuantKVCache):
-    """A sliding-window layer's ring compressed under `local=true` into per-token int codes (a plain,
-    unblocked scheme): as `kvjax.cache.WindowKVCache`, its kept tokens in position order, then each new
-    token in the next slot and, once its C slots are full, over the oldest (slot n % C for the n-th token
-    held), which no later query sees. A token's codes and scale are its slot's alone, so a ring of them
-    decodes as the cache left to grow does, in at most the window's slots."""
+    """A sliding-window layer's ring compressed under `local=true` into the codes of a plain scheme (int,
+    KIVI): as `kvjax.cache.WindowKVCache`, its kept tokens in position order, then each new token in the
+    next slot and, once its C slots are full, over the oldest (slot n % C for the n-th token held), which
+    no later query sees. Per-token codes are their slot's alone; KIVI's blocks are quantized as the cache
+    left to grow quantizes them (the same R tokens, keys per channel over groups of G) and written to
+    their tokens' slots, which tile the ring by whole groups (C a multiple of G), its residual read at its
+    tokens' slots too. So the ring decodes as the cache left to grow does, in at most the window's slots
+    (rounded up to whole key groups)."""
 
     @classmethod
     def of(cls, cache: QuantKVCache) -> WindowQuantKVCache:
@@ -394,9 +406,18 @@ class WindowQuantKVCache(QuantKVCache):
     def _slots(self, pos: jax.Array) -> jax.Array:
         if pos.shape[1] != 1:
             raise ValueError(f"a compressed ring takes one decode token at a time, not {pos.shape[1]}")
-        return jnp.where(pos >= 0, self.length[:, None] % self.capacity, self.capacity)
+        return jnp.where(pos >= 0, self._ring(self.length[:, None]), self.capacity)
+
+    def _ring(self, index: jax.Array) -> jax.Array:
+        return index % self.capacity
+
+    def _held(self, slot: jax.Array) -> jax.Array:
+        """The newest token index n < length with n % C == slot."""
+        C = self.capacity
+        return slot + jnp.maximum(self.length[:, None] - 1 - slot, 0) // C * C
 
 
 def rings_codes(spec: QuantSpec) -> bool:
-    """Whether `spec`'s codes can ring (`WindowQuantKVCache`): per token, with no other part."""
-    return spec.scheme.plain and not spec.blocked
+    """Whether `spec`'s codes can ring (`WindowQuantKVCache`): a plain scheme's (int's per token, KIVI's
+    blocks and residual), with no other part."""
+    return spec.scheme.plain

@@ -925,14 +925,22 @@ def test_local_true_compresses_the_rings_to_tokens_inside_their_window(make_mode
 
 
 @pytest.mark.parametrize(
-    "policy", ["snapkv:0.3:local,obs_window=2", "h2o:0.5:local,every=6", "tova:0.5:local", "tova:0.5:local+int:4"]
+    "policy",
+    [
+        "snapkv:0.3:local,obs_window=2",
+        "h2o:0.5:local,every=6",
+        "tova:0.5:local",
+        "tova:0.5:local+int:4",
+        "tova:0.5:local+kivi:2:group=2,residual=4",
+    ],
 )
 def test_a_compressed_ring_stays_within_its_window_while_decoding(make_model, monkeypatch, policy):
     """A ring compressed by token eviction (`local`) keeps decoding in at most W = 8 slots
     (`WindowKVCache`: a new token over the oldest once full), with `every=6` between evictions too, and
-    so does one in per-token int codes after it (`WindowQuantKVCache`): the same tokens and
-    log-probabilities as the same cache left to grow (the token overwritten is out of every later query's
-    window), in fewer bytes, measured equal to analytic."""
+    so does one in per-token int codes after it, or in KIVI's blocks of 4 tokens (2 key groups of 2) through
+    its residual, a block's codes and key scales landing on the slots its tokens hold
+    (`WindowQuantKVCache`): the same tokens and log-probabilities as the same cache left to grow (the token
+    overwritten is out of every later query's window), in fewer bytes, measured equal to analytic."""
     from kvjax.cache import WindowKVCache
     from kvjax.compress import apply
     from kvjax.quant.cache import WindowQuantKVCache
@@ -944,7 +952,7 @@ def test_a_compressed_ring_stays_within_its_window_while_decoding(make_model, mo
     lengths = np.array([len(p) for p in PROMPTS])
     assert caches_nbytes(out.caches) == capped.cache_bytes(lengths, 16)
     local = [c for kind, c in zip(cfg.mixers, out.caches) if kind == "local"]
-    ring = WindowQuantKVCache if "int" in policy else WindowKVCache
+    ring = WindowQuantKVCache if "+" in policy else WindowKVCache
     assert local and all(isinstance(c, ring) and c.capacity <= 8 for c in local)
     assert all(int(c.length.min()) > c.capacity for c in local) or "every" in policy  # it did wrap
     monkeypatch.setattr(apply, "wraps", lambda stage: False)  # what it was: a plain cache with room for all

@@ -1,6 +1,7 @@
 """The fused dequantize-attend decode kernel (interpret mode) equals attention over the cache's
 dequantized K/V, for every layout it takes, and lowers for TPU and GPU."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from kvjax.ops import attention
 from kvjax.pallas_kernels.backend import default_backend
 from kvjax.pallas_kernels.quant_decode_attention import check, quant_decode_partials
 from kvjax.quant import QuantKVCache, QuantSpec
+from kvjax.quant.cache import WindowQuantKVCache
 from tests.pallas_kernels.lowering import TARGETS, assert_lowers
 
 LAYOUTS = {  # per-token int (symmetric, min-max) and KIVI (per-channel keys, per-token value groups)
@@ -67,6 +69,21 @@ def test_value_groups_narrower_than_a_bit_plane_and_several_splits():
         QuantSpec("kivi", 4, group=16, residual=32), 4, B=2, K=1, H=64, T=200, capacity=256, lengths=(200, 77)
     )
     got, want = _fused_and_reference(cache, q_pos, 5, G=2)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kivi_ring_that_wrapped_reads_the_same_through_the_kernel():
+    """A KIVI ring (`WindowQuantKVCache`, what `local=true` leaves of a sliding window) 40 decode steps on:
+    its 48 slots hold blocks flushed over older ones and a residual over older codes, and the kernel, reading
+    the stored codes and the residual at their tokens' slots, equals attention over the dequantized view."""
+    ring, _ = _cache(QuantSpec("kivi", 2, group=16, residual=32), 8, B=2, T=40, capacity=48, lengths=(40, 20))
+    ring = WindowQuantKVCache.of(ring)
+    rng, K = np.random.default_rng(9), ring.k_codes.shape[1]
+    step = jax.jit(lambda c, k, v: c.update(k, v, c.length[:, None])[0])
+    for _ in range(40):
+        ring = step(ring, *(jnp.asarray(rng.normal(size=(2, 1, K, ring.head_dim)), jnp.float32) for _ in range(2)))
+    assert ring.length.tolist() == [80, 60] and ring.n_quant.tolist() == [64, 32]  # wrapped, residuals of 16, 28
+    got, want = _fused_and_reference(ring, ring.length, 10)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -122,9 +122,15 @@ def _with_rows(caches, rows: Rows, chunk_row=None):
         if isinstance(c, SlotStates):
             out.append(c.replace(rows=rows.states, length=rows.window_length, chunk_row=chunk_row))
         elif c.windowed:
+            # a KIVI ring's residuals are per sequence slot too
+            residuals = dict(res_rows=rows.states) if isinstance(c, PagedKiviCache) else {}
             out.append(
                 c.replace(
-                    table=rows.window_table, length=rows.window_length, chunk_row=chunk_row, ring=rows.window_ring
+                    table=rows.window_table,
+                    length=rows.window_length,
+                    chunk_row=chunk_row,
+                    ring=rows.window_ring,
+                    **residuals,
                 )
             )
         elif isinstance(c, PagedKiviCache):  # its residuals are per sequence slot, as recurrent states
@@ -289,7 +295,7 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     their slots are positions, the main pool's are the kept tokens). Under `local=true` it compresses the
     windows too, each into a ring that grows back to the window as decoding goes on (`WindowKVCache`),
     which that pool holds as its first pages: by token eviction alone, once after the prefill (the pool is
-    full precision, one position per slot, or per-token int codes after it: `WindowQuantKVCache`), with one
+    full precision, one position per slot, or int or KIVI codes after it: `WindowQuantKVCache`), with one
     window size for every such layer."""
     if window_pages != "free":
         raise ConfigError(
@@ -303,9 +309,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     why = (
         f"has windows of {sizes} tokens (the engine's rings share one size)"
         if len(sizes) > 1
-        else "quantizes them in KIVI's blocks or with a scheme's parts (the window pool holds rings of K/V or of "
-        "per-token int codes)"
-        if last.quantizes and (last.quant_spec.blocked or not rings_codes(last.quant_spec))
+        else "quantizes them with a scheme's parts (the window pool holds rings of K/V, int or KIVI codes)"
+        if last.quantizes and not rings_codes(last.quant_spec)
         else f"evicts while decoding (every={policy.decode_stage.every}); the rings are compressed once"
         if policy.decode_stage
         else "pools its heads' budgets (allocator=adakv); the window pool holds K/V per slot"
@@ -323,7 +328,7 @@ class PageLayout(NamedTuple):
     """What a policy's pages hold: positions per KV head; the codes' scheme (None: full precision; int:8 or
     int:4 codes per token, or KIVI's blocks, `kvjax.paged_kivi`); the stage that evicts while decoding
     (`every=`, None: none); entries pooled over the heads (AdaKV's per-head budgets, `kvjax.paged_pooled`);
-    whether the sliding-window layers' pool holds the codes too (`local=true`: rings of int codes); a
+    whether the sliding-window layers' pool holds the codes too (`local=true`: rings of int or KIVI codes); a
     block table per layer (PyramidKV's per-layer budgets, `kvjax.layer_pages`)."""
 
     per_head: bool = False
@@ -556,8 +561,9 @@ class Engine:
         if layout.pooled and not windowed:
             return PagedPooledCache.init_pooled(*shape)
         if codes is not None and codes.blocked:
-            return PagedKiviCache.init_kivi(codes, *shape)
-        cache = PagedKVCache.init(*shape, per_head_positions=layout.per_head, bits=codes and codes.bits, stat=stat)
+            cache = PagedKiviCache.init_kivi(codes, *shape)
+        else:
+            cache = PagedKVCache.init(*shape, per_head_positions=layout.per_head, bits=codes and codes.bits, stat=stat)
         if windowed:
             return cache.replace(windowed=True, ring=jnp.zeros((self.slots,), jnp.int32))
         return cache.replace(shared=layout.layered)

@@ -15,6 +15,10 @@ pages past a sequence's codes are reserved for its residual's block before they 
 A step feeds one token per decode row (`chunk_row` set, no prompt chunk): prompts are compressed whole by
 the Generator and loaded (`load_quant`), and the tokens a preempted request had generated are re-fed one
 decode step each (`Work.stepwise`), so the residual flushes where it did.
+
+In a sliding-window layer's own pool (`local=true`: the window compressed, then quantized, into
+`WindowQuantKVCache`'s ring) a row's C ring slots hold its last C tokens in codes, each flushed block at
+its tokens' slots n % C (`PagedKVCache.ring`), over codes no later query sees; the residual stays apart.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ class PagedKiviCache(PagedKVCache):
         kc, ks, kz = quantize(k.swapaxes(2, 3), spec.bits, G, symmetric=False)  # [B,K,H,R], [B,K,H,R/G]
         vc, vs, vz = quantize(v, spec.bits, Gv, symmetric=False)  # [B,K,R,H], [B,K,R,H/Gv]
         index = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
-        flat = self._flat_slots(index, ok[:, None])  # [B,R]
+        flat = self._flat_slots(self._ringed(index), ok[:, None])  # [B,R]
         new = self._scatter(
             flat.reshape(-1),
             k=_slot_major(pack(kc.swapaxes(2, 3), spec.bits)),
@@ -201,7 +205,7 @@ class PagedKiviCache(PagedKVCache):
             spec.group,
         ).swapaxes(2, 3)
         v = dequantize(vc, gather(self.v_scale), gather(self.v_zero), spec.bits, spec.value_group(H))
-        coded = self.length // spec.residual * spec.residual
+        coded = self.length // spec.residual * spec.residual  # (a ring's slots past C: null pages, no position)
         slot = jnp.arange(M * self.page_size, dtype=jnp.int32)[None, :]
         pos = jnp.where(slot < coded[:, None], gather(self.pos)[:, 0], -1)
         join = lambda a, b: jnp.concatenate([a, b.astype(jnp.float32)], axis=2)  # noqa: E731

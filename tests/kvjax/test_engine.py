@@ -16,6 +16,7 @@ from kvjax.compress import parse_policy
 from kvjax.config import ConfigError
 from kvjax.engine import Engine, Request
 from kvjax.paged import PagedKVCache
+from kvjax.paged_kivi import PagedKiviCache
 from kvjax.paged_pooled import PagedPooledCache
 from tests.conftest import GEMMA_LIKE
 
@@ -201,7 +202,7 @@ def test_local_and_global_layers_in_pages(make_model, requests):
     with pytest.raises(ConfigError, match=r"sliding-window layers \(local\).*window_pages='free'"):
         Engine(model, n_pages=8, policy="snapkv:0.5", window_pages="keep")
     for policy, why in [
-        ("tova:0.5:local+kivi:2", "quantizes them in KIVI's blocks"),
+        ("tova:0.5:local+kvquant:4", "quantizes them with a scheme's parts"),
         ("h2o:6:every=2,local", "evicts while decoding"),
         ("snapkv:0.5:allocator=adakv,local", "pools its heads' budgets"),
     ]:
@@ -230,7 +231,12 @@ def test_a_policy_on_local_and_global_layers_compresses_the_global_ones(make_mod
 
 @pytest.mark.parametrize(
     "policy, page_size",
-    [("tova:0.5:local", 4), ("snapkv:0.5:obs_window=1,local", 3), ("tova:0.5:local+int:8", 4)],
+    [
+        ("tova:0.5:local", 4),
+        ("snapkv:0.5:obs_window=1,local", 3),
+        ("tova:0.5:local+int:8", 4),
+        ("tova:0.5:local+kivi:2:group=2,residual=2", 2),
+    ],
 )
 def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model, requests, policy, page_size):
     """Gemma's layout under `local=true`: each local layer's window (the prompt's last 7 tokens) is compressed
@@ -240,11 +246,14 @@ def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model,
     while it decodes; each request equals Generator alone under the policy, with preemptions (what it
     generated re-fed a step at a time) and multi-step calls; every page comes back; a plain engine serves
     the policy to the requests that name it. Rings of int8 codes (`WindowQuantKVCache`) page as codes in
-    the window pool, which an engine whose windows stay whole cannot hold."""
+    the window pool, which an engine whose windows stay whole cannot hold; KIVI's rings (blocks of 4 tokens)
+    flush each block (2 tokens) into the ring slots of its tokens, the residual apart."""
     model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
     gen = Generator(model, capacity=40, policy=parse_policy(policy))
     args = dict(page_size=page_size, slots=4, chunk=4, decode_steps=4, max_tokens=32)
     engine = Engine(model, n_pages=24 // page_size, policy=policy, **args)
+    if "kivi" in policy:  # one that generates enough for its codes to wrap round the ring (14 of 8 slots)
+        requests = [*requests, Request(tuple(range(1, 21)), DecodingConfig(max_new_tokens=12))]
     _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
     assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0 and engine.windows.used_pages == 0
     assert engine.windows.peak == -(-8 // page_size) < engine.windows.per_decode
@@ -256,6 +265,9 @@ def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model,
             Engine(model, n_pages=8, policy="tova:0.5+int:8", **args).check(
                 [dataclasses.replace(requests[0], policy=policy)]
             )
+        return
+    if "kivi" in policy:  # both pools hold KIVI's codes, the residuals one per sequence slot and layer
+        assert all(isinstance(c, PagedKiviCache) for c in engine.caches) and engine.caches[0].windowed
         return
     # Beside requests its own policy compresses (SnapKV's per-head positions need an engine that keeps them)
     own = policy.replace(",local", "") if "snapkv" in policy else None

@@ -336,17 +336,16 @@ def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
     assert [w.kept for w in work] == [max(len(r.prompt) // 2, 2) for r in requests]  # the window of 2 at least
 
 
-@pytest.mark.parametrize("policy", [PYRAMID, PYRAMID + "+int:8"])
-def test_pyramid_pages_hold_each_layers_own_budget(gqa, requests, policy):
+def test_pyramid_pages_hold_each_layers_own_budget(gqa, requests):
     """PyramidKV in pages (`kvjax.layer_pages`): the lower layer keeps 3x the upper's tokens (beta=2), each
     layer in a block table of its own over one pool of single-layer pages that the layers take in turn
     (`kvjax.paged.SharedPool`); each request equals Generator alone, with preemptions (the pool's 2 x 6
     pages change hands between layers and requests) and multi-step calls; after every step each page is
     free or held once, and no (request, layer) holds more than its own slots' pages."""
-    gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
+    gen = Generator(gqa, capacity=40, policy=parse_policy(PYRAMID))
     padded, lengths = gen.pad([list(requests[1].prompt)], 0)
     assert [int(c.length[0]) for c in gen.prefill_compressed(padded, lengths, 0)[1]] == [22, 7]  # 29 tokens
-    engine = Engine(gqa, n_pages=7, page_size=4, slots=4, chunk=8, decode_steps=4, policy=policy)
+    engine = Engine(gqa, n_pages=7, page_size=4, slots=4, chunk=8, decode_steps=4, policy=PYRAMID)
     for r in requests:
         engine.submit(r)
     pages, pool = engine.pool, engine.pool.pool

@@ -146,9 +146,9 @@ def _with_rows(caches, rows: Rows, chunk_row=None):
 def _lengths(rows: Rows, written) -> Rows:
     """`rows` with the lengths the caches `written` now hold (main pool; window pool and states)."""
     main = [c.length for c in written if isinstance(c, PagedKVCache) and not c.windowed]
-    if rows.length.ndim == 2:  # a table per layer: no windows, no states
-        return rows._replace(length=jnp.stack(main, axis=1))
     window = [c.length for c in written if isinstance(c, SlotStates) or c.windowed]
+    if rows.length.ndim == 2:  # a table per layer (no recurrent states then)
+        return rows._replace(length=jnp.stack(main, axis=1), window_length=window[0] if window else rows.window_length)
     main = main[0] if main else window[0]
     return rows._replace(length=main, window_length=window[0] if window else main)
 
@@ -444,11 +444,11 @@ class Engine:
         if self.policy is not None and windowed:
             check_window_policy(self.policy, cfg, windowed, window_pages)
         layout = PageLayout() if self.policy is None else check_engine_policy(self.policy)
-        if layout.layered and (windowed or "mla" in cfg.mixers or mesh is not None):
+        if layout.layered and ("mla" in cfg.mixers or mesh is not None or self.policy.local):
             raise ConfigError(
                 f"engine policy {self.policy}: a block table per layer (its layers keep different numbers of "
-                "tokens) is served for attention layers without sliding windows, on one device; "
-                + ("MLA's latents are" if "mla" in cfg.mixers else f"{windowed} are" if windowed else "a mesh is")
+                "tokens) is served for attention layers, their sliding windows left whole, on one device; "
+                + ("MLA's latents are" if "mla" in cfg.mixers else "a mesh is" if mesh is not None else "local=true is")
                 + " not"
             )
         self.model, self.n_pages, self.page_size, self.layout = model, n_pages, page_size, layout
@@ -501,6 +501,7 @@ class Engine:
         # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks
         self._stepwise = decoding is not None or (codes is not None and codes.blocked)
         plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
+        main = [i for i in plan.producers if self.window is None or plan.mixers[i] not in windowed]
         self.caches = tuple(
             PagedLatentCache.init(
                 n_pages,
@@ -515,7 +516,7 @@ class Engine:
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
-            else self._paged(cfg, plan.mixers[i], n_pages, self.layout, first=i == plan.producers[0])
+            else self._paged(cfg, plan.mixers[i], n_pages, self.layout, first=i == main[0])
             for i in plan.producers
         )
         graphdef, self.params = nnx.split(model)

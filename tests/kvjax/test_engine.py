@@ -17,6 +17,7 @@ from kvjax.config import ConfigError
 from kvjax.engine import Engine, Request
 from kvjax.paged import PagedKVCache
 from kvjax.paged_kivi import PagedKiviCache
+from kvjax.plan import compressible
 from kvjax.paged_pooled import PagedPooledCache
 from tests.conftest import GEMMA_LIKE
 
@@ -336,16 +337,20 @@ def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
     assert [w.kept for w in work] == [max(len(r.prompt) // 2, 2) for r in requests]  # the window of 2 at least
 
 
-def test_pyramid_pages_hold_each_layers_own_budget(gqa, requests):
+@pytest.mark.parametrize("gemma", [False, True])
+def test_pyramid_pages_hold_each_layers_own_budget(gqa, make_model, requests, gemma):
     """PyramidKV in pages (`kvjax.layer_pages`): the lower layer keeps 3x the upper's tokens (beta=2), each
     layer in a block table of its own over one pool of single-layer pages that the layers take in turn
     (`kvjax.paged.SharedPool`); each request equals Generator alone, with preemptions (the pool's 2 x 6
     pages change hands between layers and requests) and multi-step calls; after every step each page is
-    free or held once, and no (request, layer) holds more than its own slots' pages."""
-    gen = Generator(gqa, capacity=40, policy=parse_policy(PYRAMID))
+    free or held once, and no (request, layer) holds more than its own slots' pages. On Gemma's layout
+    the two global layers take those budgets, their windows in their own pool, left whole."""
+    model = make_model("gqa", *GEMMA_LIKE)[1] if gemma else gqa
+    gen = Generator(model, capacity=40, policy=parse_policy(PYRAMID))
     padded, lengths = gen.pad([list(requests[1].prompt)], 0)
-    assert [int(c.length[0]) for c in gen.prefill_compressed(padded, lengths, 0)[1]] == [22, 7]  # 29 tokens
-    engine = Engine(gqa, n_pages=7, page_size=4, slots=4, chunk=8, decode_steps=4, policy=PYRAMID)
+    dense = gen.prefill_compressed(padded, lengths, 0)[1]
+    assert [int(dense[j].length[0]) for j in compressible(model.config)] == [22, 7]  # 29 tokens
+    engine = Engine(model, n_pages=7, page_size=4, slots=4, chunk=8, decode_steps=4, policy=PYRAMID)
     for r in requests:
         engine.submit(r)
     pages, pool = engine.pool, engine.pool.pool
@@ -357,6 +362,7 @@ def test_pyramid_pages_hold_each_layers_own_budget(gqa, requests):
             assert all(len(pool.tables[(i, layer)]) <= pages.pages_for(int(n)) for layer, n in enumerate(most))
     _check(engine.done, [gen([list(r.prompt)], r.decoding) for r in requests])
     assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps and pages.used_pages == 0
+    assert engine.windows is None or (engine.windows.used_pages == 0 and engine.windows.peak > 0)
 
 
 def test_a_policy_takes_the_pages_its_budget_says(gqa):

@@ -17,8 +17,8 @@ from kvjax.config import ConfigError
 from kvjax.engine import Engine, Request
 from kvjax.paged import PagedKVCache
 from kvjax.paged_kivi import PagedKiviCache
-from kvjax.plan import compressible
 from kvjax.paged_pooled import PagedPooledCache
+from kvjax.plan import compressible
 from tests.conftest import GEMMA_LIKE
 
 PROMPT_LENGTHS, NEW = (5, 17, 3, 11, 9), (6, 3, 8, 2, 5)

@@ -444,11 +444,11 @@ class Engine:
         if self.policy is not None and windowed:
             check_window_policy(self.policy, cfg, windowed, window_pages)
         layout = PageLayout() if self.policy is None else check_engine_policy(self.policy)
-        if layout.layered and ("mla" in cfg.mixers or mesh is not None or self.policy.local):
+        if layout.layered and (mesh is not None or self.policy.local):
             raise ConfigError(
                 f"engine policy {self.policy}: a block table per layer (its layers keep different numbers of "
-                "tokens) is served for attention layers, their sliding windows left whole, on one device; "
-                + ("MLA's latents are" if "mla" in cfg.mixers else "a mesh is" if mesh is not None else "local=true is")
+                "tokens) is served with the sliding windows left whole, on one device; "
+                + ("a mesh is" if mesh is not None else "local=true is")
                 + " not"
             )
         self.model, self.n_pages, self.page_size, self.layout = model, n_pages, page_size, layout
@@ -504,7 +504,7 @@ class Engine:
         main = [i for i in plan.producers if self.window is None or plan.mixers[i] not in windowed]
         self.caches = tuple(
             PagedLatentCache.init(
-                n_pages,
+                self._pages(n_pages, first=i == main[0]),
                 page_size,
                 slots,
                 self.width,
@@ -512,7 +512,7 @@ class Engine:
                 mla.kv_lora_rank,
                 dtype,
                 value_dim=mla.rope_heads * mla.qk_rope_head_dim,
-            )
+            ).replace(shared=self.layout.layered)
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
@@ -557,7 +557,7 @@ class Engine:
             # rings compressed under `local=true`, the windows otherwise whole
             n, codes, stat = self.windows.n_pages, codes if layout.window_codes else None, False
         else:
-            n = (self.pool.n_pages if first else 0) if layout.layered else n_pages
+            n = self._pages(n_pages, first)
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
         if layout.pooled and not windowed:
             return PagedPooledCache.init_pooled(*shape)
@@ -568,6 +568,13 @@ class Engine:
         if windowed:
             return cache.replace(windowed=True, ring=jnp.zeros((self.slots,), jnp.int32))
         return cache.replace(shared=layout.layered)
+
+    def _pages(self, n_pages: int, first: bool) -> int:
+        """Pages of a main-pool layer's arrays: `n_pages`, or with a table per layer the whole pool of
+        single-layer pages in the `first` layer's cache and none in the others' (`kvjax.paged.SharedPool`)."""
+        if not self.layout.layered:
+            return n_pages
+        return self.pool.n_pages if first else 0
 
     def _window_pages(self, columns: int, n_pages: int | None = None) -> WindowPages:
         """Fresh bookkeeping of the sliding-window layers' pool (`kvjax.window_pages`) for requests of at most

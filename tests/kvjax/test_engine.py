@@ -337,15 +337,17 @@ def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
     assert [w.kept for w in work] == [max(len(r.prompt) // 2, 2) for r in requests]  # the window of 2 at least
 
 
-@pytest.mark.parametrize("gemma", [False, True])
-def test_pyramid_pages_hold_each_layers_own_budget(gqa, make_model, requests, gemma):
+@pytest.mark.parametrize("model", ["gqa", "gemma", "mla"])
+def test_pyramid_pages_hold_each_layers_own_budget(gqa, make_model, requests, model):
     """PyramidKV in pages (`kvjax.layer_pages`): the lower layer keeps 3x the upper's tokens (beta=2), each
     layer in a block table of its own over one pool of single-layer pages that the layers take in turn
     (`kvjax.paged.SharedPool`); each request equals Generator alone, with preemptions (the pool's 2 x 6
     pages change hands between layers and requests) and multi-step calls; after every step each page is
     free or held once, and no (request, layer) holds more than its own slots' pages. On Gemma's layout
-    the two global layers take those budgets, their windows in their own pool, left whole."""
-    model = make_model("gqa", *GEMMA_LIKE)[1] if gemma else gqa
+    the two global layers take those budgets, their windows in their own pool, left whole; MLA's latent
+    pages take them as K/V pages do."""
+    overrides = {"gqa": None, "gemma": ("gqa", *GEMMA_LIKE), "mla": ("mla", "model.n_layers=2")}[model]
+    model = make_model(*overrides)[1] if overrides else gqa
     gen = Generator(model, capacity=40, policy=parse_policy(PYRAMID))
     padded, lengths = gen.pad([list(requests[1].prompt)], 0)
     dense = gen.prefill_compressed(padded, lengths, 0)[1]
@@ -354,6 +356,8 @@ def test_pyramid_pages_hold_each_layers_own_budget(gqa, make_model, requests, ge
     for r in requests:
         engine.submit(r)
     pages, pool = engine.pool, engine.pool.pool
+    main = [c for c in engine.caches if not c.windowed]  # the first holds the one pool, the others none
+    assert [c.k.shape[0] for c in main] == [pool.n_pages, 0] == [2 * 6 + 1, 0]
     while engine.step():
         held = [p for table in pool.tables.values() for p in table]
         assert sorted(held + list(pool.free)) == list(range(1, pool.n_pages))

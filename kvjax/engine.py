@@ -28,7 +28,8 @@ unevenly (`kvjax.paged_pooled`); PyramidKV's per-layer budgets (`allocator=pyram
 block table of its own over one pool of single-layer pages (`kvjax.layer_pages`). Decoding then appends every new
 token, unless the policy evicts while decoding (`every=N`, `kvjax.paged_eviction`): each step then observes
 the rows' attention and a request's every N-th token re-selects its slots within its pages and frees the
-pages past them, so it never holds more than its budget plus N slots. With a policy, a request's pages hold
+pages past them, so it never holds more than its budget plus N slots (under PyramidKV's budgets, each layer
+its own). With a policy, a request's pages hold
 its compressed prompt, and the prefix cache holds prompts' full pages uncompressed beside them (where the
 pages are full precision and keep no running statistic): a prompt that starts with cached pages reads
 them into its prefill and computes only the rest (at least the queries its policy observes: SnapKV's
@@ -381,11 +382,10 @@ def check_engine_policy(policy: Policy) -> PageLayout:
             f"engine policy {policy}: allocator=adakv's pages pool entries compressed once after the prefill; "
             "evicting while decoding (every=) is not paged"
         )
-    if layered and (policy.decode_stage or (codes is not None and codes.blocked)):
+    if layered and codes is not None and codes.blocked:
         raise ConfigError(
             f"engine policy {policy}: its layers keep different numbers of tokens, each with its own block table "
-            "(kvjax.layer_pages), compressed once after the prefill into full-precision or int:8 / int:4 pages; "
-            "evicting while decoding (every=) and KIVI's blocks are not paged with them"
+            "(kvjax.layer_pages), in full-precision or int:8 / int:4 pages; KIVI's blocks are not paged with them"
         )
     return PageLayout(
         per_head and not pooled, codes, policy.decode_stage, pooled, bool(policy.local and codes), layered
@@ -827,11 +827,14 @@ class Engine:
             plan = gen.compression_plan(np.array([len(request.prompt)]), 0)[-1]
             budget = int(plan.counts.max())
             kept = min(budget, len(request.prompt))  # under every=, a budget above the prompt is a cap
-            if self.layout.layered:  # each layer's own budget (PyramidKV's)
-                self.pool.shape(index, np.minimum(plan.counts[:, 0], len(request.prompt)))
             if self.evict is not None:  # held at its budget while decoding: at most `every` slots more
                 self._budgets[index] = budget_row(plan, len(request.prompt))
                 cap = budget + self.evict.every
+            if self.layout.layered:  # each layer's own budget (PyramidKV's), and so its own cap
+                counts = plan.counts[:, 0]
+                most = np.minimum(counts, len(request.prompt)) + request.decoding.max_new_tokens
+                caps = most if self.evict is None else np.minimum(most, counts + self.evict.every)
+                self.pool.shape(index, np.minimum(counts, len(request.prompt)), caps)
         d = request.decoding
         greedy = d.temperature == 0 and not request.top_logprobs  # else each step reads the distribution
         stepwise = self._stepwise or bool(gen and gen.policy.local)  # a compressed ring takes a token a step
@@ -850,11 +853,8 @@ class Engine:
         returns what the scheduler needs of each."""
         work = [self._work(r, len(self.requests) + i) for i, r in enumerate(requests)]
         self.scheduler.check(work, self.width)
-        for i, w in enumerate(work):  # each layer's own pages, where each has its own tables
-            if (
-                self.layout.layered
-                and (need := self.pool.most_pages(len(self.requests) + i, w.slots)) > self.pool.n_pages - 1
-            ):
+        for i in range(len(work)):  # each layer's own pages, where each has its own tables
+            if self.layout.layered and (need := self.pool.most_pages(len(self.requests) + i)) > self.pool.n_pages - 1:
                 raise ConfigError(
                     f"request {len(self.requests) + i}: its layers hold up to {need} pages of one layer; the pool "
                     f"has {self.n_pages - 1} per layer, {self.pool.n_pages - 1} in all"
@@ -1039,8 +1039,9 @@ class Engine:
                     self.scheduler.picked(r, int(tok), float(lp))
 
     def _held(self, lengths: jax.Array) -> list[int] | None:
-        """Each row's main-pool length after a call, read back only under eviction while decoding (which
-        shortens rows; the host frees the pages past them); None when the host's own count is right."""
+        """Each row's main-pool length after a call (with a table per layer, each layer's), read back only
+        under eviction while decoding (which shortens rows; the host frees the pages past them); None when
+        the host's own count is right."""
         return None if self.evict is None else np.asarray(lengths).tolist()
 
     def warm(self) -> int:

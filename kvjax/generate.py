@@ -489,8 +489,15 @@ class Generator:
         if sized_for is None:
             return plans
         sized = plan_stages(self.config, self.policy.stages, [sized_for], headroom, **self._prepared)
+        # each cache at least this prompt's own slots: under an `every=` cap PyramidKV gives a layer what a
+        # prompt shorter than the cap leaves unused in another, more than the same layer keeps at sized_for
         return tuple(
-            dataclasses.replace(p, keep_caps=s.keep_caps, capacities=s.capacities) for p, s in zip(plans, sized)
+            dataclasses.replace(
+                p,
+                keep_caps=tuple(map(max, p.keep_caps, s.keep_caps)),
+                capacities=tuple(map(max, p.capacities, s.capacities)),
+            )
+            for p, s in zip(plans, sized)
         )
 
     def observed_queries(self, length: int) -> int:

@@ -6,7 +6,8 @@ flight (the top layer keeps about budget / beta of a prompt but every generated 
 
 `LayerPages` is the host side (`kvjax.page_pool.PagePool`'s interface to the scheduler, which sees one
 sequence per request); the device side is `kvjax.paged.SharedPool`, which threads the one pool's arrays
-through the layers.
+through the layers. Under eviction while decoding (`every=`) every layer is re-selected at the same step,
+each down to its own budget, and the device's per-layer lengths come back (`truncate`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ class LayerPages:
     """`n_layers` layers' pages from one `PagePool` of `n_layers * (n_pages - 1)` single-layer pages (the
     memory of `n_pages` pages over every layer, one null page), each sequence holding a table per layer.
     A sequence's layer l holds its length plus `offsets[l]` tokens (<= 0: its compressed prompt's budget in
-    that layer less the largest, `shape`), so the scheduler reserves, advances and releases it as one
-    sequence of its largest layer's length. No prefix cache: a hit would need every layer's pages."""
+    that layer less the largest, `shape`; after an eviction, what each layer kept less the largest,
+    `truncate`), so the scheduler reserves, advances and releases it as one sequence of its largest
+    layer's length. No prefix cache: a hit would need every layer's pages."""
 
     def __init__(self, n_pages: int, page_size: int, n_layers: int):
         if n_layers < 1:
@@ -29,7 +31,8 @@ class LayerPages:
         self.pool = PagePool(n_layers * (n_pages - 1) + 1, page_size)
         self.n_layers, self.page_size, self.n_pages = n_layers, page_size, self.pool.n_pages
         self.lengths: dict[object, int] = {}  # slots of the sequence's largest layer
-        self.offsets: dict[object, np.ndarray] = {}
+        self.offsets: dict[object, np.ndarray] = {}  # now
+        self.shapes: dict[object, np.ndarray] = {}  # after its prompt's compression, and the most each layer holds
         self.hits = self.misses = 0
 
     @property
@@ -40,27 +43,31 @@ class LayerPages:
     def pages_for(self, tokens: int) -> int:
         return self.pool.pages_for(tokens)
 
-    def shape(self, seq, counts) -> None:
-        """Sequence `seq`'s compressed prompt keeps `counts[l]` tokens in layer l (before it is admitted)."""
-        counts = np.asarray(counts, np.int64)
-        if counts.shape != (self.n_layers,):
-            raise ValueError(f"counts {counts.shape} must give each of the {self.n_layers} layers its tokens")
-        self.offsets[seq] = counts - counts.max()
+    def shape(self, seq, counts, most) -> None:
+        """Sequence `seq`'s compressed prompt keeps `counts[l]` tokens in layer l, which holds at most
+        `most[l]` slots while it decodes (before it is admitted)."""
+        counts, most = np.asarray(counts, np.int64), np.asarray(most, np.int64)
+        if counts.shape != (self.n_layers,) or most.shape != counts.shape:
+            raise ValueError(
+                f"counts {counts.shape} and most {most.shape} must give each of the {self.n_layers} layers its slots"
+            )
+        self.shapes[seq] = counts - counts.max(), most
 
     def layer_slots(self, seq, length: int) -> np.ndarray:
         """Each layer's slots when `seq`'s largest layer holds `length` (none before its prompt is in)."""
         return length + self.offsets[seq] if length else np.zeros(self.n_layers, np.int64)
 
-    def most_pages(self, seq, slots: int) -> int:
-        """Pages `seq` holds over its layers when its largest layer holds `slots`."""
-        return sum(self.pool.pages_for(int(n)) for n in self.layer_slots(seq, slots))
+    def most_pages(self, seq) -> int:
+        """The most pages `seq` holds over its layers at once (each layer's at its most, as before its
+        eviction while decoding they all are)."""
+        return sum(self.pool.pages_for(int(n)) for n in self.shapes[seq][1])
 
     def admit(self, seq, prompt=None, limit: int | None = None) -> int:
         if prompt is not None:
             raise ValueError("pages per layer take no prefix cache")
         for layer in range(self.n_layers):
             self.pool.admit((seq, layer))
-        self.lengths[seq] = 0
+        self.lengths[seq], self.offsets[seq] = 0, self.shapes[seq][0]
         return 0
 
     def reserve(self, seq, new_tokens: int) -> list:
@@ -81,6 +88,16 @@ class LayerPages:
             self.pool.advance((seq, layer), int(b - a))
         self.lengths[seq] += n
 
+    def truncate(self, seq, lengths) -> None:
+        """`seq`'s layers now hold `lengths[l]` slots each (eviction while decoding re-selected them): the
+        pages past them go back to the pool."""
+        lengths = np.asarray(lengths, np.int64)
+        if lengths.shape != (self.n_layers,):
+            raise ValueError(f"lengths {lengths.shape} must give each of the {self.n_layers} layers its slots")
+        for layer, n in enumerate(lengths):
+            self.pool.truncate((seq, layer), int(n))
+        self.lengths[seq], self.offsets[seq] = int(lengths.max()), lengths - lengths.max()
+
     def release(self, seq) -> None:
         for layer in range(self.n_layers):
             self.pool.release((seq, layer))
@@ -89,6 +106,7 @@ class LayerPages:
     def forget(self, seq) -> None:
         """Drop an ended sequence's layer budgets."""
         self.offsets.pop(seq, None)
+        self.shapes.pop(seq, None)
 
     def table(self, seqs, width: int) -> np.ndarray:
         """Block tables `[len(seqs), n_layers, width]` (None: empty rows)."""

@@ -8,7 +8,9 @@ its page, `PagedKVCache.stat`), and on the row's every N-th step since its prefi
 re-selected by the same `compress_caches` the Generator runs, on the dense view of the row's pages, and
 compacted in place (`PagedKVCache.compact`): the kept tokens first, in slot order, as the Generator's
 dense cache keeps them. A row then holds at most its budget plus N slots; the host frees the pages past
-its new length (`PagePool.truncate`).
+its new length (`PagePool.truncate`). Layers with budgets of their own (PyramidKV's) share one pool of
+pages (`kvjax.paged.SharedPool`, threaded through the views and the compaction in layer order), each
+layer re-selected down to its own budget (`kvjax.layer_pages.LayerPages.truncate`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from kvjax.cache import KVCache
 from kvjax.compress.apply import StagePlan, compress_caches, observe_fn
+from kvjax.paged import SharedPool
 
 
 class Eviction(NamedTuple):
@@ -59,9 +62,10 @@ def evicting_step(model, caches, tokens: jax.Array, pos: jax.Array, budgets: jax
     )
     prompt, counts, windows, floors = budgets[:, 0], *(budgets[:, 1 + i * n : 1 + (i + 1) * n].T for i in range(3))
     due = (pos >= 0) & ((pos - prompt + 1) % stage.every == 0)  # the Generator's step index, from 1
-    dense, running = [None] * len(caches), [None] * len(caches)
+    dense, running, pool = [None] * len(caches), [None] * len(caches), SharedPool()
     for slot in slots:
-        cache, seen = caches[slot], observed[slot]
+        cache, seen = pool.enter(slot, caches[slot]), observed[slot]
+        pool.leave(cache)  # (read only)
         view = cache.view()
         dense[slot] = KVCache(k=view.k, v=view.v, pos=view.pos, length=cache.length)
         stat = None if seen is None else seen[0]
@@ -73,18 +77,18 @@ def evicting_step(model, caches, tokens: jax.Array, pos: jax.Array, budgets: jax
         new, stats = compress_caches(
             tuple(dense), tuple(running), (evict.static,), ((counts, windows, floors, None),), pos, slots
         )
-        caches = list(caches)
+        caches, pool = list(caches), SharedPool()
         for slot in slots:
             d = new[slot]
-            cache = caches[slot].compact(due, d.k, d.v, d.pos, d.length)
-            caches[slot] = cache if cache.stat is None else cache.with_stat(stats[slot], due)
-        return tuple(caches)
+            cache = pool.enter(slot, caches[slot]).compact(due, d.k, d.v, d.pos, d.length)
+            caches[slot] = pool.leave(cache if cache.stat is None else cache.with_stat(stats[slot], due))
+        return tuple(pool.close(caches))
 
     def keep(caches):  # no row re-selects: only the running sums go back to the pages
-        caches = list(caches)
+        caches, pool = list(caches), SharedPool()
         for slot in slots:
-            if caches[slot].stat is not None:
-                caches[slot] = caches[slot].with_stat(running[slot][0])
-        return tuple(caches)
+            cache = pool.enter(slot, caches[slot])
+            caches[slot] = pool.leave(cache if cache.stat is None else cache.with_stat(running[slot][0]))
+        return tuple(pool.close(caches))
 
     return hidden, jax.lax.cond(due.any(), reselect, keep, caches)

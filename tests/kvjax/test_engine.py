@@ -362,7 +362,7 @@ def test_pyramid_pages_hold_each_layers_own_budget(gqa, make_model, requests, mo
         held = [p for table in pool.tables.values() for p in table]
         assert sorted(held + list(pool.free)) == list(range(1, pool.n_pages))
         for i in engine.scheduler.running:
-            most = pages.layer_slots(i, engine.scheduler.work[i].slots)
+            most = pages.shapes[i][1]  # its prompt's kept tokens in that layer plus those it generates
             assert all(len(pool.tables[(i, layer)]) <= pages.pages_for(int(n)) for layer, n in enumerate(most))
     _check(engine.done, [gen([list(r.prompt)], r.decoding) for r in requests])
     assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps and pages.used_pages == 0
@@ -460,7 +460,7 @@ def _audit(engine, caps, evicting: bool = True) -> None:
     """The pool's accounting: each page either free or held (reference counts equal to the tables that
     hold it), none lost, no running request above its cap of pages nor, when it evicts while decoding,
     holding a page past its slots (else pages are reserved ahead of the tokens)."""
-    pool = engine.pool
+    pool = engine.pool.pool if engine.layout.layered else engine.pool  # (layered: keyed by request and layer)
     held = [p for table in pool.tables.values() for p in table]
     assert not set(held) & set(pool.free) and set(held) | set(pool.free) == set(range(1, pool.n_pages))
     assert all(pool.refs[p] == held.count(p) for p in set(held))
@@ -475,6 +475,7 @@ def _audit(engine, caps, evicting: bool = True) -> None:
         ("h2o:0.5:every=4", 7, 4, False),
         ("tova:0.5:every=3", 40, 1, False),
         ("snapkv:0.5:obs_window=1,every=3", 6, 4, True),
+        ("h2o:8:allocator=pyramid,beta=2,every=3", 7, 4, False),
     ],
 )
 def test_eviction_while_decoding_caps_each_request_and_equals_generator(
@@ -484,7 +485,9 @@ def test_eviction_while_decoding_caps_each_request_and_equals_generator(
     in the pages), every N-th step of a request re-selects its slots and compacts them within its pages,
     and the pages past them go back; each request equals Generator alone under the policy, with
     preemptions (its generated tokens re-fed one decode step at a time), multi-step calls and, on Gemma's
-    layout, window pages freed beside it; no request ever holds more than its budget plus N slots."""
+    layout, window pages freed beside it; no request ever holds more than its budget plus N slots. Under
+    PyramidKV's budgets each layer is re-selected down to its own (30 and 10 of 40 tokens) and holds at most
+    that plus N, its pages in one pool that the layers share (H2O's running sums in it too)."""
     model = make_model("gqa", *(GEMMA_LIKE if gemma else ()), "model.n_layers=2")[1]
     gen = Generator(model, capacity=40, policy=parse_policy(policy))
     engine = Engine(
@@ -493,6 +496,8 @@ def test_eviction_while_decoding_caps_each_request_and_equals_generator(
     for r in requests:
         engine.submit(r)
     caps = {i: engine.pool.pages_for(w.cap) for i, w in enumerate(engine.scheduler.work)}
+    if engine.layout.layered:  # each layer's own cap, its budget plus N
+        caps = {(i, l): engine.pool.pages_for(int(n)) for i in caps for l, n in enumerate(engine.pool.shapes[i][1])}
     assert all(w.cap < len(w.prompt) + w.max_new_tokens for w in engine.scheduler.work if len(w.prompt) > 8)
     while engine.step():
         _audit(engine, caps)
@@ -503,14 +508,15 @@ def test_eviction_while_decoding_caps_each_request_and_equals_generator(
 
 def test_a_long_generation_stays_within_its_budget(gqa):
     """200 tokens after a 20-token prompt: with `h2o:0.5:every=8` the request never holds more than 10 +
-    8 slots (5 pages of 4), where the full cache grows to 55 pages."""
+    8 slots (5 pages of 4), where the full cache grows to 55 pages; under PyramidKV's budgets (15 and 5
+    tokens) 23 and 13 slots, 6 + 4 single-layer pages (peak pages count those)."""
     request = Request(tuple(range(1, 21)), DecodingConfig(max_new_tokens=200))
     peaks = {}
-    for policy in (None, "h2o:0.5:every=8"):
+    for policy in (None, "h2o:0.5:every=8", "h2o:0.5:allocator=pyramid,beta=2,every=8"):
         engine = Engine(gqa, n_pages=64, page_size=4, slots=1, policy=policy, decode_steps=16)
         engine.run([request])
         peaks[policy] = engine.stats.peak_pages
-    assert peaks == {None: 55, "h2o:0.5:every=8": 5}
+    assert peaks == {None: 55, "h2o:0.5:every=8": 5, "h2o:0.5:allocator=pyramid,beta=2,every=8": 6 + 4}
 
 
 def test_policies_the_engine_cannot_page_are_refused(gqa):
@@ -524,7 +530,6 @@ def test_policies_the_engine_cannot_page_are_refused(gqa):
         ),
         ("keynorm:0.5+kivi:2:group=4,residual=8", "positions per head .a head-wise eviction before it. are not"),
         ("scissorhands:0.5:every=2", "scissorhands is not supported"),
-        (PYRAMID + ",every=4", r"different numbers of tokens.*evicting while decoding \(every=\)"),
         ("tova:0.5:allocator=pyramid+kivi:2", r"different numbers of tokens.*KIVI's blocks are not paged with them"),
         ("snapkv:0.5:allocator=adakv+int:8", "allocator='adakv' must be the last stage of a chain"),
         ("snapkv:0.5:allocator=adakv,every=4", r"evicting while decoding \(every=\) is not paged"),

@@ -259,7 +259,7 @@ def _loaded(paged, d, stat, row):
     if isinstance(paged, PagedKiviCache):
         return paged.load_quant(row, d)
     if isinstance(paged, PagedPooledCache):  # AdaKV's pool, or a whole prompt's slots K entries each
-        return paged.load_pool(row, d if isinstance(d, PooledKVCache) else as_entries(d))
+        return paged.load_pool(row, d if isinstance(d, PooledKVCache) else as_entries(d), stat)
     if isinstance(d, QuantKVCache):
         values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
     elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
@@ -376,11 +376,6 @@ def check_engine_policy(policy: Policy) -> PageLayout:
         raise ConfigError(
             f"engine policy {policy}: KIVI pages keep one position per slot; positions per head (a head-wise "
             "eviction before it) are not paged with them"
-        )
-    if pooled and policy.decode_stage:  # (nothing follows AdaKV in a chain: `compress.apply.check_policy`)
-        raise ConfigError(
-            f"engine policy {policy}: allocator=adakv's pages pool entries compressed once after the prefill; "
-            "evicting while decoding (every=) is not paged"
         )
     if layered and codes is not None and codes.blocked:
         raise ConfigError(
@@ -560,7 +555,7 @@ class Engine:
             n = self._pages(n_pages, first)
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
         if layout.pooled and not windowed:
-            return PagedPooledCache.init_pooled(*shape)
+            return PagedPooledCache.init_pooled(*shape, stat=stat)
         if codes is not None and codes.blocked:
             cache = PagedKiviCache.init_kivi(codes, *shape)
         else:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import KVView, LatentView, _Arrays
+from kvjax.cache import KVCache, KVView, LatentView, _Arrays
 from kvjax.ops import attention, capped, kernel_impl, masked_probs, visible
 from kvjax.page_pool import NULL_PAGE
 from kvjax.quant.packing import pack, packed_width, unpack
@@ -308,23 +308,29 @@ class PagedKVCache(_Arrays):
         """Each row's running statistics `[B,K,M*page_size]` in its slots' order (0 past its length)."""
         return jnp.where(self._mine(), self._rows_of(self.stat), 0.0)
 
-    def compact(self, rows: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array):
+    def dense(self) -> KVCache:
+        """Every row's pages as a dense cache of their view's width (decode-time eviction re-selects it)."""
+        view = self.view()
+        return KVCache(k=view.k, v=view.v, pos=view.pos, length=self.length)
+
+    def compact(self, rows: jax.Array, dense: KVCache) -> PagedKVCache:
         """Rewrite the slots of the sequence slots `rows` (`[B]` bool) from a dense cache of their view's
-        width (k, v `[B,K,S,H]`, positions `[B,S]` or `[B,K,S]`, `length` `[B]`): decode-time eviction's
-        re-selection, compacted in place within the pages each row holds."""
+        width (k, v `[B,K,S,H]`, positions `[B,S]` or `[B,K,S]`): decode-time eviction's re-selection,
+        compacted in place within the pages each row holds."""
+        k, v, pos = dense.k, dense.v, dense.pos
         B, K, S = k.shape[:3]
         index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], (B, S))
         pos = jnp.broadcast_to(pos if pos.ndim == 3 else pos[:, None], (B, self.pos.shape[1], S))
         flat = self._flat_slots(index, rows[:, None]).reshape(-1)
         new = self._write(flat, k=_slot_major(k), v=_slot_major(v), pos=_slot_major(pos))
-        return new.replace(length=jnp.where(rows, length, self.length))
+        return new.replace(length=jnp.where(rows, dense.length, self.length))
 
     def with_stat(self, stat: jax.Array, rows: jax.Array | None = None) -> PagedKVCache:
-        """Store each row's running statistics `[B,K,S]` (S its view's width): at every slot of the rows
+        """Store each row's running statistics `[B,X,S]` (S its view's width): at every slot of the rows
         `rows` (`[B]` bool; just compacted), at the filled ones of the others."""
         B, _, S = stat.shape
         index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], (B, S))
-        ok = index < self.length[:, None]
+        ok = self._mine()[:, 0]
         ok = ok if rows is None else ok | rows[:, None]
         return self._write(self._flat_slots(index, ok).reshape(-1), stat=_slot_major(stat))
 

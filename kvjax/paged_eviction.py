@@ -10,7 +10,8 @@ compacted in place (`PagedKVCache.compact`): the kept tokens first, in slot orde
 dense cache keeps them. A row then holds at most its budget plus N slots; the host frees the pages past
 its new length (`PagePool.truncate`). Layers with budgets of their own (PyramidKV's) share one pool of
 pages (`kvjax.paged.SharedPool`, threaded through the views and the compaction in layer order), each
-layer re-selected down to its own budget (`kvjax.layer_pages.LayerPages.truncate`).
+layer re-selected down to its own budget (`kvjax.layer_pages.LayerPages.truncate`); AdaKV's pooled
+entries (`kvjax.paged_pooled`) are re-selected as its dense pool is, K x budget entries a row.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache
 from kvjax.compress.apply import StagePlan, compress_caches, observe_fn
 from kvjax.paged import SharedPool
 
@@ -36,9 +36,10 @@ class Eviction(NamedTuple):
 
     @classmethod
     def of(cls, plan: StagePlan, width: int, slots: tuple[int, ...]) -> Eviction:
-        """From the last stage's plan for any prompt: `width` slots a row's view holds (the block table's)."""
-        n = len(slots)
-        return cls(dataclasses.replace(plan, keep_caps=(width,) * n, capacities=(width,) * n).static, tuple(slots))
+        """From the last stage's plan for any prompt: `width` tokens a row's view holds (the block table's;
+        an AdaKV pool's view holds K entries a token)."""
+        caps = tuple(width * heads for heads in plan.heads)
+        return cls(dataclasses.replace(plan, keep_caps=caps, capacities=caps).static, tuple(slots))
 
     @property
     def every(self) -> int:
@@ -66,8 +67,7 @@ def evicting_step(model, caches, tokens: jax.Array, pos: jax.Array, budgets: jax
     for slot in slots:
         cache, seen = pool.enter(slot, caches[slot]), observed[slot]
         pool.leave(cache)  # (read only)
-        view = cache.view()
-        dense[slot] = KVCache(k=view.k, v=view.v, pos=view.pos, length=cache.length)
+        dense[slot] = cache.dense()
         stat = None if seen is None else seen[0]
         if cache.stat is not None:  # a statistic that adds up over the steps
             stat = stat + cache.stat_view()
@@ -79,9 +79,10 @@ def evicting_step(model, caches, tokens: jax.Array, pos: jax.Array, budgets: jax
         )
         caches, pool = list(caches), SharedPool()
         for slot in slots:
-            d = new[slot]
-            cache = pool.enter(slot, caches[slot]).compact(due, d.k, d.v, d.pos, d.length)
-            caches[slot] = pool.leave(cache if cache.stat is None else cache.with_stat(stats[slot], due))
+            cache = pool.enter(slot, caches[slot]).compact(due, new[slot])
+            if cache.stat is not None:  # a row not due keeps its slots, and so its own running sums
+                cache = cache.with_stat(jnp.where(due[:, None, None], stats[slot], running[slot][0]), due)
+            caches[slot] = pool.leave(cache)
         return tuple(pool.close(caches))
 
     def keep(caches):  # no row re-selects: only the running sums go back to the pages

@@ -21,20 +21,21 @@ from kvjax.paged import PagedKVCache, RowSplit
 @struct.dataclass
 class PagedPooledCache(PagedKVCache):
     """One layer's pages of pooled entries: k, v `[P,1,K*page_size,H]`, pos and head `[P,1,K*page_size]`
-    (-1 and 0 where empty). `length` counts a row's tokens, as the host does: its entries are the first
-    K x length of its pages (`heads` = K), and `page_size` counts entries (K x the host's page size). Full
-    precision, one device, no running statistic: the engine pages AdaKV's prompts compressed once, so the
-    slot-wise writes of other layouts (`load`, `compact`, `attend_pool`) do not apply."""
+    (-1 and 0 where empty), and under decode-time eviction that accumulates a statistic (H2O's) a running
+    sum per entry, stat `[P,1,K*page_size]`. `length` counts a row's tokens, as the host does: its entries
+    are the first K x length of its pages (`heads` = K), and `page_size` counts entries (K x the host's page
+    size). Full precision, one device; the slot-wise writes of other layouts (`load`, `attend_pool`) do not
+    apply: a row's entries are loaded, appended and compacted in order."""
 
     head: jax.Array | None = None
     heads: int = struct.field(pytree_node=False, default=1)
 
     @classmethod
-    def init_pooled(
-        cls, n_pages: int, page_size: int, batch: int, max_pages: int, n_kv_heads: int, head_dim: int, dtype
-    ):
+    def init_pooled(cls, n_pages, page_size, batch, max_pages, n_kv_heads, head_dim, dtype, stat: bool = False):
+        """`PagedKVCache.init`'s shapes as entries, K a token; `stat`: a running sum per entry."""
         entries = (n_pages, 1, n_kv_heads * page_size)
         return cls(
+            stat=jnp.zeros(entries, jnp.float32) if stat else None,
             k=jnp.zeros((*entries, head_dim), dtype),
             v=jnp.zeros((*entries, head_dim), dtype),
             pos=jnp.full(entries, -1, jnp.int32),
@@ -81,16 +82,38 @@ class PagedPooledCache(PagedKVCache):
             pos=jnp.repeat(pos, K, axis=1).reshape(-1, 1),
             head=jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, T, K)).reshape(-1, 1),
         )
+        if self.stat is not None:  # a new entry has received no attention yet
+            entries["stat"] = jnp.zeros((flat.size, 1), jnp.float32)
         new = self._scatter(flat.reshape(-1), **entries).replace(length=self.length + added)
         return new, new.view()
 
-    def load_pool(self, row: int, pool: PooledKVCache) -> PagedPooledCache:
+    def load_pool(self, row: int, pool: PooledKVCache, stat: jax.Array | None = None) -> PagedPooledCache:
         """Fill sequence slot `row`'s pages (its table set) from row 0 of a compressed `PooledKVCache`, its
-        entries in order: AdaKV keeps K x budget of them (`reducers.top_slots`), the row's length budget."""
+        entries in order: AdaKV keeps K x budget of them (`reducers.top_slots`), the row's length budget;
+        with their running statistics `[B,1,P]` where the pages keep one."""
         index = jnp.arange(pool.capacity, dtype=jnp.int32)[None]
         flat = self.replace(table=self.table[row][None])._flat_slots(index, index < pool.length[0])[0]
-        new = self._scatter(flat, **{name: getattr(pool, name)[0][:, None] for name in ("k", "v", "pos", "head")})
+        entries = {name: getattr(pool, name)[0][:, None] for name in ("k", "v", "pos", "head")}
+        if self.stat is not None:
+            entries["stat"] = stat[0, 0][:, None]
+        new = self._scatter(flat, **entries)
         return new.replace(length=new.length.at[row].set(pool.length[0] // self.heads))
+
+    def dense(self) -> PooledKVCache:
+        """Every row's entries as a dense pool of their view's width (decode-time eviction re-selects it)."""
+        view = self.view()
+        return PooledKVCache(k=view.k, v=view.v, pos=view.pos, head=view.head, length=self.length * self.heads)
+
+    def compact(self, rows: jax.Array, dense: PooledKVCache) -> PagedPooledCache:
+        """Rewrite the entries of the sequence slots `rows` (`[B]` bool) from a dense pool of their view's
+        width, its entries in order (K x budget after a re-selection, `reducers.top_slots`)."""
+        B, S = dense.pos.shape
+        index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], (B, S))
+        flat = self._flat_slots(index, rows[:, None]).reshape(-1)
+        entries = {name: getattr(dense, name).reshape(B * S, 1, -1) for name in ("k", "v")}
+        entries |= {name: getattr(dense, name).reshape(B * S, 1) for name in ("pos", "head")}
+        new = self._scatter(flat, **entries)
+        return new.replace(length=jnp.where(rows, dense.length // self.heads, self.length))
 
     def prompt_rows(self, pool: jax.Array) -> jax.Array:
         """A whole prompt's entries (K a token, in token order: `as_entries`) as K or V `[B,K,M*page_size,H]`."""

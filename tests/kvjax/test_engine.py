@@ -476,6 +476,7 @@ def _audit(engine, caps, evicting: bool = True) -> None:
         ("tova:0.5:every=3", 40, 1, False),
         ("snapkv:0.5:obs_window=1,every=3", 6, 4, True),
         ("h2o:8:allocator=pyramid,beta=2,every=3", 7, 4, False),
+        ("h2o:0.5:allocator=adakv,every=3", 6, 1, False),
     ],
 )
 def test_eviction_while_decoding_caps_each_request_and_equals_generator(
@@ -506,6 +507,41 @@ def test_eviction_while_decoding_caps_each_request_and_equals_generator(
     assert (engine.caches[0].stat is not None) == policy.startswith("h2o")
 
 
+@pytest.mark.parametrize("policy", ["h2o:0.5:every=4", "h2o:0.5:allocator=adakv,every=4"])
+def test_h2o_sums_in_the_pages_grow_by_one_attention_a_step_while_a_row_keeps_its_slots(gqa, policy):
+    """H2O's running sums per slot (`PagedKVCache.stat`; per entry in AdaKV's pooled pages): each decode
+    step's query adds its attention, which sums to 1 per KV head (averaged over its query heads), so a row
+    that did not re-select gains exactly 1, also in a step where another row re-selects (its sums gathered
+    to its kept slots), and on pages an earlier request's sums were left in (a new token's starts at 0)."""
+    rng = np.random.default_rng(3)
+    prompts = [tuple(int(t) for t in rng.integers(0, gqa.config.vocab_size, n)) for n in (9, 10, 12)]
+    engine = Engine(gqa, n_pages=7, page_size=4, slots=2, decode_steps=1, policy=policy)
+    engine.run([Request(prompts[2], DecodingConfig(max_new_tokens=20))])  # leaves its sums in the pages
+    engine.submit(Request(prompts[0], DecodingConfig(max_new_tokens=12)))
+    engine.step(), engine.step()  # the second request starts later, so the two re-select at different steps
+    engine.submit(Request(prompts[1], DecodingConfig(max_new_tokens=12)))
+    cache, K = engine.caches[0], gqa.config.attention.n_kv_heads
+
+    def sums(i):  # per KV head, over the request's slots (entries)
+        pages, n = engine.pool.tables[i], engine.pool.lengths[i]
+        stat = np.asarray(engine.caches[0].stat)[pages]  # [pages, K, page_size] or [pages, 1, K * page_size]
+        if not isinstance(cache, PagedPooledCache):
+            return stat.transpose(1, 0, 2).reshape(K, -1)[:, :n].sum(axis=1), n
+        head = np.asarray(engine.caches[0].head)[pages].reshape(-1)[: n * K]
+        return np.bincount(head, weights=stat.reshape(-1)[: n * K], minlength=K), n
+
+    before, grew, mixed = {}, 0, 0
+    while engine.step():
+        now = {i: sums(i) for i in engine.scheduler.running if i in engine.pool.tables}
+        kept = [i for i in now if i in before and now[i][1] == before[i][1] + 1]
+        for i in kept:
+            np.testing.assert_allclose(now[i][0] - before[i][0], 1.0, atol=1e-5)
+        grew += len(kept)
+        mixed += bool(kept) and any(i in before and now[i][1] < before[i][1] for i in now)  # another re-selected
+        before = now
+    assert grew > 10 and mixed >= 2
+
+
 def test_a_long_generation_stays_within_its_budget(gqa):
     """200 tokens after a 20-token prompt: with `h2o:0.5:every=8` the request never holds more than 10 +
     8 slots (5 pages of 4), where the full cache grows to 55 pages; under PyramidKV's budgets (15 and 5
@@ -532,7 +568,6 @@ def test_policies_the_engine_cannot_page_are_refused(gqa):
         ("scissorhands:0.5:every=2", "scissorhands is not supported"),
         ("tova:0.5:allocator=pyramid+kivi:2", r"different numbers of tokens.*KIVI's blocks are not paged with them"),
         ("snapkv:0.5:allocator=adakv+int:8", "allocator='adakv' must be the last stage of a chain"),
-        ("snapkv:0.5:allocator=adakv,every=4", r"evicting while decoding \(every=\) is not paged"),
         ("palu:0.5", "palu is not supported"),
         ("duo:0.5", "duo is not supported"),
     ]:

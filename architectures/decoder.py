@@ -161,7 +161,7 @@ class Decoder(nnx.Module):
             if observe is not None and (
                 isinstance(cache, KVCache | PooledKVCache | LatentCache)
                 or (isinstance(cache, PagedKVCache) and not cache.windowed)  # the engine's (`kvjax.paged_eviction`)
-                or (observe[2] and isinstance(cache, RingKVCache))
+                or (observe[2] and isinstance(cache, RingKVCache | PagedKVCache))  # rings, the engine's too
             ):
                 observed[slot] = _observed(block, x_in, positions, views[i], *observe[:2])
         return x, None if new_caches is None else tuple(shared.close(new_caches)), tuple(observed)

@@ -180,20 +180,21 @@ def _forward(model, caches, rows: Rows, tokens, pos, chunk, chunk_pos, chunk_row
 def _step(graphdef, treedef, leaves, caches, rows, tokens, pos, chunk, chunk_pos, chunk_row, last, *, evict):
     """`_forward` of the model whose parameters come as their flat leaves (`treedef` rebuilds them):
     flattening the NNX state on every call cost more host time than a small model's whole step. The
-    main pool's lengths come back last (read only under decode-time eviction, which shortens rows)."""
+    main and window pools' lengths come back last (read only under decode-time eviction, which shortens
+    rows and compressed rings)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     logp, best, best_lp, caches, rows = _forward(
         model, caches, rows, tokens, pos, chunk, chunk_pos, chunk_row, last, evict
     )
-    return logp, best, best_lp, caches, rows.length
+    return logp, best, best_lp, caches, (rows.length, rows.window_length)
 
 
 def _greedy_steps(graphdef, treedef, leaves, caches, rows, tokens, pos, stop, eos, *, steps, evict):
     """Up to `steps` greedy decode steps of R rows in one call (vLLM's multi-step scheduling: a small
     model's step is shorter than the host's round trip): row r feeds tokens[r] at pos[r], then each
     token it picks, for stop[r] steps (0: an empty row) or until it picks eos[r]. Returns the tokens and
-    log-probabilities picked `[steps,R]` (-1 and 0 after a row stops), the caches and the main pool's
-    lengths."""
+    log-probabilities picked `[steps,R]` (-1 and 0 after a row stops), the caches and the main and window
+    pools' lengths."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
     R = tokens.shape[0]
     none = jnp.zeros(0, jnp.int32)
@@ -222,7 +223,7 @@ def _greedy_steps(graphdef, treedef, leaves, caches, rows, tokens, pos, stop, eo
         jnp.zeros((steps, R), jnp.float32),
     )
     _, caches, rows, _, _, _, out_tok, out_lp = jax.lax.while_loop(cond, body, init)
-    return out_tok, out_lp, caches, rows.length
+    return out_tok, out_lp, caches, (rows.length, rows.window_length)
 
 
 @functools.lru_cache(maxsize=8)
@@ -296,7 +297,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     their slots are positions, the main pool's are the kept tokens). Under `local=true` it compresses the
     windows too, each into a ring that grows back to the window as decoding goes on (`WindowKVCache`),
     which that pool holds as its first pages: by token eviction alone, once after the prefill (the pool is
-    full precision, one position per slot, or int or KIVI codes after it: `WindowQuantKVCache`), with one
+    full precision, one position per slot, or int or KIVI codes after it: `WindowQuantKVCache`) and, in
+    full precision, while decoding too (`every=`: a quantizer, last in its chain, has no `every=`), with one
     window size for every such layer."""
     if window_pages != "free":
         raise ConfigError(
@@ -312,8 +314,6 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
         if len(sizes) > 1
         else "quantizes them with a scheme's parts (the window pool holds rings of K/V, int or KIVI codes)"
         if last.quantizes and not rings_codes(last.quant_spec)
-        else f"evicts while decoding (every={policy.decode_stage.every}); the rings are compressed once"
-        if policy.decode_stage
         else "pools its heads' budgets (allocator=adakv); the window pool holds K/V per slot"
         if any(s.pooled for s in policy.stages)
         else None
@@ -490,7 +490,9 @@ class Engine:
             gen = self._prefill_capacity(self.policy, self.width * page_size)
             if decoding:
                 plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]
-                self.evict = Eviction.of(plan, self.width * page_size, compressible(cfg))
+                slots = compressible(cfg, self.policy.local)  # (under local=true, the rings too)
+                rings = [self._ring_size() if r else None for r in plan.rings]
+                self.evict = Eviction.of(plan, self.width * page_size, slots, rings)
         codes, decoding = self.layout.codes, self.layout.decoding
         # a preempted request's generated tokens are re-fed a decode step each (never as a chunk) where the
         # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks
@@ -550,7 +552,8 @@ class Engine:
         windowed = self.window is not None and kind in self.windowed
         if windowed:  # positions as the main pool keeps them (a head-wise `local` ring: per head); codes only in
             # rings compressed under `local=true`, the windows otherwise whole
-            n, codes, stat = self.windows.n_pages, codes if layout.window_codes else None, False
+            n, codes = self.windows.n_pages, codes if layout.window_codes else None
+            stat = stat and self.policy.local  # a ring evicting while decoding keeps its running sums too
         else:
             n = self._pages(n_pages, first)
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
@@ -592,6 +595,7 @@ class Engine:
         # a request whose windows its policy compressed (local=true, rings of `_ring_size()` slots): its
         # positions less the tokens its rings took
         self._rings: dict[int, int] = {}
+        self._ring_lengths: dict[int, int] = {}  # what the last call left in each row's ring (`_held`)
         self.pool = (
             LayerPages(self.n_pages, self.page_size, len(compressible(self.model.config)))
             if self.layout.layered
@@ -1000,7 +1004,7 @@ class Engine:
             last,
             evict=self.evict,
         )
-        held = self._held(lengths)  # slots each row's pages hold now, under eviction while decoding
+        held = self._held(lengths, order)  # slots each row's pages hold now, under eviction while decoding
         self.stats.steps += 1
         self.stats.calls += 1
         self.stats.prefill_chunks += bool(piece)
@@ -1011,6 +1015,7 @@ class Engine:
         for r, n, out in fed:
             if self.scheduler.fed(r, n, None if held is None else held[out]):
                 self._pick(r, None if logp is None else logp[out], (int(best[out]), float(best_lp[out])))
+        self._rings_after(order)
 
     def _feed_greedy(self, plan: Step) -> None:
         """Up to `decode_steps` greedy decode steps of the plan's rows in one call (`_greedy_steps`)."""
@@ -1025,19 +1030,32 @@ class Engine:
         tokens, logprobs, self.caches, lengths = self._greedy_steps(
             self._leaves, self.caches, self._pushed, ids, pos, stops, eos, steps=plan.greedy_steps, evict=self.evict
         )
-        tokens, logprobs, held = np.asarray(tokens), np.asarray(logprobs), self._held(lengths)
+        tokens, logprobs, held = np.asarray(tokens), np.asarray(logprobs), self._held(lengths, rows)
         self.stats.steps += int((tokens >= 0).any(axis=1).sum())
         self.stats.calls += 1
         for step_tokens, step_lps in zip(tokens, logprobs):
             for i, (r, tok, lp) in enumerate(zip(rows, step_tokens, step_lps)):
                 if tok >= 0 and self.scheduler.fed(r, 1, None if held is None else held[i]):
                     self.scheduler.picked(r, int(tok), float(lp))
+        self._rings_after(rows)
 
-    def _held(self, lengths: jax.Array) -> list[int] | None:
+    def _held(self, lengths: tuple[jax.Array, jax.Array], rows: list[Sequence]) -> list | None:
         """Each row's main-pool length after a call (with a table per layer, each layer's), read back only
         under eviction while decoding (which shortens rows; the host frees the pages past them); None when
-        the host's own count is right."""
-        return None if self.evict is None else np.asarray(lengths).tolist()
+        the host's own count is right. A compressed ring's length, which eviction shortens too, goes to
+        `_rings` (its positions less the tokens it holds) once the rows' tokens are fed (`_rings_after`)."""
+        if self.evict is None:
+            return None
+        main, window = (np.asarray(x).tolist() for x in lengths)
+        self._ring_lengths = {r.index: n for r, n in zip(rows, window) if r.index in self._rings}
+        return main
+
+    def _rings_after(self, rows: list[Sequence]) -> None:
+        """Each fed row's compressed ring holds the length the device said (`_held`) at its new position."""
+        for r in rows:
+            if r.index in self._ring_lengths and r.index in self._rings:
+                self._rings[r.index] = r.at - self._ring_lengths[r.index]
+        self._ring_lengths = {}
 
     def warm(self) -> int:
         """Compile every step this engine can run (each row bucket with each chunk bucket, and each row

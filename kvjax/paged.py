@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import KVCache, KVView, LatentView, _Arrays
+from kvjax.cache import KVCache, KVView, LatentView, WindowKVCache, _Arrays
 from kvjax.ops import attention, capped, kernel_impl, masked_probs, visible
 from kvjax.page_pool import NULL_PAGE
 from kvjax.quant.packing import pack, packed_width, unpack
@@ -308,10 +308,14 @@ class PagedKVCache(_Arrays):
         """Each row's running statistics `[B,K,M*page_size]` in its slots' order (0 past its length)."""
         return jnp.where(self._mine(), self._rows_of(self.stat), 0.0)
 
-    def dense(self) -> KVCache:
-        """Every row's pages as a dense cache of their view's width (decode-time eviction re-selects it)."""
+    def dense(self, slots: int) -> KVCache:
+        """Every row's pages as a dense cache of their view's width (decode-time eviction re-selects it); a
+        ring's first `slots` (a window compressed under `local=true`), as `WindowKVCache` holds them."""
         view = self.view()
-        return KVCache(k=view.k, v=view.v, pos=view.pos, length=self.length)
+        if self.ring is None:
+            return KVCache(k=view.k, v=view.v, pos=view.pos, length=self.length)
+        pos = view.pos[..., :slots]
+        return WindowKVCache(k=view.k[:, :, :slots], v=view.v[:, :, :slots], pos=pos, length=self.length)
 
     def compact(self, rows: jax.Array, dense: KVCache) -> PagedKVCache:
         """Rewrite the slots of the sequence slots `rows` (`[B]` bool) from a dense cache of their view's
@@ -326,11 +330,11 @@ class PagedKVCache(_Arrays):
         return new.replace(length=jnp.where(rows, dense.length, self.length))
 
     def with_stat(self, stat: jax.Array, rows: jax.Array | None = None) -> PagedKVCache:
-        """Store each row's running statistics `[B,X,S]` (S its view's width): at every slot of the rows
+        """Store each row's running statistics `[B,X,S]` (S its view's width, or a ring's): at every slot of the rows
         `rows` (`[B]` bool; just compacted), at the filled ones of the others."""
         B, _, S = stat.shape
         index = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None], (B, S))
-        ok = self._mine()[:, 0]
+        ok = self._mine()[:, 0, :S]
         ok = ok if rows is None else ok | rows[:, None]
         return self._write(self._flat_slots(index, ok).reshape(-1), stat=_slot_major(stat))
 

@@ -35,11 +35,18 @@ class Eviction(NamedTuple):
     slots: tuple[int, ...]
 
     @classmethod
-    def of(cls, plan: StagePlan, width: int, slots: tuple[int, ...]) -> Eviction:
+    def of(cls, plan: StagePlan, width: int, slots: tuple[int, ...], rings=None) -> Eviction:
         """From the last stage's plan for any prompt: `width` tokens a row's view holds (the block table's;
-        an AdaKV pool's view holds K entries a token)."""
-        caps = tuple(width * heads for heads in plan.heads)
+        an AdaKV pool's view holds K entries a token); `rings`: per compressible cache, the slots of its
+        compressed ring (`local=true`), else None."""
+        rings = rings or [None] * len(slots)
+        caps = tuple(ring or width * heads for heads, ring in zip(plan.heads, rings))
         return cls(dataclasses.replace(plan, keep_caps=caps, capacities=caps).static, tuple(slots))
+
+    @property
+    def caps(self) -> tuple[int, ...]:
+        """Per compressible cache, the slots (entries) of the dense view it re-selects."""
+        return self.static[1]
 
     @property
     def every(self) -> int:
@@ -58,20 +65,21 @@ def evicting_step(model, caches, tokens: jax.Array, pos: jax.Array, budgets: jax
     to their budgets `[R, 1 + 3n]` (`budget_row`). Returns the final hidden states `[R,1,D]` and the caches."""
     stage, slots = evict.static[0], evict.slots
     R, n = tokens.shape[0], len(slots)
+    rings = any(evict.static[7])  # compressed rings (local=true), in the sliding-window layers' own pool
     hidden, caches, observed = model.observe(
-        tokens[:, None], pos[:, None], caches, jnp.zeros((R, 1), jnp.int32), observe_fn((stage,))
+        tokens[:, None], pos[:, None], caches, jnp.zeros((R, 1), jnp.int32), observe_fn((stage,)), rings
     )
     prompt, counts, windows, floors = budgets[:, 0], *(budgets[:, 1 + i * n : 1 + (i + 1) * n].T for i in range(3))
     due = (pos >= 0) & ((pos - prompt + 1) % stage.every == 0)  # the Generator's step index, from 1
     dense, running, pool = [None] * len(caches), [None] * len(caches), SharedPool()
-    for slot in slots:
+    for slot, cap in zip(slots, evict.caps):
         cache, seen = pool.enter(slot, caches[slot]), observed[slot]
         pool.leave(cache)  # (read only)
-        dense[slot] = cache.dense()
+        dense[slot] = cache.dense(cap)
         stat = None if seen is None else seen[0]
         if cache.stat is not None:  # a statistic that adds up over the steps
             stat = stat + cache.stat_view()
-        running[slot] = None if stat is None else (stat,)
+        running[slot] = None if stat is None else (stat[..., :cap],)  # (a ring's first slots)
 
     def reselect(caches):
         new, stats = compress_caches(

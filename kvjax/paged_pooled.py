@@ -99,8 +99,9 @@ class PagedPooledCache(PagedKVCache):
         new = self._scatter(flat, **entries)
         return new.replace(length=new.length.at[row].set(pool.length[0] // self.heads))
 
-    def dense(self) -> PooledKVCache:
-        """Every row's entries as a dense pool of their view's width (decode-time eviction re-selects it)."""
+    def dense(self, entries: int) -> PooledKVCache:
+        """Every row's entries as a dense pool of their view's width (decode-time eviction re-selects it;
+        `entries`: that width)."""
         view = self.view()
         return PooledKVCache(k=view.k, v=view.v, pos=view.pos, head=view.head, length=self.length * self.heads)
 

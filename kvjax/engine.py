@@ -439,12 +439,10 @@ class Engine:
         if self.policy is not None and windowed:
             check_window_policy(self.policy, cfg, windowed, window_pages)
         layout = PageLayout() if self.policy is None else check_engine_policy(self.policy)
-        if layout.layered and (mesh is not None or self.policy.local):
+        if layout.layered and self.policy.local:
             raise ConfigError(
                 f"engine policy {self.policy}: a block table per layer (its layers keep different numbers of "
-                "tokens) is served with the sliding windows left whole, on one device; "
-                + ("a mesh is" if mesh is not None else "local=true is")
-                + " not"
+                "tokens) is served with the sliding windows left whole; local=true is not"
             )
         self.model, self.n_pages, self.page_size, self.layout = model, n_pages, page_size, layout
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
@@ -476,11 +474,11 @@ class Engine:
             if codes and codes.blocked:
                 if why := check_kivi_pages(codes, page_size):
                     raise ConfigError(f"engine policy {self.policy}: {why}")
-                if mesh is not None:
-                    raise ConfigError(f"engine policy {self.policy}: KIVI pages are served on one device (no mesh)")
             if self.layout.pooled and mesh is not None:
                 raise ConfigError(
-                    f"engine policy {self.policy}: allocator=adakv's pooled pages are served on one device"
+                    f"engine policy {self.policy}: allocator=adakv's pages pool entries of every KV head, which "
+                    "cannot split over the mesh's tensor axis (each device would hold the whole pool); serve "
+                    "it on one device"
                 )
             if decoding and "mla" in cfg.mixers:
                 raise ConfigError(
@@ -490,9 +488,9 @@ class Engine:
             gen = self._prefill_capacity(self.policy, self.width * page_size)
             if decoding:
                 plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]
-                slots = compressible(cfg, self.policy.local)  # (under local=true, the rings too)
+                evicted = compressible(cfg, self.policy.local)  # (under local=true, the rings too)
                 rings = [self._ring_size() if r else None for r in plan.rings]
-                self.evict = Eviction.of(plan, self.width * page_size, slots, rings)
+                self.evict = Eviction.of(plan, self.width * page_size, evicted, rings)
         codes, decoding = self.layout.codes, self.layout.decoding
         # a preempted request's generated tokens are re-fed a decode step each (never as a chunk) where the
         # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks

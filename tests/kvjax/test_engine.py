@@ -8,8 +8,10 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
@@ -579,6 +581,9 @@ def test_policies_the_engine_cannot_page_are_refused(gqa):
     ]:
         with pytest.raises(ConfigError, match=match):
             Engine(gqa, n_pages=8, policy=policy)
+    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+    with pytest.raises(ConfigError, match="pool entries of every KV head, which cannot split over the mesh"):
+        Engine(gqa, n_pages=8, policy=ADAKV, mesh=mesh)
 
 
 SHARDED = textwrap.dedent(
@@ -598,12 +603,14 @@ SHARDED = textwrap.dedent(
     requests = [Request(tuple(int(t) for t in rng.integers(0, 258, n)), DecodingConfig(max_new_tokens=m))
                 for n, m in [(5, 6), (17, 3), (3, 8), (11, 2), (9, 5)]]
     out = {}
-    for name, mesh in [("one", None), ("eight", Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "tensor")))]:
-        engine = Engine(model, n_pages=12, page_size=4, slots=4, chunk=8, mesh=mesh)
-        done = engine.run(requests)
-        out[name] = {"tokens": [d.tokens for d in done], "logprobs": [d.logprobs for d in done],
-                     "pool_devices": len(engine.caches[0].k.sharding.device_set),
-                     "preemptions": engine.stats.preemptions}
+    for policy in [None, "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8"]:
+        for name, mesh in [("one", None), ("eight", Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "tensor")))]:
+            engine = Engine(model, n_pages=12, page_size=4, slots=4, chunk=8, mesh=mesh, policy=policy)
+            done = engine.run(requests)
+            out[f"{name} {policy}"] = {"tokens": [d.tokens for d in done], "logprobs": [d.logprobs for d in done],
+                                       "pool": [len(engine.caches[0].k.sharding.device_set),
+                                                str(getattr(engine.caches[0].k.sharding, "spec", ""))],
+                                       "preemptions": engine.stats.preemptions}
     prompts = [list(r.prompt) for r in requests[:4]]
     scored = [list(map(int, rng.integers(0, 258, 4))) for _ in prompts]
     for name, mesh in [("alone", None), ("tensor", generation_mesh(2)), ("both", generation_mesh(2, data=4))]:
@@ -639,8 +646,10 @@ SHARDED = textwrap.dedent(
 
 @pytest.mark.slow
 def test_eight_devices_serve_what_one_device_serves():
-    """Slots over data (4) and KV heads over tensor (2) on 8 simulated CPU devices: the same tokens; and
-    the Generator on such meshes generates and scores what it does on one device."""
+    """Slots over data (4) and KV heads over tensor (2) on 8 simulated CPU devices: the same tokens, also
+    under PyramidKV's budgets evicting while decoding (one pool every layer shares, H2O's sums in it) and
+    in KIVI's pages (each sequence slot's residual beside them); and the Generator on such meshes
+    generates and scores what it does on one device."""
     env = {
         **os.environ,
         "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8",
@@ -648,10 +657,13 @@ def test_eight_devices_serve_what_one_device_serves():
     }
     run = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, check=True)
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["eight"]["pool_devices"] == 8 and out["one"]["pool_devices"] == 1 and out["one"]["preemptions"] > 0
-    assert out["eight"]["tokens"] == out["one"]["tokens"]
-    for a, b in zip(out["eight"]["logprobs"], out["one"]["logprobs"]):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    for policy in ["None", "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8"]:
+        got, want = out[f"eight {policy}"], out[f"one {policy}"]
+        assert got["pool"] == [8, "P(None, 'tensor')"] and want["pool"][0] == 1, policy
+        assert got["tokens"] == want["tokens"], policy
+        for a, b in zip(got["logprobs"], want["logprobs"]):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+    assert out["one None"]["preemptions"] > 0 and out["one kivi:2:group=4,residual=8"]["preemptions"] > 0
     # The Generator on a mesh (eval, ruler, generate): weights' heads over tensor, rows over data, the
     # caches' KV heads over tensor; the tokens and log-probabilities of one device, under each policy.
     for name, rows in [("tensor", "None"), ("both", "'data'")]:

@@ -593,7 +593,6 @@ class Engine:
         # a request whose windows its policy compressed (local=true, rings of `_ring_size()` slots): its
         # positions less the tokens its rings took
         self._rings: dict[int, int] = {}
-        self._ring_lengths: dict[int, int] = {}  # what the last call left in each row's ring (`_held`)
         self.pool = (
             LayerPages(self.n_pages, self.page_size, len(compressible(self.model.config)))
             if self.layout.layered
@@ -813,9 +812,9 @@ class Engine:
         return self.gens[key]
 
     def _work(self, request: Request, index: int) -> Work:
-        """What the scheduler needs of a request, with the slots a compressed prompt keeps (the same in every
-        layer: budgets are uniform); an empty prompt or an impossible budget is a ConfigError here, before
-        any compute."""
+        """What the scheduler needs of a request, with the slots a compressed prompt keeps (its largest
+        layer's, where PyramidKV's budgets differ per layer: `LayerPages.shape`); an empty prompt or an
+        impossible budget is a ConfigError here, before any compute."""
         if not request.prompt:
             raise ConfigError(f"request {index}: the prompt is empty")
         kept = cap = None
@@ -1002,7 +1001,7 @@ class Engine:
             last,
             evict=self.evict,
         )
-        held = self._held(lengths, order)  # slots each row's pages hold now, under eviction while decoding
+        held, rings = self._held(lengths)  # slots each row's pages hold now, under eviction while decoding
         self.stats.steps += 1
         self.stats.calls += 1
         self.stats.prefill_chunks += bool(piece)
@@ -1013,7 +1012,7 @@ class Engine:
         for r, n, out in fed:
             if self.scheduler.fed(r, n, None if held is None else held[out]):
                 self._pick(r, None if logp is None else logp[out], (int(best[out]), float(best_lp[out])))
-        self._rings_after(order)
+        self._rings_after(order, rings)
 
     def _feed_greedy(self, plan: Step) -> None:
         """Up to `decode_steps` greedy decode steps of the plan's rows in one call (`_greedy_steps`)."""
@@ -1028,32 +1027,29 @@ class Engine:
         tokens, logprobs, self.caches, lengths = self._greedy_steps(
             self._leaves, self.caches, self._pushed, ids, pos, stops, eos, steps=plan.greedy_steps, evict=self.evict
         )
-        tokens, logprobs, held = np.asarray(tokens), np.asarray(logprobs), self._held(lengths, rows)
+        tokens, logprobs, (held, rings) = np.asarray(tokens), np.asarray(logprobs), self._held(lengths)
         self.stats.steps += int((tokens >= 0).any(axis=1).sum())
         self.stats.calls += 1
         for step_tokens, step_lps in zip(tokens, logprobs):
             for i, (r, tok, lp) in enumerate(zip(rows, step_tokens, step_lps)):
                 if tok >= 0 and self.scheduler.fed(r, 1, None if held is None else held[i]):
                     self.scheduler.picked(r, int(tok), float(lp))
-        self._rings_after(rows)
+        self._rings_after(rows, rings)
 
-    def _held(self, lengths: tuple[jax.Array, jax.Array], rows: list[Sequence]) -> list | None:
-        """Each row's main-pool length after a call (with a table per layer, each layer's), read back only
-        under eviction while decoding (which shortens rows; the host frees the pages past them); None when
-        the host's own count is right. A compressed ring's length, which eviction shortens too, goes to
-        `_rings` (its positions less the tokens it holds) once the rows' tokens are fed (`_rings_after`)."""
+    def _held(self, lengths: tuple[jax.Array, jax.Array]) -> tuple[list | None, list | None]:
+        """Each row's main-pool length after a call (with a table per layer, each layer's) and its window
+        pool's, read back only under eviction while decoding (which shortens rows and compressed rings; the
+        host frees the pages past them); None when the host's own counts are right."""
         if self.evict is None:
-            return None
-        main, window = (np.asarray(x).tolist() for x in lengths)
-        self._ring_lengths = {r.index: n for r, n in zip(rows, window) if r.index in self._rings}
-        return main
+            return None, None
+        return tuple(np.asarray(x).tolist() for x in lengths)
 
-    def _rings_after(self, rows: list[Sequence]) -> None:
-        """Each fed row's compressed ring holds the length the device said (`_held`) at its new position."""
-        for r in rows:
-            if r.index in self._ring_lengths and r.index in self._rings:
-                self._rings[r.index] = r.at - self._ring_lengths[r.index]
-        self._ring_lengths = {}
+    def _rings_after(self, rows: list[Sequence], rings: list[int] | None) -> None:
+        """The fed rows' compressed rings hold `rings` tokens (`_held`) at their new positions (`_rings`: the
+        positions less the tokens held)."""
+        for r, n in zip(rows, rings or []):
+            if r.index in self._rings:
+                self._rings[r.index] = r.at - n
 
     def warm(self) -> int:
         """Compile every step this engine can run (each row bucket with each chunk bucket, and each row

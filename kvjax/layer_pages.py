@@ -32,7 +32,8 @@ class LayerPages:
         self.n_layers, self.page_size, self.n_pages = n_layers, page_size, self.pool.n_pages
         self.lengths: dict[object, int] = {}  # slots of the sequence's largest layer
         self.offsets: dict[object, np.ndarray] = {}  # now
-        self.shapes: dict[object, np.ndarray] = {}  # after its prompt's compression, and the most each layer holds
+        # after its prompt's compression (offsets), and the most slots each layer holds
+        self.shapes: dict[object, tuple[np.ndarray, np.ndarray]] = {}
         self.hits = self.misses = 0
 
     @property

@@ -49,6 +49,11 @@ class Eviction(NamedTuple):
         return self.static[1]
 
     @property
+    def rings(self) -> bool:
+        """Whether compressed rings (`local=true`, the sliding-window layers' own pool) are re-selected too."""
+        return any(self.static[7])
+
+    @property
     def every(self) -> int:
         return self.static[0].every
 
@@ -65,9 +70,8 @@ def evicting_step(model, caches, tokens: jax.Array, pos: jax.Array, budgets: jax
     to their budgets `[R, 1 + 3n]` (`budget_row`). Returns the final hidden states `[R,1,D]` and the caches."""
     stage, slots = evict.static[0], evict.slots
     R, n = tokens.shape[0], len(slots)
-    rings = any(evict.static[7])  # compressed rings (local=true), in the sliding-window layers' own pool
     hidden, caches, observed = model.observe(
-        tokens[:, None], pos[:, None], caches, jnp.zeros((R, 1), jnp.int32), observe_fn((stage,)), rings
+        tokens[:, None], pos[:, None], caches, jnp.zeros((R, 1), jnp.int32), observe_fn((stage,)), evict.rings
     )
     prompt, counts, windows, floors = budgets[:, 0], *(budgets[:, 1 + i * n : 1 + (i + 1) * n].T for i in range(3))
     due = (pos >= 0) & ((pos - prompt + 1) % stage.every == 0)  # the Generator's step index, from 1

@@ -12,6 +12,7 @@ and must come after the valid tokens of their row (prompts are right-padded).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -258,8 +259,24 @@ class RingKVCache(_SlotCache):
         return new, view
 
 
+class Ring:
+    """What every compressed ring shares (a sliding-window layer's cache compressed under `local=true`, which
+    stays within its C slots however long decoding goes on): it is made from the cache it compresses, and
+    takes one decode token at a time, written over the oldest token once its C slots are full."""
+
+    @classmethod
+    def of(cls, cache):
+        """The ring holding `cache`'s slots as they are."""
+        return cls(**{f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)})
+
+    @staticmethod
+    def one_token(pos: jax.Array) -> None:
+        if pos.shape[1] != 1:
+            raise ValueError(f"a compressed ring takes one decode token at a time, not {pos.shape[1]}")
+
+
 @struct.dataclass
-class WindowKVCache(KVCache):
+class WindowKVCache(Ring, KVCache):
     """A sliding-window layer's compressed cache (a ring compressed under `local=true`): its kept tokens in
     position order, then each new token in the next slot, and once the C slots are full, over the oldest
     one (slot n % C for the n-th token held). With C at most the window W, the token overwritten is never
@@ -269,8 +286,7 @@ class WindowKVCache(KVCache):
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[WindowKVCache, KVView]:
         _check_chunk(self, k, v, pos)
-        if k.shape[1] != 1:
-            raise ValueError(f"a compressed ring takes one decode token at a time, not {k.shape[1]}")
+        self.one_token(pos)
         slots = jnp.where(pos >= 0, self.length[:, None] % self.capacity, self.capacity)
         new = self._write_slots(slots, pos, k=k, v=v).replace(fresh=False)
         return new, KVView(new.k, new.v, new.pos)
@@ -312,6 +328,31 @@ class PooledKVCache(_Positioned):
             pos=_scatter(self.pos, slots, flat_pos, False),
             head=_scatter(self.head, slots, heads, False),
             length=self.length + (flat_pos >= 0).sum(axis=1, dtype=jnp.int32),
+        )
+        return new, KVView(new.k, new.v, new.pos, new.head)
+
+
+@struct.dataclass
+class WindowPooledKVCache(Ring, PooledKVCache):
+    """An AdaKV pool compressed from a sliding-window ring (`local=true`): a new token's K entries go over
+    the K oldest (empty ones first), so the pool stays within its C entries. With C at most K x W, no entry
+    a later query sees is overwritten: before the token at p + 1 is written, the live entries (positions
+    p + 2 - W to p, one per head at most) number at most K (W - 1), so the K oldest are dead or empty."""
+
+    def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[WindowPooledKVCache, KVView]:
+        self.one_token(pos)
+        B, _, K, H = k.shape
+        if v.shape != k.shape or B != self.k.shape[0] or H != self.k.shape[2]:
+            raise ValueError(f"new k {k.shape} / v {v.shape} must be [B, 1, K, H={self.k.shape[2]}]")
+        _, oldest = jax.lax.top_k(-self.pos, K)  # [B,K]: the smallest positions, empty entries (-1) first
+        slots = jnp.where(pos >= 0, oldest, self.capacity)
+        heads = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32)[None], (B, K))
+        new = self.replace(
+            k=_scatter(self.k, slots, k[:, 0], False),
+            v=_scatter(self.v, slots, v[:, 0], False),
+            pos=_scatter(self.pos, slots, jnp.broadcast_to(pos, (B, K)), False),
+            head=_scatter(self.head, slots, heads, False),
+            length=self.length + K * (pos[:, 0] >= 0),
         )
         return new, KVView(new.k, new.v, new.pos, new.head)
 

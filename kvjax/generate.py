@@ -162,8 +162,8 @@ def _decode_step(model, tokens, pos, caches, stats, step, evict):
     obs = jnp.zeros(tokens.shape, jnp.int32)
     hidden, caches, observed = model.observe(tokens, pos, caches, obs, observe_fn((stage,)))
     running = tuple(
-        None if o is None or o[0] is None else (o[0] + st if accumulates(stage) else o[0])
-        for o, st in zip(observed, stats)
+        None if o is None or o[0] is None else (o[0] + _unheld(st, c, pos) if accumulates(stage) else o[0])
+        for o, st, c in zip(observed, stats, caches)
     )
     as_observed = tuple(None if st is None else (st,) for st in running)
 
@@ -172,6 +172,15 @@ def _decode_step(model, tokens, pos, caches, stats, step, evict):
 
     caches, stats = jax.lax.cond(step % stage.every == 0, compress, lambda c, r: (c, r), caches, running)
     return model.logits(hidden), caches, stats
+
+
+def _unheld(stat, cache, pos):
+    """A running statistic `[B,Kh,S]` with the slots the step's token `pos` `[B,1]` went to at zero: a new
+    token's sum starts from nothing, also where a compressed ring wrote it over an older token's slot."""
+    if not isinstance(stat, jax.Array):
+        return stat
+    held = cache.pos if cache.pos.ndim == 3 else cache.pos[:, None]
+    return jnp.where(held == pos[:, :, None], 0, stat)
 
 
 def _decode(

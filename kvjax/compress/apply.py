@@ -12,12 +12,21 @@ to measure and CaM has no separate values to merge: those raise a clear error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import KVCache, LatentCache, RingKVCache, WindowKVCache, layer_slots
+from kvjax.cache import (
+    KVCache,
+    LatentCache,
+    PooledKVCache,
+    RingKVCache,
+    WindowKVCache,
+    WindowPooledKVCache,
+    layer_slots,
+)
 from kvjax.compress import reducers, scorers
 from kvjax.compress.methods.base import Target
 from kvjax.compress.policy import Policy, Stage, stage_counts
@@ -27,7 +36,7 @@ from kvjax.memory import layer_memory
 from kvjax.ops import grouped_mask
 from kvjax.plan import compressible, kv_heads, ring_window, rope_base
 from kvjax.quant import QuantKVCache, QuantSpec
-from kvjax.quant.cache import WindowQuantKVCache, rings_codes
+from kvjax.quant.cache import WindowQuantKVCache
 from kvjax.quant.packing import packed_width
 from kvjax.quant.parts import LowRankError, Outliers, Sinks
 
@@ -46,6 +55,12 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
         for stage in policy.stages:
             if stage.hooks and stage.hooks.rings:
                 raise ConfigError(f"policy stage {stage.method!r}: local=true does not apply: {stage.hooks.rings}")
+            window = min(w for w in map(functools.partial(ring_window, cfg), slots) if w)
+            if stage.quantizes and stage.quant_spec.blocked and stage.quant_spec.residual > window:
+                raise ConfigError(
+                    f"policy stage {stage.method!r}: residual={stage.quant_spec.residual} must be at most the "
+                    f"sliding window ({window} tokens) of the rings local=true compresses: a ring holds the window"
+                )
     mla = "mla" in cfg.mixers
     for i, stage in enumerate(policy.stages):
         where = f"policy stage {stage.method!r}"
@@ -171,11 +186,12 @@ def plan_stages(
         if stage.hooks:
             keep_caps = tuple(stage.hooks.keep_cap(stage, cap) for cap in keep_caps)
         capacities = tuple(keep_caps[j] + (headroom * heads[j] if last else 0) for j in range(len(slots)))
-        if last and wraps(stage):  # a compressed ring holds the window at most (`WindowKVCache`)
-            capacities = tuple(min(c, w) if w else c for c, w in zip(capacities, rings))
+        ringed = tuple(bool(w) and last and wraps(stage) for w in rings)
+        if last and wraps(stage):  # a compressed ring holds the window at most (a `Ring`): W slots, K W entries
+            capacities = tuple(min(c, w * h) if w else c for c, w, h in zip(capacities, rings, heads))
         quant = stage.quant_spec if stage.quantizes else None
-        if quant is not None:  # key groups tile the quantized cache
-            capacities = tuple(quant.slots(c) for c in capacities)
+        if quant is not None:  # key groups (a ring's: GEAR's error blocks too) tile the quantized cache
+            capacities = tuple(quant.slots(c, ring) for c, ring in zip(capacities, ringed))
         prepared = {"bases": bases, "streaming": streaming}
         needs = stage.hooks.prepares if stage.hooks else ()
         missing = [name for name in needs if prepared[name] is None]
@@ -232,13 +248,14 @@ def observe_fn(stages: tuple[Stage, ...]):
 
 
 def wraps(stage: Stage) -> bool:
-    """Whether a ring this (last) stage compresses becomes a ring again, capped at its window: token
-    eviction into the cache's own layout (`WindowKVCache`, what the engine can page) or a plain scheme's codes
-    (`WindowQuantKVCache`: int's per token, KIVI's blocks); the other quantizers' parts, re-encoded and pooled
-    caches grow with decoding instead."""
-    if stage.quantizes:
-        return rings_codes(stage.quant_spec)
-    return stage.hooks is not None and stage.hooks.pageable and not stage.pooled
+    """Whether a ring this (last) stage compresses becomes a ring again, capped at its window: token eviction
+    into the cache's own layout (`WindowKVCache`, what the engine can page; an AdaKV pool,
+    `WindowPooledKVCache`) or a quantizer's codes and parts (`WindowQuantKVCache`); the caches a method
+    re-encodes (Quest's pages, ThinK's channels, Palu's latents) grow with decoding instead."""
+    return stage.quantizes or (stage.hooks is not None and stage.hooks.kind == "scorer")
+
+
+_RINGS = {KVCache: WindowKVCache, PooledKVCache: WindowPooledKVCache, QuantKVCache: WindowQuantKVCache}
 
 
 def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[int, ...]):
@@ -264,10 +281,8 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
                 stage, cache, stats, counts[j], windows[j], floors[j], last_pos, target, heads[j], quant
             )
             stats = stats[1:] or stats  # the next stage's statistic comes first; the last one is kept
-        if rings[j] and wraps(statics[-1][0]) and type(cache) is KVCache:
-            cache = WindowKVCache(k=cache.k, v=cache.v, pos=cache.pos, length=cache.length)
-        elif rings[j] and wraps(statics[-1][0]) and type(cache) is QuantKVCache:
-            cache = WindowQuantKVCache.of(cache)
+        if rings[j] and wraps(statics[-1][0]) and type(cache) in _RINGS:
+            cache = _RINGS[type(cache)].of(cache)
         caches[slot], last_stats[slot] = cache, stats[0]
     return tuple(caches), tuple(last_stats)
 

@@ -30,9 +30,10 @@ then each ring's budget is taken of the tokens still inside its window (min(L, W
 above that keeps them all), and the layer decodes from a position-masked cache of its kept tokens plus
 the new ones, the window still masking what falls out of it. After token eviction that cache holds
 min(kept + new, W) slots (`kvjax.cache.WindowKVCache`: once full, a new token goes over the oldest,
-which no later query sees), so a compressed ring stays capped however long decoding goes, as one in
-per-token int codes does (`int:8`, `int:4` after it or alone: `kvjax.quant.cache.WindowQuantKVCache`);
-a ring in KIVI's blocks, other quantizers' parts or re-encoded holds kept + new (with `every=n`, kept + n).
+which no later query sees), so a compressed ring stays capped however long decoding goes, as an AdaKV
+pool does in K W entries (`WindowPooledKVCache`) and one in any quantizer's codes (int, KIVI, KVQuant, GEAR,
+after eviction or alone: `kvjax.quant.cache.WindowQuantKVCache`, whose residual must fit the window); a ring
+a method re-encodes (Quest, ThinK, Palu, LoRC) holds kept + new.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import KVView, _append_slots, _Positioned
+from kvjax.cache import KVView, Ring, _append_slots, _Positioned
 from kvjax.quant.packing import pack, packed_width, unpack
 from kvjax.quant.parts import LowRankError, Outliers, Sinks, scatter_head_major
 from kvjax.quant.quantizers import dequantize, quantize
@@ -94,9 +94,10 @@ class QuantSpec:
             return 2 * math.ceil(self.outliers * head_dim / 2)
         return math.ceil(self.outliers * head_dim)
 
-    def slots(self, capacity: int) -> int:
-        """Capacity rounded up so key groups tile it."""
-        g = self.group if self.blocked else 1
+    def slots(self, capacity: int, ring: bool = False) -> int:
+        """Capacity rounded up so key groups tile it; a ring's (`WindowQuantKVCache`) so that GEAR's error
+        blocks of `residual` tokens tile it too (a block's slots must not straddle the wrap)."""
+        g = self.residual if ring and self.rank else self.group if self.blocked else 1
         return -(-capacity // g) * g
 
 
@@ -287,8 +288,9 @@ class QuantKVCache(_Positioned):
         new = self._write_slots(slots, pos)
         if not self.spec.blocked:
             return new._store(slots, k_hm, v_hm, self.spec.bits).replace(n_quant=new.length)
-        if new.sinks is not None:  # the first slots, kept exactly
-            new = new.replace(sinks=new.sinks.write(slots, k_hm, v_hm))
+        if new.sinks is not None:  # the first tokens held (their index, which is their slot but in a ring), exactly
+            index = self.length[:, None] + jnp.arange(pos.shape[1], dtype=jnp.int32)[None, :]
+            new = new.replace(sinks=new.sinks.write(jnp.where(pos >= 0, index, self.spec.sinks), k_hm, v_hm))
         return new._kivi_append(k_hm, v_hm, (pos >= 0).sum(axis=1, dtype=jnp.int32))
 
     def _store(self, slots, k_hm, v_hm, bits):
@@ -347,7 +349,10 @@ class QuantKVCache(_Positioned):
             recon_v = dequantize(vc, vs, vz, spec.bits, Gv)
             if chunk_outliers is not None:
                 recon_k, recon_v = chunk_outliers.apply(recon_k, recon_v)
-            extra["low_rank"] = self.low_rank.write(work_k, work_v, recon_k, recon_v, slots, self.n_quant, flush)
+            blocks = jnp.arange(-(-W // R), dtype=jnp.int32)[None, :]
+            bslots = self._ring(self.n_quant[:, None] + blocks * R) // R  # each block's (error blocks tile a ring)
+            bslots = jnp.where((blocks + 1) * R <= flush[:, None], bslots, self.low_rank.k_p.shape[2])
+            extra["low_rank"] = self.low_rank.write(work_k, work_v, recon_k, recon_v, slots, bslots)
         return self.replace(
             k_codes=scatter_head_major(self.k_codes, slots, pack(kc.swapaxes(2, 3), spec.bits)),
             v_codes=scatter_head_major(self.v_codes, slots, pack(vc, spec.bits)),
@@ -376,9 +381,13 @@ class QuantKVCache(_Positioned):
         )
         k = k.swapaxes(2, 3)
         v = dequantize(vc, self.v_scale.swapaxes(2, 3), self.v_zero.swapaxes(2, 3), spec.bits, spec.value_group(H))
-        for part in (self.low_rank, self.outliers, self.sinks):  # error terms, exact entries, exact tokens
+        for part in (self.low_rank, self.outliers):  # error terms, exact entries
             if part is not None:
                 k, v = part.apply(k, v)
+        if self.sinks is not None:  # exact tokens, in the slots that still hold them
+            n = min(self.sinks.k.shape[2], self.capacity)
+            held = self._held(jnp.arange(n, dtype=jnp.int32)[None, :]) < self.sinks.k.shape[2]
+            k, v = self.sinks.apply(k, v, held)
         R = spec.residual
         at = self.n_quant[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
         at = jnp.where(at < self.length[:, None], self._ring(at), self.capacity)
@@ -389,7 +398,7 @@ class QuantKVCache(_Positioned):
 
 
 @struct.dataclass
-class WindowQuantKVCache(QuantKVCache):
+class WindowQuantKVCache(Ring, QuantKVCache):
     """A sliding-window layer's ring compressed under `local=true` into the codes of a plain scheme (int,
     KIVI): as `kvjax.cache.WindowKVCache`, its kept tokens in position order, then each new token in the
     next slot and, once its C slots are full, over the oldest (slot n % C for the n-th token held), which
@@ -399,13 +408,8 @@ class WindowQuantKVCache(QuantKVCache):
     tokens' slots too. So the ring decodes as the cache left to grow does, in at most the window's slots
     (rounded up to whole key groups)."""
 
-    @classmethod
-    def of(cls, cache: QuantKVCache) -> WindowQuantKVCache:
-        return cls(**{f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)})
-
     def _slots(self, pos: jax.Array) -> jax.Array:
-        if pos.shape[1] != 1:
-            raise ValueError(f"a compressed ring takes one decode token at a time, not {pos.shape[1]}")
+        self.one_token(pos)
         return jnp.where(pos >= 0, self._ring(self.length[:, None]), self.capacity)
 
     def _ring(self, index: jax.Array) -> jax.Array:

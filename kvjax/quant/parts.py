@@ -109,15 +109,16 @@ class Sinks:
     def nbytes(K: int, sinks: int, H: int, item: int) -> int:
         return 2 * K * sinks * H * item
 
-    def write(self, slots, k, v) -> Sinks:
-        """k, v `[B,K,T,H]` going to slots `[B,T]`: those below `sinks` are kept."""
-        return Sinks(k=scatter_head_major(self.k, slots, k), v=scatter_head_major(self.v, slots, v))
+    def write(self, index, k, v) -> Sinks:
+        """k, v `[B,K,T,H]` of the tokens held `index`-th `[B,T]`: those below `sinks` are kept."""
+        return Sinks(k=scatter_head_major(self.k, index, k), v=scatter_head_major(self.v, index, v))
 
-    def apply(self, k, v) -> tuple[jax.Array, jax.Array]:
-        n = min(self.k.shape[2], k.shape[2])
-        return k.at[:, :, :n].set(self.k[:, :, :n].astype(k.dtype)), v.at[:, :, :n].set(
-            self.v[:, :, :n].astype(v.dtype)
-        )
+    def apply(self, k, v, held) -> tuple[jax.Array, jax.Array]:
+        """k, v `[B,K,S,H]` with the first n slots exact where `held` `[B|1,n]` (the slot still holds its
+        sink: a ring overwrites them too)."""
+        n = held.shape[1]
+        exact = lambda x, sink: jnp.where(held[:, None, :, None], sink[:, :, :n].astype(x.dtype), x[:, :, :n])  # noqa: E731
+        return k.at[:, :, :n].set(exact(k, self.k)), v.at[:, :, :n].set(exact(v, self.v))
 
 
 @struct.dataclass
@@ -140,12 +141,9 @@ class LowRankError:
     def nbytes(capacity: int, K: int, H: int, rank: int, residual: int, item: int) -> int:
         return capacity * 2 * K * rank * item + -(-capacity // residual) * 2 * K * H * rank * item
 
-    def write(self, exact_k, exact_v, recon_k, recon_v, slots, n_quant, flush) -> LowRankError:
+    def write(self, exact_k, exact_v, recon_k, recon_v, slots, bslots) -> LowRankError:
         """The factors of the blocks just quantized: exact and dequantized k, v `[B,K,W,H]` of the tokens
-        going to slots `[B,W]`, rows' `n_quant` (a multiple of `residual`) and `flush` tokens flushed."""
-        R, W = self.residual, exact_k.shape[2]
-        blocks = jnp.arange(-(-W // R), dtype=jnp.int32)[None, :]
-        bslots = jnp.where((blocks + 1) * R <= flush[:, None], n_quant[:, None] // R + blocks, self.k_p.shape[2])
+        going to slots `[B,W]`, each block of `residual` of them to its block slot `bslots` `[B,W/residual]`."""
         (k_q, k_p), (v_q, v_p) = self._factors(exact_k, recon_k), self._factors(exact_v, recon_v)
         return self.replace(
             k_q=scatter_head_major(self.k_q, slots, k_q),

@@ -929,34 +929,42 @@ def test_local_true_compresses_the_rings_to_tokens_inside_their_window(make_mode
     [
         "snapkv:0.3:local,obs_window=2",
         "h2o:0.5:local,every=6",
+        "scissorhands:0.5:local,obs_window=2",
         "tova:0.5:local",
+        "snapkv:0.5:allocator=adakv,local,obs_window=2",
+        "h2o:0.25:allocator=adakv,local,every=4",
         "tova:0.5:local+int:4",
-        "tova:0.5:local+kivi:2:group=2,residual=4",
+        "tova:0.5:local+kivi:2:group=4,residual=8",
+        "kvquant:2:local,group=4,residual=8",  # its sink and pre-RoPE keys too
+        "gear:2:local,group=4,residual=8",  # its error blocks too
     ],
 )
 def test_a_compressed_ring_stays_within_its_window_while_decoding(make_model, monkeypatch, policy):
     """A ring compressed by token eviction (`local`) keeps decoding in at most W = 8 slots
-    (`WindowKVCache`: a new token over the oldest once full), with `every=6` between evictions too, and
-    so does one in per-token int codes after it, or in KIVI's blocks of 4 tokens (2 key groups of 2) through
-    its residual, a block's codes and key scales landing on the slots its tokens hold
-    (`WindowQuantKVCache`): the same tokens and log-probabilities as the same cache left to grow (the token
-    overwritten is out of every later query's window), in fewer bytes, measured equal to analytic."""
-    from kvjax.cache import WindowKVCache
+    (`WindowKVCache`: a new token over the oldest once full), with `every=` between evictions too (where a
+    new token's running sum starts at zero, not at the sum of the token whose slot it took), an AdaKV pool
+    in at most K W = 16 entries (`WindowPooledKVCache`: a token's K entries over the K oldest), and so does
+    one in per-token int codes after it, or in KIVI's blocks of 8 tokens (2 key groups of 4) through its
+    residual, a block's codes and key scales landing on the slots its tokens hold (`WindowQuantKVCache`),
+    with KVQuant's exact sink while its slot still holds it and GEAR's error factors per block slot: the
+    same tokens and log-probabilities as the same cache left to grow (what it overwrites is out of every
+    later query's window), in fewer bytes, measured equal to analytic."""
+    from kvjax.cache import Ring
     from kvjax.compress import apply
-    from kvjax.quant.cache import WindowQuantKVCache
 
     cfg, model = make_model("gqa", *GEMMA_LIKE)
-    decoding = DecodingConfig(max_new_tokens=16)
-    capped = Generator(model, capacity=CAPACITY + 16, policy=parse_policy(policy))
+    decoding = DecodingConfig(max_new_tokens=30)
+    capped = Generator(model, capacity=CAPACITY + 30, policy=parse_policy(policy))
     out = capped(PROMPTS, decoding)
     lengths = np.array([len(p) for p in PROMPTS])
-    assert caches_nbytes(out.caches) == capped.cache_bytes(lengths, 16)
+    assert caches_nbytes(out.caches) == capped.cache_bytes(lengths, 30)
     local = [c for kind, c in zip(cfg.mixers, out.caches) if kind == "local"]
-    ring = WindowQuantKVCache if "+" in policy else WindowKVCache
-    assert local and all(isinstance(c, ring) and c.capacity <= 8 for c in local)
+    entries = 8 * (cfg.attention_for("local").n_kv_heads if "adakv" in policy else 1)
+    assert local and all(isinstance(c, Ring) and c.capacity <= entries for c in local)
+    assert all(getattr(c, "spec", None) is None or c.spec.rope_theta == 100 for c in local)  # the window's own base
     assert all(int(c.length.min()) > c.capacity for c in local) or "every" in policy  # it did wrap
     monkeypatch.setattr(apply, "wraps", lambda stage: False)  # what it was: a plain cache with room for all
-    grown = Generator(model, capacity=CAPACITY + 16, policy=parse_policy(policy))
+    grown = Generator(model, capacity=CAPACITY + 30, policy=parse_policy(policy))
     want = grown(PROMPTS, decoding)
     np.testing.assert_array_equal(out.tokens, want.tokens)
     np.testing.assert_allclose(out.logprobs, want.logprobs, atol=2e-5)
@@ -966,9 +974,6 @@ def test_a_compressed_ring_stays_within_its_window_while_decoding(make_model, mo
 @pytest.mark.parametrize(
     "policy",
     [
-        # a residual that holds every token keeps every cache exact; pre-RoPE keys are un-rotated with
-        # each layer's own base
-        "kvquant:4:local,group=4,residual=48",
         "quest:1000:local,page_size=4",  # reading at least the window reads every page of a ring
         "think:0.0:local",
         "palu:0.0:local",  # full rank: the rings' calibrated bases span their keys and values
@@ -999,6 +1004,7 @@ def test_local_true_runs_quantizers_selectors_and_encoders_with_exact_bytes(make
         (GEMMA_LIKE, "snapkv:0.5+streaming:0.5:local", "local= goes on the first stage"),
         (GEMMA_LIKE, "minicache:0.5:local", "local=true does not apply: it merges pairs"),
         (GEMMA_LIKE, "d2o:0.5:local", "local=true does not apply: its layer budgets"),
+        (GEMMA_LIKE, "kivi:2:local,group=4,residual=16", r"residual=16 must be at most the sliding window \(8"),
     ],
 )
 def test_local_true_is_refused_where_it_cannot_apply(make_model, model, policy, error):

@@ -98,6 +98,27 @@ class _Positioned(_Arrays):
         )
 
 
+class Ring:
+    """What every compressed ring shares (a sliding-window layer's cache compressed under `local=true`, which
+    stays within its C slots however long decoding goes on): it is made from the cache it compresses, and
+    takes one decode token at a time, written over the oldest token once its C slots are full."""
+
+    @classmethod
+    def of(cls, cache):
+        """The ring holding `cache`'s slots as they are."""
+        return cls(**{f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)})
+
+    @staticmethod
+    def one_token(pos: jax.Array) -> None:
+        if pos.shape[1] != 1:
+            raise ValueError(f"a compressed ring takes one decode token at a time, not {pos.shape[1]}")
+
+    def ring_slots(self, pos: jax.Array) -> jax.Array:
+        """The slot `[B,1]` of a decode token at `pos` `[B,1]`: n % C for the n-th token held (padding: none)."""
+        self.one_token(pos)
+        return jnp.where(pos >= 0, self.length[:, None] % self.capacity, self.capacity)
+
+
 @struct.dataclass
 class _SlotCache(_Positioned):
     """Fields and bookkeeping shared by the attention caches; subclasses define where tokens go."""
@@ -184,16 +205,23 @@ class QuestKVCache(KVCache):
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[QuestKVCache, KVView]:
         _check_chunk(self, k, v, pos)
-        slots = _append_slots(self.length, pos, self.capacity)
+        slots = self._slots(pos)
         new = self._write_slots(slots, pos, k=k, v=v)
-        page = jnp.where(slots < self.capacity, slots // self.page_size, self.page_min.shape[2])
+        P = self.page_min.shape[2]
+        page = jnp.where(slots < self.capacity, slots // self.page_size, P)
+        begun = jnp.where(slots % self.page_size == 0, page, P)  # a page begun again (a ring's) drops its old bounds
         rows = jnp.arange(k.shape[0])[:, None]
         index = (rows, slice(None), page)
+        page_min = self.page_min.at[rows, :, begun].set(jnp.inf, mode="drop")
+        page_max = self.page_max.at[rows, :, begun].set(-jnp.inf, mode="drop")
         new = new.replace(
-            page_min=self.page_min.at[index].min(k.astype(self.page_min.dtype), mode="drop"),
-            page_max=self.page_max.at[index].max(k.astype(self.page_max.dtype), mode="drop"),
+            page_min=page_min.at[index].min(k.astype(self.page_min.dtype), mode="drop"),
+            page_max=page_max.at[index].max(k.astype(self.page_max.dtype), mode="drop"),
         )
         return new, KVView(new.k, new.v, new.pos)
+
+    def _slots(self, pos: jax.Array) -> jax.Array:
+        return _append_slots(self.length, pos, self.capacity)
 
     def select(self, q: jax.Array, view: KVView, q_pos: jax.Array, window: int | None = None) -> KVView:
         """The view a single decode query `[B,1,N,H]` at `q_pos` `[B,1]` reads: per KV head, the pages
@@ -213,7 +241,7 @@ class QuestKVCache(KVCache):
         lo = jnp.where(filled[:, None, :, None], self.page_min, 0).astype(jnp.float32)[:, :, :, None]
         hi = jnp.where(filled[:, None, :, None], self.page_max, 0).astype(jnp.float32)[:, :, :, None]
         bound = jnp.maximum(q_g * lo, q_g * hi).sum(axis=-1).max(axis=-1)  # [B,K,P]
-        newest = (jnp.arange(P)[None, :] == ((self.length - 1) // self.page_size)[:, None])[:, None, :]
+        newest = (jnp.arange(P)[None, :] == (jnp.argmax(self.pos, axis=1) // self.page_size)[:, None])[:, None, :]
         bound = jnp.where(filled[:, None, :], jnp.where(newest, jnp.inf, bound), -jnp.inf)
         if self.read_pages >= P:  # every page is read: nothing to select
             return view
@@ -230,6 +258,17 @@ class QuestKVCache(KVCache):
             return jnp.take_along_axis(x, idx, axis=2).reshape(B, K, -1, *x.shape[4:])
 
         return KVView(pages(view.k, 0), pages(view.v, 0), pages(pos, -1))
+
+
+@struct.dataclass
+class WindowQuestKVCache(Ring, QuestKVCache):
+    """Quest's pages of a sliding-window layer (`local=true`) as a ring: a new token goes to slot n % C, and a
+    page it begins again starts its key bounds afresh. While a page is part overwritten it holds the newest
+    token, which Quest always reads, so its bounds (of the new tokens only) never decide a selection; with C
+    the slots of every page the window touches, whole, the pages read are those of the cache left to grow."""
+
+    def _slots(self, pos: jax.Array) -> jax.Array:
+        return self.ring_slots(pos)
 
 
 @struct.dataclass
@@ -259,22 +298,6 @@ class RingKVCache(_SlotCache):
         return new, view
 
 
-class Ring:
-    """What every compressed ring shares (a sliding-window layer's cache compressed under `local=true`, which
-    stays within its C slots however long decoding goes on): it is made from the cache it compresses, and
-    takes one decode token at a time, written over the oldest token once its C slots are full."""
-
-    @classmethod
-    def of(cls, cache):
-        """The ring holding `cache`'s slots as they are."""
-        return cls(**{f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)})
-
-    @staticmethod
-    def one_token(pos: jax.Array) -> None:
-        if pos.shape[1] != 1:
-            raise ValueError(f"a compressed ring takes one decode token at a time, not {pos.shape[1]}")
-
-
 @struct.dataclass
 class WindowKVCache(Ring, KVCache):
     """A sliding-window layer's compressed cache (a ring compressed under `local=true`): its kept tokens in
@@ -286,9 +309,7 @@ class WindowKVCache(Ring, KVCache):
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[WindowKVCache, KVView]:
         _check_chunk(self, k, v, pos)
-        self.one_token(pos)
-        slots = jnp.where(pos >= 0, self.length[:, None] % self.capacity, self.capacity)
-        new = self._write_slots(slots, pos, k=k, v=v).replace(fresh=False)
+        new = self._write_slots(self.ring_slots(pos), pos, k=k, v=v).replace(fresh=False)
         return new, KVView(new.k, new.v, new.pos)
 
 

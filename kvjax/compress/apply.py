@@ -37,6 +37,7 @@ from kvjax.ops import grouped_mask
 from kvjax.plan import compressible, kv_heads, ring_window, rope_base
 from kvjax.quant import QuantKVCache, QuantSpec
 from kvjax.quant.cache import WindowQuantKVCache
+from kvjax.quant.lowrank import LowRankKVCache, WindowLowRankKVCache
 from kvjax.quant.packing import packed_width
 from kvjax.quant.parts import LowRankError, Outliers, Sinks
 
@@ -252,10 +253,15 @@ def wraps(stage: Stage) -> bool:
     into the cache's own layout (`WindowKVCache`, what the engine can page; an AdaKV pool,
     `WindowPooledKVCache`) or a quantizer's codes and parts (`WindowQuantKVCache`); the caches a method
     re-encodes (Quest's pages, ThinK's channels, Palu's latents) grow with decoding instead."""
-    return stage.quantizes or (stage.hooks is not None and stage.hooks.kind == "scorer")
+    return stage.quantizes or (stage.hooks is not None and stage.hooks.kind in ("scorer", "low_rank"))
 
 
-_RINGS = {KVCache: WindowKVCache, PooledKVCache: WindowPooledKVCache, QuantKVCache: WindowQuantKVCache}
+_RINGS = {
+    KVCache: WindowKVCache,
+    PooledKVCache: WindowPooledKVCache,
+    QuantKVCache: WindowQuantKVCache,
+    LowRankKVCache: WindowLowRankKVCache,
+}
 
 
 def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[int, ...]):

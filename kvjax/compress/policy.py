@@ -32,8 +32,9 @@ the new ones, the window still masking what falls out of it. After token evictio
 min(kept + new, W) slots (`kvjax.cache.WindowKVCache`: once full, a new token goes over the oldest,
 which no later query sees), so a compressed ring stays capped however long decoding goes, as an AdaKV
 pool does in K W entries (`WindowPooledKVCache`) and one in any quantizer's codes (int, KIVI, KVQuant, GEAR,
-after eviction or alone: `kvjax.quant.cache.WindowQuantKVCache`, whose residual must fit the window); a ring
-a method re-encodes (Quest, ThinK, Palu, LoRC) holds kept + new.
+after eviction or alone: `kvjax.quant.cache.WindowQuantKVCache`, whose residual must fit the window), and the
+caches methods re-encode: Palu's and LoRC's latents, Quest's pages (those W tokens touch, whole) and ThinK's
+tail of decoded tokens. Every one is a `kvjax.cache.Ring`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import KVCache, KVView, _Arrays
+from kvjax.cache import KVCache, KVView, WindowKVCache, _Arrays
 
 
 class ChannelStat(NamedTuple):
@@ -73,7 +73,8 @@ def _pruned_channels(channels: jax.Array, H: int) -> jax.Array:
 class ThinKCache(_Arrays):
     """Prompt tokens with pruned keys: kept channels `k` `[B,K,S,Hk]` (`channels` `[B,K,Hk]`), full values,
     positions, and for the last `window` prompt slots (`recent` `[B,K,R]`) the dropped channels too
-    (`k_recent` `[B,K,R,H-Hk]`); tokens decoded afterwards go to a full `tail`."""
+    (`k_recent` `[B,K,R,H-Hk]`); tokens decoded afterwards go to a full `tail` (a sliding-window layer's,
+    under `local=true`, a `WindowKVCache` of at most W slots, so decoding stays capped)."""
 
     k: jax.Array
     channels: jax.Array
@@ -85,8 +86,11 @@ class ThinKCache(_Arrays):
     tail: KVCache
 
     @classmethod
-    def from_cache(cls, cache: KVCache, stat: ChannelStat, ratio: float, window: int, headroom: int) -> ThinKCache:
-        """Prune the keys of a compacted KV cache (slots 0..length-1 in position order)."""
+    def from_cache(
+        cls, cache: KVCache, stat: ChannelStat, ratio: float, window: int, headroom: int, ring: bool = False
+    ) -> ThinKCache:
+        """Prune the keys of a compacted KV cache (slots 0..length-1 in position order); `headroom` tail slots
+        for the tokens to come (`ring`: over the oldest once full)."""
         B, K, S, H = cache.k.shape
         channels = kept_channels(channel_scores(stat.q2, cache.k, cache.pos), ratio)
         heads = (jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None])
@@ -96,7 +100,7 @@ class ThinKCache(_Arrays):
         recent = jnp.broadcast_to(recent, (B, K, R)).astype(jnp.int32)
         rest = _pruned_channels(channels, H)
         k_recent = cache.k[heads[0][..., None], heads[1][..., None], recent[..., None], rest[:, :, None, :]]
-        tail = KVCache.init(B, headroom, K, H, cache.k.dtype)
+        tail = (WindowKVCache if ring else KVCache).init(B, headroom, K, H, cache.k.dtype)
         return cls(
             k=k,
             channels=channels,

@@ -409,8 +409,7 @@ class WindowQuantKVCache(Ring, QuantKVCache):
     (rounded up to whole key groups)."""
 
     def _slots(self, pos: jax.Array) -> jax.Array:
-        self.one_token(pos)
-        return jnp.where(pos >= 0, self._ring(self.length[:, None]), self.capacity)
+        return self.ring_slots(pos)
 
     def _ring(self, index: jax.Array) -> jax.Array:
         return index % self.capacity

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.cache import KVView, _append_slots, _Positioned
+from kvjax.cache import KVView, Ring, _append_slots, _Positioned
 from kvjax.ops import attention, blocked_probs, decode_block, kernel_impl
 from kvjax.plan import LayerPlan, init_caches, rope_base
 from kvjax.rope import rotate_slots
@@ -116,7 +116,7 @@ class LowRankKVCache(_Positioned):
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[LowRankKVCache, KVView]:
         """Append a chunk k, v `[B,T,K,H]` (post-RoPE keys) at positions `[B,T]`."""
         Kg = self.k_basis.shape[0]
-        slots = _append_slots(self.length, pos, self.capacity)
+        slots = self._slots(pos)
         k_pre = rotate_slots(k.transpose(0, 2, 1, 3), -pos, self.rope_theta)
         zk = jnp.einsum("BGTi,Gir->BGTr", _grouped(k_pre, Kg).astype(jnp.float32), self.k_basis)
         zv = jnp.einsum("BGTi,Gir->BGTr", _grouped(v.transpose(0, 2, 1, 3), Kg).astype(jnp.float32), self.v_basis)
@@ -125,11 +125,24 @@ class LowRankKVCache(_Positioned):
         view = KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos)
         return new, view._replace(reader=_LatentValues(new, view))
 
+    def _slots(self, pos: jax.Array) -> jax.Array:
+        """Slots `[B,T]` of a chunk at positions `pos` `[B,T]`: after each row's tokens."""
+        return _append_slots(self.length, pos, self.capacity)
+
     def reconstructed(self) -> tuple[jax.Array, jax.Array]:
         """K (RoPE'd at each slot's position) and V `[B,K,S,H]` from the latents."""
         k_pre = _ungrouped(jnp.einsum("BGSr,Gir->BGSi", self.zk.astype(jnp.float32), self.k_basis), self.n_kv_heads)
         v = _ungrouped(jnp.einsum("BGSr,Gir->BGSi", self.zv.astype(jnp.float32), self.v_basis), self.n_kv_heads)
         return rotate_slots(k_pre, self.pos, self.rope_theta), v
+
+
+@struct.dataclass
+class WindowLowRankKVCache(Ring, LowRankKVCache):
+    """A sliding-window layer's latents (a ring factored under `local=true`): as `kvjax.cache.WindowKVCache`,
+    each new token's latent goes to slot n % C, over the oldest once the C slots are full."""
+
+    def _slots(self, pos: jax.Array) -> jax.Array:
+        return self.ring_slots(pos)
 
 
 @struct.dataclass

@@ -937,6 +937,9 @@ def test_local_true_compresses_the_rings_to_tokens_inside_their_window(make_mode
         "tova:0.5:local+kivi:2:group=4,residual=8",
         "kvquant:2:local,group=4,residual=8",  # its sink and pre-RoPE keys too
         "gear:2:local,group=4,residual=8",  # its error blocks too
+        "palu:0.5:local",
+        "quest:4:local,page_size=2",
+        "think:0.5:local",
     ],
 )
 def test_a_compressed_ring_stays_within_its_window_while_decoding(make_model, monkeypatch, policy):
@@ -946,25 +949,32 @@ def test_a_compressed_ring_stays_within_its_window_while_decoding(make_model, mo
     in at most K W = 16 entries (`WindowPooledKVCache`: a token's K entries over the K oldest), and so does
     one in per-token int codes after it, or in KIVI's blocks of 8 tokens (2 key groups of 4) through its
     residual, a block's codes and key scales landing on the slots its tokens hold (`WindowQuantKVCache`),
-    with KVQuant's exact sink while its slot still holds it and GEAR's error factors per block slot: the
-    same tokens and log-probabilities as the same cache left to grow (what it overwrites is out of every
-    later query's window), in fewer bytes, measured equal to analytic."""
+    with KVQuant's exact sink while its slot still holds it and GEAR's error factors per block slot; so do
+    Palu's latents, Quest's pages (5 of 2 slots, every page W tokens touch, each begun again with fresh key
+    bounds) and ThinK's tail of decoded tokens: the same tokens and log-probabilities as the same cache left
+    to grow (what it overwrites is out of every later query's window), in fewer bytes, measured equal to
+    analytic."""
     from kvjax.cache import Ring
     from kvjax.compress import apply
+    from kvjax.compress.methods.base import Target
+    from kvjax.compress.think import ThinKCache
 
     cfg, model = make_model("gqa", *GEMMA_LIKE)
-    decoding = DecodingConfig(max_new_tokens=30)
-    capped = Generator(model, capacity=CAPACITY + 30, policy=parse_policy(policy))
+    decoding, calibration = DecodingConfig(max_new_tokens=30), np.arange(60).reshape(2, 30) % 50 + 3
+    capped = Generator(model, capacity=CAPACITY + 30, policy=parse_policy(policy), calibration=calibration)
     out = capped(PROMPTS, decoding)
     lengths = np.array([len(p) for p in PROMPTS])
     assert caches_nbytes(out.caches) == capped.cache_bytes(lengths, 30)
     local = [c for kind, c in zip(cfg.mixers, out.caches) if kind == "local"]
-    entries = 8 * (cfg.attention_for("local").n_kv_heads if "adakv" in policy else 1)
-    assert local and all(isinstance(c, Ring) and c.capacity <= entries for c in local)
+    rings = [c.tail if isinstance(c, ThinKCache) else c for c in local]
+    most = 2 * 8 if "adakv" in policy else 10 if "quest" in policy else 8
+    assert rings and all(isinstance(c, Ring) and c.capacity <= most for c in rings)
+    assert all(int(c.length.min()) > c.capacity for c in rings) or "every" in policy  # it did wrap
     assert all(getattr(c, "spec", None) is None or c.spec.rope_theta == 100 for c in local)  # the window's own base
-    assert all(int(c.length.min()) > c.capacity for c in local) or "every" in policy  # it did wrap
-    monkeypatch.setattr(apply, "wraps", lambda stage: False)  # what it was: a plain cache with room for all
-    grown = Generator(model, capacity=CAPACITY + 30, policy=parse_policy(policy))
+    # what it was: a plain cache with room for all (one slot more: compiled anew, under the patches)
+    monkeypatch.setattr(apply, "wraps", lambda stage: False)
+    monkeypatch.setattr(Target, "capped", staticmethod(lambda slots, most: slots))
+    grown = Generator(model, capacity=CAPACITY + 31, policy=parse_policy(policy), calibration=calibration)
     want = grown(PROMPTS, decoding)
     np.testing.assert_array_equal(out.tokens, want.tokens)
     np.testing.assert_allclose(out.logprobs, want.logprobs, atol=2e-5)

@@ -56,6 +56,13 @@ class Target(NamedTuple):
         the next query, plus the headroom for decoding."""
         return slots if self.window is None else min(self.window - 1, slots) + self.capacity - self.keep_cap
 
+    @staticmethod
+    def capped(slots: int, most: int) -> int:
+        """The slots of a ring a method re-encodes into a ring of its own (Quest's pages, ThinK's tail): what it
+        would grow to, `slots`, at most `most`, all that a later query can still see. (A test lifts the cap to
+        compare the ring with the same cache left to grow.)"""
+        return min(slots, most)
+
 
 @dataclasses.dataclass(frozen=True)
 class Observed(Options):

@@ -5,13 +5,15 @@ fixed at the prefill as the paper's token budget: a ratio is of the prompt (so `
 prompt's pages, not the pages decoding adds), and a size may exceed the prompt (`quest:4096` on a
 1,000-token prompt reads every page until the sequence passes 4,096 tokens). On a sliding-window ring
 (`local=true`) the pages are those of the tokens still in the window and the ones decoding adds, a page
-wholly out of the window is no candidate, and a size of at least the window reads every page."""
+wholly out of the window is no candidate, and a size of at least the window reads every page; the pages
+form a ring (`kvjax.cache.WindowQuestKVCache`) of the ceil((W - 1) / page_size) + 1 pages that W consecutive
+tokens can touch, so the cache stays capped however long decoding goes."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from kvjax.cache import QuestKVCache
+from kvjax.cache import QuestKVCache, WindowQuestKVCache
 from kvjax.compress.methods.base import Method, Options, register
 
 
@@ -33,13 +35,23 @@ class Quest(Method):
         return -(-cap // stage.options.page_size) * stage.options.page_size  # whole pages are read
 
     def encode(self, stage, cache, stat, target):
-        cache = cache.resized(target.source(cache.capacity))  # a ring's window plus the tokens to come
+        cache = cache.resized(self.slots(stage, target, cache.capacity))  # a ring's window plus the tokens to come
         pages = target.keep_cap // stage.options.page_size
         if target.window is not None and target.keep_cap >= target.window:  # reads the whole window: every page
             pages = -(-cache.capacity // stage.options.page_size)
-        return QuestKVCache.from_cache(cache, stage.options.page_size, pages)
+        quest = QuestKVCache.from_cache(cache, stage.options.page_size, pages)
+        return quest if target.window is None else WindowQuestKVCache.of(quest)
+
+    def slots(self, stage, target, source: int) -> int:
+        """Slots stored of a cache of `source`: every token; a ring's (`Target.source`) in whole pages, at most
+        those that hold every page the window touches whole (so each page the ring reads is the page a growing
+        cache would read: W + page_size - 1 slots, rounded up to pages)."""
+        slots, ps = target.source(source), stage.options.page_size
+        if target.window is None:
+            return slots
+        return target.capped(-(-slots // ps) * ps, (-(-(target.window - 1) // ps) + 1) * ps)
 
     def cache_bytes(self, stage, target, mem, K, item, positions, source):
         # every slot kept, plus a key min and max per page and head
-        slots = target.source(source)
+        slots = self.slots(stage, target, source)
         return mem.bytes(slots) + -(-slots // stage.options.page_size) * mem.kv_bytes_per_slot

@@ -27,8 +27,14 @@ class ThinK(Method):
 
     def encode(self, stage, cache, stat, target):
         compact = cache.resized(target.keep_cap)  # the kept slots only; decoded tokens go to the tail
-        return think.ThinKCache.from_cache(compact, stat, stage.ratio, stage.recent, target.capacity - target.keep_cap)
+        ring = target.window is not None
+        return think.ThinKCache.from_cache(compact, stat, stage.ratio, stage.recent, self.tail(target), ring)
+
+    def tail(self, target) -> int:
+        """Slots for the decoded tokens: the headroom; a ring's at most its window (a `WindowKVCache` tail)."""
+        headroom = target.capacity - target.keep_cap
+        return headroom if target.window is None else target.capped(headroom, target.window)
 
     def cache_bytes(self, stage, target, mem, K, item, positions, source):
-        H, tail = mem.kv_bytes_per_slot // (2 * K * item), target.capacity - target.keep_cap
-        return think.think_bytes(target.keep_cap, tail, K, H, stage.ratio, stage.recent, item, positions)
+        H = mem.kv_bytes_per_slot // (2 * K * item)
+        return think.think_bytes(target.keep_cap, self.tail(target), K, H, stage.ratio, stage.recent, item, positions)

@@ -959,7 +959,7 @@ def test_a_compressed_ring_stays_within_its_window_while_decoding(make_model, mo
     from kvjax.compress.methods.base import Target
     from kvjax.compress.think import ThinKCache
 
-    cfg, model = make_model("gqa", *GEMMA_LIKE)
+    cfg, model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")  # a local layer and a global one
     decoding, calibration = DecodingConfig(max_new_tokens=30), np.arange(60).reshape(2, 30) % 50 + 3
     capped = Generator(model, capacity=CAPACITY + 30, policy=parse_policy(policy), calibration=calibration)
     out = capped(PROMPTS, decoding)

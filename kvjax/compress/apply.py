@@ -53,10 +53,10 @@ def check_policy(policy: Policy, cfg: ModelConfig) -> None:
     if policy.local:
         if slots == compressible(cfg):
             raise ConfigError(f"policy: local=true compresses sliding-window rings, and {cfg.name!r} has none")
+        window = min(w for w in map(functools.partial(ring_window, cfg), slots) if w)
         for stage in policy.stages:
             if stage.hooks and stage.hooks.rings:
                 raise ConfigError(f"policy stage {stage.method!r}: local=true does not apply: {stage.hooks.rings}")
-            window = min(w for w in map(functools.partial(ring_window, cfg), slots) if w)
             if stage.quantizes and stage.quant_spec.blocked and stage.quant_spec.residual > window:
                 raise ConfigError(
                     f"policy stage {stage.method!r}: residual={stage.quant_spec.residual} must be at most the "
@@ -251,8 +251,9 @@ def observe_fn(stages: tuple[Stage, ...]):
 def wraps(stage: Stage) -> bool:
     """Whether a ring this (last) stage compresses becomes a ring again, capped at its window: token eviction
     into the cache's own layout (`WindowKVCache`, what the engine can page; an AdaKV pool,
-    `WindowPooledKVCache`) or a quantizer's codes and parts (`WindowQuantKVCache`); the caches a method
-    re-encodes (Quest's pages, ThinK's channels, Palu's latents) grow with decoding instead."""
+    `WindowPooledKVCache`), a quantizer's codes and parts (`WindowQuantKVCache`) or a low-rank latent
+    (`WindowLowRankKVCache`): the plan caps their capacity at the window. Quest and ThinK make rings of their
+    own in `encode` (`Target.capped`), DuoAttention of its retrieval heads."""
     return stage.quantizes or (stage.hooks is not None and stage.hooks.kind in ("scorer", "low_rank"))
 
 

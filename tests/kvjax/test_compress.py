@@ -930,6 +930,7 @@ def test_local_true_compresses_the_rings_to_tokens_inside_their_window(make_mode
         "snapkv:0.3:local,obs_window=2",
         "h2o:0.5:local,every=6",
         "scissorhands:0.5:local,obs_window=2",
+        "snapkv:0.5:allocator=pyramid,local,obs_window=2",  # a ring of its layer's own budget
         "tova:0.5:local",
         "snapkv:0.5:allocator=adakv,local,obs_window=2",
         "h2o:0.25:allocator=adakv,local,every=4",

@@ -83,6 +83,11 @@ class _Positioned(_Arrays):
 
     _HEAD_MAJOR: tuple[str, ...] = ()  # payload fields stored `[B,K,S,...]`
 
+    def _slots(self, pos: jax.Array) -> jax.Array:
+        """Slots `[B,T]` of a chunk at positions `pos` `[B,T]`: after each row's tokens (a `Ring`'s: over its
+        oldest once full)."""
+        return _append_slots(self.length, pos, self.capacity)
+
     def _write_slots(self, slots: jax.Array, pos: jax.Array, **payload: jax.Array):
         """Token t of row b goes to slot slots[b, t] in `pos` and in each named payload array. Per-head
         positions `[B,K,S]` (a head-wise compressed cache) get the token's position in every head."""
@@ -113,7 +118,7 @@ class Ring:
         if pos.shape[1] != 1:
             raise ValueError(f"a compressed ring takes one decode token at a time, not {pos.shape[1]}")
 
-    def ring_slots(self, pos: jax.Array) -> jax.Array:
+    def _slots(self, pos: jax.Array) -> jax.Array:
         """The slot `[B,1]` of a decode token at `pos` `[B,1]`: n % C for the n-th token held (padding: none)."""
         self.one_token(pos)
         return jnp.where(pos >= 0, self.length[:, None] % self.capacity, self.capacity)
@@ -166,7 +171,7 @@ class KVCache(_SlotCache):
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[KVCache, KVView]:
         _check_chunk(self, k, v, pos)
-        new = self._write_slots(_append_slots(self.length, pos, self.capacity), pos, k=k, v=v)
+        new = self._write_slots(self._slots(pos), pos, k=k, v=v)
         return new.replace(fresh=False), KVView(new.k, new.v, new.pos, fresh=k.shape[1] if self.fresh else None)
 
 
@@ -220,9 +225,6 @@ class QuestKVCache(KVCache):
         )
         return new, KVView(new.k, new.v, new.pos)
 
-    def _slots(self, pos: jax.Array) -> jax.Array:
-        return _append_slots(self.length, pos, self.capacity)
-
     def select(self, q: jax.Array, view: KVView, q_pos: jax.Array, window: int | None = None) -> KVView:
         """The view a single decode query `[B,1,N,H]` at `q_pos` `[B,1]` reads: per KV head, the pages
         with the highest upper bound sum_c max(q_c min_c, q_c max_c) (the max over the head's query
@@ -267,9 +269,6 @@ class WindowQuestKVCache(Ring, QuestKVCache):
     token, which Quest always reads, so its bounds (of the new tokens only) never decide a selection; with C
     the slots of every page the window touches, whole, the pages read are those of the cache left to grow."""
 
-    def _slots(self, pos: jax.Array) -> jax.Array:
-        return self.ring_slots(pos)
-
 
 @struct.dataclass
 class RingKVCache(_SlotCache):
@@ -306,11 +305,6 @@ class WindowKVCache(Ring, KVCache):
     one a later query sees: C held positions up to p leave the oldest at p - C + 1 or before, out of the
     window of query p + 1 when C = W. So decoding stays within C slots however long it goes on, as the
     uncompressed ring stays within W."""
-
-    def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[WindowKVCache, KVView]:
-        _check_chunk(self, k, v, pos)
-        new = self._write_slots(self.ring_slots(pos), pos, k=k, v=v).replace(fresh=False)
-        return new, KVView(new.k, new.v, new.pos)
 
 
 @struct.dataclass
@@ -469,7 +463,7 @@ class LatentCache(_Positioned):
                 f"new c {c.shape} / k_rope {k_rope.shape} / pos {pos.shape} must be [B={B}, T, Dc={Dc}], "
                 f"[B, T, Dr={self.k_rope.shape[2]}] and [B, T]"
             )
-        new = self._write_slots(_append_slots(self.length, pos, self.capacity), pos, c=c, k_rope=k_rope)
+        new = self._write_slots(self._slots(pos), pos, c=c, k_rope=k_rope)
         return new, LatentView(new.c, new.k_rope, new.pos)
 
 

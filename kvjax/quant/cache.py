@@ -270,10 +270,6 @@ class QuantKVCache(_Positioned):
     def head_dim(self) -> int:
         return self.k_codes.shape[-1] * 8 // self.spec.bits
 
-    def _slots(self, pos: jax.Array) -> jax.Array:
-        """Slots `[B,T]` of a chunk at positions `pos` `[B,T]`: after each row's tokens."""
-        return _append_slots(self.length, pos, self.capacity)
-
     def _ring(self, index: jax.Array) -> jax.Array:
         """The slot of the index-th token held (`WindowQuantKVCache`: a ring)."""
         return index
@@ -289,8 +285,7 @@ class QuantKVCache(_Positioned):
         if not self.spec.blocked:
             return new._store(slots, k_hm, v_hm, self.spec.bits).replace(n_quant=new.length)
         if new.sinks is not None:  # the first tokens held (their index, which is their slot but in a ring), exactly
-            index = self.length[:, None] + jnp.arange(pos.shape[1], dtype=jnp.int32)[None, :]
-            new = new.replace(sinks=new.sinks.write(jnp.where(pos >= 0, index, self.spec.sinks), k_hm, v_hm))
+            new = new.replace(sinks=new.sinks.write(_append_slots(self.length, pos, self.spec.sinks), k_hm, v_hm))
         return new._kivi_append(k_hm, v_hm, (pos >= 0).sum(axis=1, dtype=jnp.int32))
 
     def _store(self, slots, k_hm, v_hm, bits):
@@ -407,9 +402,6 @@ class WindowQuantKVCache(Ring, QuantKVCache):
     their tokens' slots, which tile the ring by whole groups (C a multiple of G), its residual read at its
     tokens' slots too. So the ring decodes as the cache left to grow does, in at most the window's slots
     (rounded up to whole key groups)."""
-
-    def _slots(self, pos: jax.Array) -> jax.Array:
-        return self.ring_slots(pos)
 
     def _ring(self, index: jax.Array) -> jax.Array:
         return index % self.capacity

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.cache import KVView, Ring, _append_slots, _Positioned
+from kvjax.cache import KVView, Ring, _Positioned
 from kvjax.ops import attention, blocked_probs, decode_block, kernel_impl
 from kvjax.plan import LayerPlan, init_caches, rope_base
 from kvjax.rope import rotate_slots
@@ -125,10 +125,6 @@ class LowRankKVCache(_Positioned):
         view = KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos)
         return new, view._replace(reader=_LatentValues(new, view))
 
-    def _slots(self, pos: jax.Array) -> jax.Array:
-        """Slots `[B,T]` of a chunk at positions `pos` `[B,T]`: after each row's tokens."""
-        return _append_slots(self.length, pos, self.capacity)
-
     def reconstructed(self) -> tuple[jax.Array, jax.Array]:
         """K (RoPE'd at each slot's position) and V `[B,K,S,H]` from the latents."""
         k_pre = _ungrouped(jnp.einsum("BGSr,Gir->BGSi", self.zk.astype(jnp.float32), self.k_basis), self.n_kv_heads)
@@ -140,9 +136,6 @@ class LowRankKVCache(_Positioned):
 class WindowLowRankKVCache(Ring, LowRankKVCache):
     """A sliding-window layer's latents (a ring factored under `local=true`): as `kvjax.cache.WindowKVCache`,
     each new token's latent goes to slot n % C, over the oldest once the C slots are full."""
-
-    def _slots(self, pos: jax.Array) -> jax.Array:
-        return self.ring_slots(pos)
 
 
 @struct.dataclass

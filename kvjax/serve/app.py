@@ -284,7 +284,7 @@ class Job:
                 temperature=p.temperature,
                 top_p=p.top_p,
                 seed=p.seed if p.seed is not None else int(np.random.default_rng().integers(2**31)),
-                eos_id=self.served.tokenizer.eos_id,
+                eos_id=None if p.ignore_eos else self.served.tokenizer.eos_id,
             )
             engine_request = Request(tuple(prompt), decoding, policy=p.policy, top_logprobs=p.logprobs or 0)
             try:

@@ -73,8 +73,8 @@ def in_process(engine: Engine, requests: list[Request], concurrency: int) -> dic
 
 def over_http(engine: Engine, tokenizer, requests: list[Request], concurrency: int) -> dict:
     """The workload through `kvjax serve`'s app on a loopback port: each request a streamed completion of
-    its prompt's token ids, its tokens counted from the chunks' log-probabilities; the second of two
-    passes."""
+    its prompt's token ids (`ignore_eos`, so that every token asked for is generated, as in process), its
+    tokens counted from the chunks' log-probabilities; the second of two passes."""
     import uvicorn
 
     from kvjax.serve.app import Served, create_app
@@ -92,7 +92,7 @@ def over_http(engine: Engine, tokenizer, requests: list[Request], concurrency: i
 
     async def one(request):
         body = {"prompt": list(request.prompt), "max_tokens": request.decoding.max_new_tokens, "temperature": 0,
-                "stream": True, "logprobs": 0}  # fmt: skip
+                "stream": True, "logprobs": 0, "ignore_eos": True}  # fmt: skip
         return await _stream(port, body)
 
     try:
@@ -125,22 +125,8 @@ async def _stream(port: int, body: dict) -> list[tuple[float, int]]:
     return out
 
 
-class _Endless:
-    """A tokenizer whose end token ends no request, so that both runs generate every token asked for."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.bos_id, self.eos_id = tokenizer, tokenizer.bos_id, None
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids)
-
-
 def http_figures(engine: Engine, tokenizer, requests: list[Request], concurrency: int) -> dict:
     """The workload in process and over HTTP on `engine` (each timed on its second pass)."""
-    tokenizer = _Endless(tokenizer)
     engine.reset()
     engine.warm()  # every step shape: an arrival pattern met first over HTTP compiles nothing then
     direct = in_process(engine, requests, concurrency)

@@ -44,6 +44,7 @@ class Params:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # vLLM's extension: the end token ends nothing (fixed-length benchmarks)
     logprobs: int | None = None  # top log-probabilities per token (0: the chosen token's only)
     echo: bool = False
     stream: bool = False
@@ -88,6 +89,7 @@ def params(body: dict, *, chat: bool, default_max: int | None) -> Params:
         top_p=float(field(body, "top_p", (int, float), 1.0, "must be a number in (0, 1]", lambda v: 0 < v <= 1)),
         seed=field(body, "seed", int, None, "must be an integer"),
         stop=tuple(stop),
+        ignore_eos=field(body, "ignore_eos", bool, False, "must be true or false"),
         logprobs=logprobs,
         echo=False if chat else field(body, "echo", bool, False, "must be true or false"),
         stream=field(body, "stream", bool, False, "must be true or false"),

@@ -189,6 +189,7 @@ def test_echo_logprobs_equal_generator_score_and_stop_strings_end_the_text(live,
         ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt={'a': 1} must be a string"),
         ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
         ("/v1/completions", {"prompt": "x", "logprobs": 99}, 400, "logprobs=99 must be an integer in [0, 20]"),
+        ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, 400, "ignore_eos='yes' must be true or false"),
         ("/v1/completions", {"prompt": "x" * 300}, 400, "a request holds at most 256"),
         ("/v1/completions", {"prompt": "x", "kv_policy": "snapkv:0.5"}, 400, "needs positions per head"),
         ("/v1/completions", {"prompt": "x", "kv_policy": "warp:9"}, 400, "method='warp' must be one of"),
@@ -270,15 +271,14 @@ def test_sixty_four_streams_with_sixteen_clients_leaving(live, loaded):
 
 def test_a_full_queue_says_429_and_a_shutdown_ends_streams_with_a_last_chunk_and_exits_0(run, tmp_path):
     """One slot and room for one waiting request: a third request while one runs and one waits is a 429.
-    Then SIGINT: a stream in flight gets its last chunk (finish_reason abort after the grace period, else
-    its own) and [DONE], and the process exits 0."""
+    Then SIGINT: the stream in flight (`ignore_eos`, so it cannot end first) gets its last chunk
+    (finish_reason abort after the grace period) and [DONE], and the process exits 0."""
     import threading
 
-    server = Live(run, tmp_path, "--slots", "1", "--max-waiting", "1")
-    request = urllib.request.Request(
-        f"{server.url}/v1/completions",
-        json.dumps({"prompt": "import ", "max_tokens": 240, "temperature": 0.7, "stream": True}).encode(),
-        {"Content-Type": "application/json"},
+    server = Live(run, tmp_path, "--slots", "1", "--max-waiting", "1", "--max-tokens", "4096")
+    running = {"prompt": "import ", "max_tokens": 4000, "temperature": 0.7, "stream": True, "ignore_eos": True}
+    request = urllib.request.Request(  # seconds of tokens: it runs on while the others arrive, until SIGINT
+        f"{server.url}/v1/completions", json.dumps(running).encode(), {"Content-Type": "application/json"}
     )
     response = urllib.request.urlopen(request, timeout=60)
     first = response.readline()
@@ -297,7 +297,7 @@ def test_a_full_queue_says_429_and_a_shutdown_ends_streams_with_a_last_chunk_and
     code, _ = server.proc.communicate(timeout=120)
     assert rest.rstrip().endswith("data: [DONE]")
     last = json.loads([line for line in rest.splitlines() if line.startswith("data: {")][-1][6:])
-    assert last["choices"][0]["finish_reason"] in ("abort", "length", "stop")
+    assert last["choices"][0]["finish_reason"] == "abort"
     waiting.join(timeout=60)
     assert server.proc.returncode == 0
 

@@ -25,7 +25,8 @@ into pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit
 tokens waiting in a full-precision residual slot of its own (`kvjax.paged_kivi`), so more requests fit in
 the same memory; AdaKV's per-head budgets (`allocator=adakv`) fill pages of entries its heads share
 unevenly (`kvjax.paged_pooled`); PyramidKV's per-layer budgets (`allocator=pyramid`) give each layer a
-block table of its own over one pool of single-layer pages (`kvjax.layer_pages`). Decoding then appends every new
+block table of its own over one pool of single-layer pages (`kvjax.layer_pages`; under `local=true` the
+windows' rings, one length for all of a request's, `_aligned`). Decoding then appends every new
 token, unless the policy evicts while decoding (`every=N`, `kvjax.paged_eviction`): each step then observes
 the rows' attention and a request's every N-th token re-selects its slots within its pages and frees the
 pages past them, so it never holds more than its budget plus N slots (under PyramidKV's budgets, each layer
@@ -239,21 +240,40 @@ def _jitted(graphdef, treedef):
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _load_row(caches, rows: Rows, dense, stats, row):
+def _load_row(caches, rows: Rows, dense, stats, row, ring):
     """Load row 0 of each layer's dense (compressed) prefill cache into table row `row`'s pages (a
     sliding-window layer's ring, left whole by the policy, at its tokens' positions in its own pool; one
-    compressed under `local=true`, a `WindowKVCache`, slot for slot into the ring its row holds), with
-    the running statistic of its kept slots where the pages keep one (`stats`: the Generator's, per
-    layer); the caches and the rows with the row's new lengths (attention and MLA layers only: the engine
-    takes no policy for a model with recurrent layers)."""
+    compressed under `local=true`, a `WindowKVCache`, slot for slot into the ring its row holds, all of
+    them `ring` slots long, `_aligned`), with the running statistic of its kept slots where the pages keep
+    one (`stats`: the Generator's, per layer); the caches and the rows with the row's new lengths
+    (attention and MLA layers only: the engine takes no policy for a model with recurrent layers)."""
     out, shared = [], SharedPool()
+    slots = max((d.pos.shape[-1] for d in dense if isinstance(d, WindowKVCache | WindowQuantKVCache)), default=0)
     for i, (paged, d, stat) in enumerate(zip(_with_rows(caches, rows), dense, stats)):
-        out.append(shared.leave(_loaded(shared.enter(i, paged), d, stat, row)))
+        out.append(shared.leave(_loaded(shared.enter(i, paged), d, stat, row, (ring, slots))))
     out = tuple(shared.close(out))
     return out, _lengths(rows, out)
 
 
-def _loaded(paged, d, stat, row):
+def _aligned(values: dict, pos: jax.Array, n: jax.Array, ring: tuple) -> tuple[dict, jax.Array]:
+    """A compressed ring's `n` slots (values `[K,S,...]`, positions `[S]` or `[K,S]`) moved to the end of
+    the first `ring[0]` of `ring[1]` slots, the slots before them empty (-1), so that the window pool's rings
+    of one request all take one length and one shift (PyramidKV's differ in what they keep). Right,
+    not left: a ring of C >= W slots then writes over only tokens out of every later query's window, as
+    its token at slot j lies at a position at most j + (prompt length - ring[0])."""
+    length, slots = ring
+    shift = length - n
+
+    def moved(x: jax.Array, axis: int) -> jax.Array:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, slots - x.shape[axis])
+        return jnp.roll(jnp.pad(x, widths), shift, axis=axis)
+
+    pos = jnp.where(jnp.arange(slots) < shift, -1, moved(pos, pos.ndim - 1))
+    return {name: moved(x, 1) for name, x in values.items()}, pos
+
+
+def _loaded(paged, d, stat, row, ring):
     """One layer's pages with row 0 of its dense prefill cache `d` loaded into table row `row` (`_load_row`)."""
     if paged.windowed and not isinstance(d, WindowKVCache | WindowQuantKVCache):  # left whole: by position
         return paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0])
@@ -269,6 +289,9 @@ def _loaded(paged, d, stat, row):
         values = dict(k=d.k[0], v=d.v[0])
     if paged.stat is not None:
         values["stat"] = stat[0]
+    if paged.windowed:  # a ring compressed under local=true
+        values, pos = _aligned(values, d.pos[0], d.length[0], ring)
+        return paged.load(row, ring[0], pos, **values)
     return paged.load(row, d.length[0], d.pos[0], **values)
 
 
@@ -299,7 +322,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     which that pool holds as its first pages: by token eviction alone, once after the prefill (the pool is
     full precision, one position per slot, or int or KIVI codes after it: `WindowQuantKVCache`) and, in
     full precision, while decoding too (`every=`: a quantizer, last in its chain, has no `every=`), with one
-    window size for every such layer."""
+    window size for every such layer. PyramidKV's rings keep different numbers of tokens and share one length
+    (`_aligned`); AdaKV's pools are refused here, and PyramidKV with `every=` where the engine is built."""
     if window_pages != "free":
         raise ConfigError(
             f"engine policy {policy}: {cfg.name!r} has sliding-window layers ({', '.join(windowed)}), whose prompt a "
@@ -439,10 +463,11 @@ class Engine:
         if self.policy is not None and windowed:
             check_window_policy(self.policy, cfg, windowed, window_pages)
         layout = PageLayout() if self.policy is None else check_engine_policy(self.policy)
-        if layout.layered and self.policy.local:
+        if layout.layered and self.policy.local and layout.decoding:
             raise ConfigError(
-                f"engine policy {self.policy}: a block table per layer (its layers keep different numbers of "
-                "tokens) is served with the sliding windows left whole; local=true is not"
+                f"engine policy {self.policy}: under local=true a block table per layer (its layers keep different "
+                f"numbers of tokens) is served compressed once; every={layout.decoding.every} would re-select each "
+                "ring to a length of its own, and the window pool's rings share one (drop every=)"
             )
         self.model, self.n_pages, self.page_size, self.layout = model, n_pages, page_size, layout
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
@@ -452,7 +477,6 @@ class Engine:
             max((cfg.attention_for(k).window for k in windowed), default=None) if window_pages == "free" else None
         )
         # A prefix hit skips the prefix's tokens: a recurrent layer's state, a freed window, would miss them;
-        # the cache's pages hold whole prompts, full precision (where a policy's are codes, they are not)
         # the cache's pages hold whole prompts, full precision (where a policy's are codes, they are not), and
         # serve every layer (where each layer has its own tables, they do not)
         whole = layout.codes is None and not layout.layered
@@ -817,27 +841,30 @@ class Engine:
         impossible budget is a ConfigError here, before any compute."""
         if not request.prompt:
             raise ConfigError(f"request {index}: the prompt is empty")
-        kept = cap = None
+        kept = cap = ring_kept = None
         gen = self._prefill_capacity(self.policy_of(request), len(request.prompt))
         if gen is not None:
             plan = gen.compression_plan(np.array([len(request.prompt)]), 0)[-1]
             budget = int(plan.counts.max())
-            kept = min(budget, len(request.prompt))  # under every=, a budget above the prompt is a cap
+            kept = ring_kept = min(budget, len(request.prompt))  # under every=, a budget above the prompt is a cap
             if self.evict is not None:  # held at its budget while decoding: at most `every` slots more
                 self._budgets[index] = budget_row(plan, len(request.prompt))
                 cap = budget + self.evict.every
-            if self.layout.layered:  # each layer's own budget (PyramidKV's), and so its own cap
-                counts = plan.counts[:, 0]
-                most = np.minimum(counts, len(request.prompt)) + request.decoding.max_new_tokens
-                caps = most if self.evict is None else np.minimum(most, counts + self.evict.every)
-                self.pool.shape(index, np.minimum(counts, len(request.prompt)), caps)
+            if self.layout.layered:  # each main-pool layer's own budget (PyramidKV's), and so its own cap;
+                # under local=true the rings' own budgets, the largest of which all of them take (`_prefill`)
+                counts = np.minimum(plan.counts[:, 0], len(request.prompt))
+                ringed = np.asarray([bool(w) for w in plan.rings])
+                kept, most = int(counts[~ringed].max()), counts[~ringed] + request.decoding.max_new_tokens
+                ring_kept = int(counts[ringed].max()) if ringed.any() else None
+                caps = most if self.evict is None else np.minimum(most, counts[~ringed] + self.evict.every)
+                self.pool.shape(index, counts[~ringed], caps)
         d = request.decoding
         greedy = d.temperature == 0 and not request.top_logprobs  # else each step reads the distribution
         stepwise = self._stepwise or bool(gen and gen.policy.local)  # a compressed ring takes a token a step
         window = 0
         if self.windows is not None:  # what its windows can hold: its positions' pages; a ring's, its kept
             # tokens (at most the largest layer's budget) and those it generates, up to the ring's size
-            ring = min(self._ring_size(), kept + d.max_new_tokens) if gen and gen.policy.local else None
+            ring = min(self._ring_size(), ring_kept + d.max_new_tokens) if gen and gen.policy.local else None
             window = self.windows.reserve(len(request.prompt) + d.max_new_tokens, ring)
         # a prefix-cache hit may cover a compressed prompt up to the queries its policy observes
         cacheable = len(request.prompt) - gen.observed_queries(len(request.prompt)) if gen and self._prefix_pages else 0
@@ -938,10 +965,11 @@ class Engine:
         if caching:
             self.pool.release(key)
         self._rings.pop(seq.index, None)
-        if ring := next((d for d in dense if isinstance(d, WindowKVCache | WindowQuantKVCache)), None):  # local=true
-            self._rings[seq.index] = len(request.prompt) - int(ring.length[0])
+        rings = [int(d.length[0]) for d in dense if isinstance(d, WindowKVCache | WindowQuantKVCache)]  # local=true
+        if rings:  # every ring takes the largest one's length (`_aligned`)
+            self._rings[seq.index] = len(request.prompt) - max(rings)
         self._sync([seq.index], [0], [len(request.prompt)])  # the window before the prompt's end
-        self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, stats, 0)
+        self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, stats, 0, max(rings, default=0))
         if self.scheduler.prefilled(seq, cached):  # nothing generated yet: the prefill's logits give the first token
             self._pick(seq, np.asarray(jax.nn.log_softmax(logits[0])))
 
@@ -971,7 +999,7 @@ class Engine:
         arrays = [table, table, empty, empty, np.full(self.slots, self.slots, np.int32), empty]
         rows = Rows(*(self._rows_placed(x) for x in arrays))
         dense = tuple(d.replace(length=jnp.full_like(d.length, full)) for d in whole)
-        self.caches, _ = _load_row(self.caches, rows, dense, (None,) * len(dense), 0)
+        self.caches, _ = _load_row(self.caches, rows, dense, (None,) * len(dense), 0, 0)
         self.pool.advance(key, full - cached)
         self.pool.register(key, prompt)
 

@@ -345,22 +345,31 @@ def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
     assert [w.kept for w in work] == [max(len(r.prompt) // 2, 2) for r in requests]  # the window of 2 at least
 
 
-@pytest.mark.parametrize("model", ["gqa", "gemma", "mla"])
+@pytest.mark.parametrize("model", ["gqa", "gemma", "gemma-local", "mla"])
 def test_pyramid_pages_hold_each_layers_own_budget(gqa, make_model, requests, model):
     """PyramidKV in pages (`kvjax.layer_pages`): the lower layer keeps 3x the upper's tokens (beta=2), each
     layer in a block table of its own over one pool of single-layer pages that the layers take in turn
     (`kvjax.paged.SharedPool`); each request equals Generator alone, with preemptions (the pool's 2 x 6
     pages change hands between layers and requests) and multi-step calls; after every step each page is
     free or held once, and no (request, layer) holds more than its own slots' pages. On Gemma's layout
-    the two global layers take those budgets, their windows in their own pool, left whole; MLA's latent
-    pages take them as K/V pages do."""
-    overrides = {"gqa": None, "gemma": ("gqa", *GEMMA_LIKE), "mla": ("mla", "model.n_layers=2")}[model]
+    the two global layers take those budgets, their windows in their own pool, left whole, or under
+    local=true compressed too: the two rings keep 5 and 3 of the window's 7 tokens, and both take the
+    larger one's length, the smaller one's tokens at its end (a request that generates 12 tokens wraps
+    them round a ring of 8 slots: at its start, it would write over tokens still in the window). MLA's
+    latent pages take the budgets as K/V pages do."""
+    local = model == "gemma-local"
+    overrides = {"gqa": None, "gemma": ("gqa", *GEMMA_LIKE), "mla": ("mla", "model.n_layers=2")}
+    overrides = overrides.get(model, overrides["gemma"])
     model = make_model(*overrides)[1] if overrides else gqa
-    gen = Generator(model, capacity=40, policy=parse_policy(PYRAMID))
+    policy = PYRAMID + (",local" if local else "")
+    gen = Generator(model, capacity=40, policy=parse_policy(policy))
     padded, lengths = gen.pad([list(requests[1].prompt)], 0)
     dense = gen.prefill_compressed(padded, lengths, 0)[1]
-    assert [int(dense[j].length[0]) for j in compressible(model.config)] == [22, 7]  # 29 tokens
-    engine = Engine(model, n_pages=7, page_size=4, slots=4, chunk=8, decode_steps=4, policy=PYRAMID)
+    kept = [int(dense[j].length[0]) for j in compressible(model.config, local)]
+    assert kept == ([5, 17, 3, 7] if local else [22, 7])  # 29 tokens (under local=true 7 in the windows)
+    engine = Engine(model, n_pages=7, page_size=4, slots=4, chunk=8, decode_steps=4, policy=policy, max_tokens=32)
+    if local:
+        requests = [*requests, Request(tuple(range(1, 21)), DecodingConfig(max_new_tokens=12))]
     for r in requests:
         engine.submit(r)
     pages, pool = engine.pool, engine.pool.pool
@@ -375,6 +384,10 @@ def test_pyramid_pages_hold_each_layers_own_budget(gqa, make_model, requests, mo
     _check(engine.done, [gen([list(r.prompt)], r.decoding) for r in requests])
     assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps and pages.used_pages == 0
     assert engine.windows is None or (engine.windows.used_pages == 0 and engine.windows.peak > 0)
+    if local:  # the rings' pages: ceil(8 / 4)
+        assert engine.windows.peak == 2 < engine.windows.per_decode
+        with pytest.raises(ConfigError, match="under local=true a block table per layer .* every=3 would re-select"):
+            Engine(model, n_pages=7, page_size=4, policy=PYRAMID + ",local,every=3")
 
 
 def test_a_policy_takes_the_pages_its_budget_says(gqa):

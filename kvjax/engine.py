@@ -377,9 +377,10 @@ class PageLayout(NamedTuple):
         return heads + codes + layers + (f", evicting by {self.decoding} while decoding" if self.decoding else "")
 
 
-def check_engine_policy(policy: Policy) -> PageLayout:
-    """What the engine's pages need for `policy` (`PageLayout`); a policy it cannot page is a ConfigError
-    naming the stage."""
+def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
+    """What the engine's pages need for `policy` (`PageLayout`) on a model of config `cfg` (where given: a
+    model of sliding windows alone has no main-pool layer to give a table each, and under `local=true` its
+    rings share one length anyway); a policy it cannot page is a ConfigError naming the stage."""
     for stage in policy.stages:
         where = f"engine policy stage {stage.method!r}"
         if stage.quantizes:
@@ -396,6 +397,7 @@ def check_engine_policy(policy: Policy) -> PageLayout:
     codes = last.quant_spec if last.quantizes else None
     pooled = any(s.pooled for s in policy.stages)
     layered = any(not (s.allocation.same_everywhere or s.pooled) for s in policy.stages if not s.quantizes)
+    layered = layered and (cfg is None or bool(compressible(cfg)))
     if codes is not None and codes.blocked and per_head:
         raise ConfigError(
             f"engine policy {policy}: KIVI pages keep one position per slot; positions per head (a head-wise "
@@ -462,7 +464,7 @@ class Engine:
         windowed = sorted({k for k in cfg.mixers if k != "mla" and cfg.attention_for(k).window is not None})
         if self.policy is not None and windowed:
             check_window_policy(self.policy, cfg, windowed, window_pages)
-        layout = PageLayout() if self.policy is None else check_engine_policy(self.policy)
+        layout = PageLayout() if self.policy is None else check_engine_policy(self.policy, cfg)
         if layout.layered and self.policy.local and layout.decoding:
             raise ConfigError(
                 f"engine policy {self.policy}: under local=true a block table per layer (its layers keep different "
@@ -523,7 +525,7 @@ class Engine:
         main = [i for i in plan.producers if self.window is None or plan.mixers[i] not in windowed]
         self.caches = tuple(
             PagedLatentCache.init(
-                self._pages(n_pages, first=i == main[0]),
+                self._pages(n_pages, first=[i] == main[:1]),
                 page_size,
                 slots,
                 self.width,
@@ -535,7 +537,7 @@ class Engine:
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
-            else self._paged(cfg, plan.mixers[i], n_pages, self.layout, first=i == main[0])
+            else self._paged(cfg, plan.mixers[i], n_pages, self.layout, first=[i] == main[:1])
             for i in plan.producers
         )
         graphdef, self.params = nnx.split(model)
@@ -812,7 +814,7 @@ class Engine:
             policy, layout = None, PageLayout()
         else:
             policy = parse_policy(request.policy)
-            layout = check_engine_policy(policy)
+            layout = check_engine_policy(policy, self.model.config)
             if self.windowed:
                 check_window_policy(policy, self.model.config, self.windowed, self.window_pages)
         if layout != self.layout:

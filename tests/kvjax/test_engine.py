@@ -212,6 +212,21 @@ def test_local_and_global_layers_in_pages(make_model, requests):
             Engine(model, n_pages=8, policy=policy)
 
 
+def test_a_model_of_sliding_windows_alone(make_model, requests):
+    """`swa` (Mistral's layout: every layer a window of 8): no layer pages from the main pool, whose pages
+    hold nothing (until 2026-12-06 building the engine failed on it); the window pool holds every layer's
+    window. Under PyramidKV's budgets with `local=true` the two rings keep budgets of their own yet share
+    one length (no table per layer: none pages from the main pool). Each request equals Generator alone."""
+    model = make_model("swa", "model.n_layers=2", "model.attention.window=8")[1]
+    requests = [*requests, Request(tuple(range(1, 21)), DecodingConfig(max_new_tokens=12))]
+    for policy in (None, PYRAMID + ",local"):
+        engine = Engine(model, n_pages=33, page_size=4, slots=4, chunk=8, decode_steps=4, policy=policy, max_tokens=32)
+        gen = Generator(model, capacity=40, policy=policy and parse_policy(policy))
+        _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
+        assert engine.page_nbytes() == 0 and all(c.windowed for c in engine.caches) and not engine.layout.layered
+        assert engine.windows.used_pages == 0 and engine.windows.peak == (2 if policy else 4)
+
+
 @pytest.mark.parametrize("policy", ["snapkv:0.5:obs_window=1+int:8", ADAKV])
 def test_a_policy_on_local_and_global_layers_compresses_the_global_ones(make_model, requests, policy):
     """Gemma's layout with a policy: the global layers' pages hold the compressed prompt (kept slots, int8

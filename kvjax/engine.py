@@ -523,9 +523,10 @@ class Engine:
         self._stepwise = decoding is not None or (codes is not None and codes.blocked)
         plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
         main = [i for i in plan.producers if self.window is None or plan.mixers[i] not in windowed]
+        first = main[0] if main else None  # the main-pool layer whose cache holds a shared pool (`_pages`)
         self.caches = tuple(
             PagedLatentCache.init(
-                self._pages(n_pages, first=[i] == main[:1]),
+                self._pages(n_pages, first=i == first),
                 page_size,
                 slots,
                 self.width,
@@ -537,7 +538,7 @@ class Engine:
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
-            else self._paged(cfg, plan.mixers[i], n_pages, self.layout, first=[i] == main[:1])
+            else self._paged(cfg, plan.mixers[i], n_pages, self.layout, first=i == first)
             for i in plan.producers
         )
         graphdef, self.params = nnx.split(model)
@@ -967,11 +968,12 @@ class Engine:
         if caching:
             self.pool.release(key)
         self._rings.pop(seq.index, None)
-        rings = [int(d.length[0]) for d in dense if isinstance(d, WindowKVCache | WindowQuantKVCache)]  # local=true
-        if rings:  # every ring takes the largest one's length (`_aligned`)
-            self._rings[seq.index] = len(request.prompt) - max(rings)
+        rings = jax.device_get([d.length[0] for d in dense if isinstance(d, WindowKVCache | WindowQuantKVCache)])
+        ring = int(max(rings, default=0))  # local=true: every ring takes the largest one's length (`_aligned`)
+        if rings:
+            self._rings[seq.index] = len(request.prompt) - ring
         self._sync([seq.index], [0], [len(request.prompt)])  # the window before the prompt's end
-        self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, stats, 0, max(rings, default=0))
+        self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, stats, 0, ring)
         if self.scheduler.prefilled(seq, cached):  # nothing generated yet: the prefill's logits give the first token
             self._pick(seq, np.asarray(jax.nn.log_softmax(logits[0])))
 

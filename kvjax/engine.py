@@ -778,9 +778,10 @@ class Engine:
 
     def _pick(self, seq: Sequence, logp, greedy: tuple[int, float] | None = None) -> None:
         """Pick `seq`'s next token from log-probabilities `[V]`: argmax when greedy (`greedy`, the (token,
-        log-probability) the device already chose, saves reading the row), else drawn with the request's
-        own key (sampling a shifted copy of the logits is the same distribution); with the request's
-        `top_logprobs` likeliest tokens when it asks for them."""
+        log-probability) the device already chose, saves reading the row), else drawn with a key of the
+        request's seed and step alone, so a seeded request gives the same tokens whenever it comes and
+        whatever runs beside it (sampling a shifted copy of the logits is the same distribution); with the
+        request's `top_logprobs` likeliest tokens when it asks for them."""
         request = self.requests[seq.index]
         decoding = request.decoding
         top = None
@@ -792,7 +793,7 @@ class Engine:
             lp = greedy[1] if greedy else float(logp[tok])
         else:
             step = len(seq.done.tokens)
-            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(decoding.seed), seq.index), step)
+            key = jax.random.fold_in(jax.random.key(decoding.seed), step)
             tok = int(
                 sample(
                     jnp.asarray(logp)[None],

@@ -97,8 +97,8 @@ def test_several_greedy_steps_a_call_give_the_same_tokens_and_stop_at_eos(gqa, r
 
 
 def test_sampled_tokens_depend_on_the_request_not_on_the_batch(gqa, requests):
-    """Sampling draws with each request's own key (its seed, index and step): the same tokens whatever
-    the slots, chunking and preemptions, and other tokens under another seed."""
+    """Sampling draws with each request's own key (its seed and step): the same tokens whatever the slots,
+    chunking, preemptions and order of arrival, and other tokens under another seed."""
     sampled = [
         Request(r.prompt, DecodingConfig(max_new_tokens=r.decoding.max_new_tokens, temperature=1.0, seed=3))
         for r in requests
@@ -106,6 +106,8 @@ def test_sampled_tokens_depend_on_the_request_not_on_the_batch(gqa, requests):
     a = Engine(gqa, n_pages=40, page_size=4, slots=5, chunk=32).run(sampled)
     b = Engine(gqa, n_pages=10, page_size=4, slots=2, chunk=4).run(sampled)
     assert [x.tokens for x in a] == [x.tokens for x in b] and sum(x.preempted for x in b) > 0
+    backwards = Engine(gqa, n_pages=40, page_size=4, slots=5, chunk=32).run(sampled[::-1])
+    assert [x.tokens for x in backwards[::-1]] == [x.tokens for x in a]
     np.testing.assert_allclose(
         np.concatenate([x.logprobs for x in a]), np.concatenate([x.logprobs for x in b]), atol=1e-5
     )

@@ -23,21 +23,21 @@ the whole prompt, then eviction and/or `int:8` / `int:4` / `kivi` quantization),
 into pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token
 (`int:4` two codes a byte), KIVI pages whole residual blocks of 2- or 4-bit codes, each sequence's newest
 tokens waiting in a full-precision residual slot of its own (`kvjax.paged_kivi`), so more requests fit in
-the same memory; AdaKV's per-head budgets (`allocator=adakv`) fill pages of entries its heads share
-unevenly (`kvjax.paged_pooled`); PyramidKV's per-layer budgets (`allocator=pyramid`) give each layer a
-block table of its own over one pool of single-layer pages (`kvjax.layer_pages`; under `local=true` the
-windows' rings, one length for all of a request's, `_aligned`). Decoding then appends every new
-token, unless the policy evicts while decoding (`every=N`, `kvjax.paged_eviction`): each step then observes
-the rows' attention and a request's every N-th token re-selects its slots within its pages and frees the
-pages past them, so it never holds more than its budget plus N slots (under PyramidKV's budgets, each layer
-its own). With a policy, a request's pages hold
+the same memory; AdaKV's per-head budgets (`allocator=adakv`) fill pages of entries its heads share unevenly
+(`kvjax.paged_pooled`; under `local=true` the windows' rings too, rings of entries, `as_ring`); PyramidKV's
+per-layer budgets (`allocator=pyramid`) give each layer a block table of its own over one pool of
+single-layer pages (`kvjax.layer_pages`; under `local=true` the windows' rings, one length for all of a
+request's, `_aligned`). Decoding then appends every new token, unless the policy evicts while decoding
+(`every=N`, `kvjax.paged_eviction`): each step then observes the rows' attention and a request's every N-th
+token re-selects its slots within its pages and frees the pages past them, so it never holds more than its
+budget plus N slots (under PyramidKV's budgets, each layer its own). With a policy, a request's pages hold
 its compressed prompt, and the prefix cache holds prompts' full pages uncompressed beside them (where the
-pages are full precision and keep no running statistic): a prompt that starts with cached pages reads
-them into its prefill and computes only the rest (at least the queries its policy observes: SnapKV's
-window, TOVA's last query; H2O observes every query: it neither reads nor enters them), then enters its own full
+pages are full precision and keep no running statistic): a prompt that starts with cached pages reads them
+into its prefill and computes only the rest (at least the queries its policy observes: SnapKV's window,
+TOVA's last query; H2O observes every query: it neither reads nor enters them), then enters its own full
 pages, while pages are free for them. A preempted request is recomputed by compressing its prompt again and
-re-appending the tokens it generated (under `every=` or KIVI, one decode step at a time). A request may name its
-own policy (`Request.policy`) when its pages have the engine's layout (positions shared by the heads or
+re-appending the tokens it generated (under `every=` or KIVI, one decode step at a time). A request may name
+its own policy (`Request.policy`) when its pages have the engine's layout (positions shared by the heads or
 per head, full precision or int8 codes, the same stage evicting while decoding, if any): a plain engine
 serves `streaming:0.5` or `tova:0.5` beside uncompressed requests, all sharing the prefix cache.
 
@@ -58,7 +58,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvjax.cache import LatentCache, PooledKVCache, WindowKVCache
+from kvjax.cache import LatentCache, PooledKVCache, Ring, WindowKVCache, WindowPooledKVCache
 from kvjax.compress import Policy, parse_policy
 from kvjax.compress.methods import METHODS
 from kvjax.compress.policy import Stage
@@ -71,7 +71,7 @@ from kvjax.page_pool import NULL_PAGE, PagePool, PoolExhausted
 from kvjax.paged import PagedKVCache, PagedLatentCache, SharedPool
 from kvjax.paged_eviction import Eviction, budget_row, evicting_step
 from kvjax.paged_kivi import PagedKiviCache, check_kivi_pages
-from kvjax.paged_pooled import PagedPooledCache, as_entries
+from kvjax.paged_pooled import PagedPooledCache, as_entries, as_ring
 from kvjax.plan import LayerPlan, compressible, init_caches
 from kvjax.quant.cache import QuantKVCache, QuantSpec, WindowQuantKVCache, rings_codes
 from kvjax.sampling import sample
@@ -244,7 +244,8 @@ def _load_row(caches, rows: Rows, dense, stats, row, ring):
     """Load row 0 of each layer's dense (compressed) prefill cache into table row `row`'s pages (a
     sliding-window layer's ring, left whole by the policy, at its tokens' positions in its own pool; one
     compressed under `local=true`, a `WindowKVCache`, slot for slot into the ring its row holds, all of
-    them `ring` slots long, `_aligned`), with the running statistic of its kept slots where the pages keep
+    them `ring` slots long, `_aligned`; an AdaKV pool's, `WindowPooledKVCache`, its entries oldest first,
+    `as_ring`), with the running statistic of its kept slots where the pages keep
     one (`stats`: the Generator's, per layer); the caches and the rows with the row's new lengths
     (attention and MLA layers only: the engine takes no policy for a model with recurrent layers)."""
     out, shared = [], SharedPool()
@@ -275,12 +276,14 @@ def _aligned(values: dict, pos: jax.Array, n: jax.Array, ring: tuple) -> tuple[d
 
 def _loaded(paged, d, stat, row, ring):
     """One layer's pages with row 0 of its dense prefill cache `d` loaded into table row `row` (`_load_row`)."""
-    if paged.windowed and not isinstance(d, WindowKVCache | WindowQuantKVCache):  # left whole: by position
-        return paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0])
+    if paged.windowed and not isinstance(d, WindowKVCache | WindowQuantKVCache | WindowPooledKVCache):
+        return paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0])  # left whole: by position
     if isinstance(paged, PagedKiviCache):
         return paged.load_quant(row, d)
-    if isinstance(paged, PagedPooledCache):  # AdaKV's pool, or a whole prompt's slots K entries each
-        return paged.load_pool(row, d if isinstance(d, PooledKVCache) else as_entries(d), stat)
+    if isinstance(paged, PagedPooledCache):  # AdaKV's pool (a ring's oldest first), or a whole prompt's slots
+        # K entries each
+        pool = d if isinstance(d, PooledKVCache) else as_entries(d)
+        return paged.load_pool(row, as_ring(pool) if paged.windowed else pool, stat)
     if isinstance(d, QuantKVCache):
         values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
     elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
@@ -323,7 +326,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     full precision, one position per slot, or int or KIVI codes after it: `WindowQuantKVCache`) and, in
     full precision, while decoding too (`every=`: a quantizer, last in its chain, has no `every=`), with one
     window size for every such layer. PyramidKV's rings keep different numbers of tokens and share one length
-    (`_aligned`); AdaKV's pools are refused here, and PyramidKV with `every=` where the engine is built."""
+    (`_aligned`); AdaKV's pools are entry rings (`kvjax.paged_pooled.as_ring`), compressed once (with `every=`
+    refused here; PyramidKV's where the engine is built)."""
     if window_pages != "free":
         raise ConfigError(
             f"engine policy {policy}: {cfg.name!r} has sliding-window layers ({', '.join(windowed)}), whose prompt a "
@@ -338,8 +342,9 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
         if len(sizes) > 1
         else "quantizes them with a scheme's parts (the window pool holds rings of K/V, int or KIVI codes)"
         if last.quantizes and not rings_codes(last.quant_spec)
-        else "pools its heads' budgets (allocator=adakv); the window pool holds K/V per slot"
-        if any(s.pooled for s in policy.stages)
+        else "pools its heads' budgets (allocator=adakv) and evicts while decoding (every=), which the window "
+        "pool's entry rings do not (they are compressed once, after the prefill)"
+        if any(s.pooled for s in policy.stages) and policy.decode_stage is not None
         else None
     )
     if why:
@@ -354,7 +359,8 @@ class PageLayout(NamedTuple):
     int:4 codes per token, or KIVI's blocks, `kvjax.paged_kivi`); the stage that evicts while decoding
     (`every=`, None: none); entries pooled over the heads (AdaKV's per-head budgets, `kvjax.paged_pooled`);
     whether the sliding-window layers' pool holds the codes too (`local=true`: rings of int or KIVI codes); a
-    block table per layer (PyramidKV's per-layer budgets, `kvjax.layer_pages`)."""
+    block table per layer (PyramidKV's per-layer budgets, `kvjax.layer_pages`); whether that pool's rings are
+    pooled entries too (AdaKV under `local=true`)."""
 
     per_head: bool = False
     codes: QuantSpec | None = None
@@ -362,10 +368,11 @@ class PageLayout(NamedTuple):
     pooled: bool = False
     window_codes: bool = False
     layered: bool = False
+    window_pooled: bool = False
 
     def __str__(self) -> str:
         heads = (
-            "entries pooled over heads"
+            "entries pooled over heads" + (" (the windows' rings too)" if self.window_pooled else "")
             if self.pooled
             else "positions per head"
             if self.per_head
@@ -409,7 +416,13 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
             "(kvjax.layer_pages), in full-precision or int:8 / int:4 pages; KIVI's blocks are not paged with them"
         )
     return PageLayout(
-        per_head and not pooled, codes, policy.decode_stage, pooled, bool(policy.local and codes), layered
+        per_head and not pooled,
+        codes,
+        policy.decode_stage,
+        pooled,
+        bool(policy.local and codes),
+        layered,
+        pooled and policy.local,
     )
 
 
@@ -582,9 +595,9 @@ class Engine:
         else:
             n = self._pages(n_pages, first)
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
-        if layout.pooled and not windowed:
-            return PagedPooledCache.init_pooled(*shape, stat=stat)
-        if codes is not None and codes.blocked:
+        if layout.pooled and (layout.window_pooled or not windowed):
+            cache = PagedPooledCache.init_pooled(*shape, stat=stat)
+        elif codes is not None and codes.blocked:
             cache = PagedKiviCache.init_kivi(codes, *shape)
         else:
             cache = PagedKVCache.init(*shape, per_head_positions=layout.per_head, bits=codes and codes.bits, stat=stat)
@@ -969,7 +982,10 @@ class Engine:
         if caching:
             self.pool.release(key)
         self._rings.pop(seq.index, None)
-        rings = jax.device_get([d.length[0] for d in dense if isinstance(d, WindowKVCache | WindowQuantKVCache)])
+        heads = self.model.config.attention.n_kv_heads  # an AdaKV ring's length counts entries, K a token
+        rings = jax.device_get(
+            [d.length[0] // (heads if isinstance(d, PooledKVCache) else 1) for d in dense if isinstance(d, Ring)]
+        )
         ring = int(max(rings, default=0))  # local=true: every ring takes the largest one's length (`_aligned`)
         if rings:
             self._rings[seq.index] = len(request.prompt) - ring

@@ -25,7 +25,10 @@ class PagedPooledCache(PagedKVCache):
     sum per entry, stat `[P,1,K*page_size]`. `length` counts a row's tokens, as the host does: its entries
     are the first K x length of its pages (`heads` = K), and `page_size` counts entries (K x the host's page
     size). Full precision, one device; the slot-wise writes of other layouts (`load`, `attend_pool`) do not
-    apply: a row's entries are loaded, appended and compacted in order."""
+    apply: a row's entries are loaded, appended and compacted in order. In a sliding-window layer's own
+    pool (`windowed`, AdaKV under `local=true`) a row with `ring` C > 0 is a ring of C tokens' entries,
+    loaded oldest first (`as_ring`), so that its next token's K entries go over the K oldest, as
+    `kvjax.cache.WindowPooledKVCache` writes them."""
 
     head: jax.Array | None = None
     heads: int = struct.field(pytree_node=False, default=1)
@@ -57,9 +60,11 @@ class PagedPooledCache(PagedKVCache):
 
     def _entries(self, first: jax.Array, ok: jax.Array) -> jax.Array:
         """Flat pool slots `[B,T*K]` of T tokens appended at token index `first` `[B]` of each row (`ok`
-        `[B,T]`: a token, not padding): entry (first + t) x K + h for head h of token t."""
-        T, K = ok.shape[1], self.heads
-        index = first[:, None] * K + jnp.arange(T * K, dtype=jnp.int32)[None]
+        `[B,T]`: a token, not padding): entry n x K + h for head h of the n-th token, n = first + t (in a
+        row that is a ring of C tokens' entries, n % C: `as_ring`)."""
+        B, T, K = ok.shape[0], ok.shape[1], self.heads
+        tokens = self._ringed(first[:, None] + jnp.arange(T, dtype=jnp.int32)[None])
+        index = (tokens[:, :, None] * K + jnp.arange(K, dtype=jnp.int32)[None, None]).reshape(B, T * K)
         return self._flat_slots(index, jnp.repeat(ok, K, axis=1))
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[PagedPooledCache, KVView]:
@@ -73,7 +78,8 @@ class PagedPooledCache(PagedKVCache):
         else:  # one decode token per row, then the chunk of row `chunk_row`
             R, row = self.table.shape[0], self.chunk_row
             decode, chunk = pos[0, :R] >= 0, pos[0, R:] >= 0
-            flat_chunk = self.replace(table=self.table[row][None])._entries(self.length[row][None], chunk[None])
+            one = self.replace(table=self.table[row][None], ring=None)  # a prompt's chunk: never a ring
+            flat_chunk = one._entries(self.length[row][None], chunk[None])
             flat = jnp.concatenate([self._entries(self.length, decode[:, None]).reshape(-1), flat_chunk[0]])
             added = decode.astype(jnp.int32).at[row].add(chunk.sum(dtype=jnp.int32))
         entries = dict(
@@ -145,3 +151,14 @@ def as_entries(cache: KVCache) -> PooledKVCache:
         head=jnp.broadcast_to(jnp.tile(jnp.arange(K, dtype=jnp.int32), S), (B, S * K)),
         length=cache.length * K,
     )
+
+
+def as_ring(pool: PooledKVCache) -> PooledKVCache:
+    """A compressed pool's entries sorted by position, empty ones last: the order an entry ring of the window
+    pool holds them in. Written at n x K + h for its n-th token (n % C), the ring then always writes a token
+    over its K oldest entries (oldest first, as they were loaded and as new ones follow), what
+    `WindowPooledKVCache` writes over: out of every later query's window once C >= the window (with at most
+    K (W - 1) entries live before a token is written, K or more of its C x K are dead, and they are the oldest)."""
+    order = jnp.argsort(jnp.where(pool.pos >= 0, pool.pos, jnp.iinfo(jnp.int32).max), axis=1, stable=True)
+    take = lambda x: jnp.take_along_axis(x, order.reshape(*order.shape, *(1,) * (x.ndim - 2)), axis=1)  # noqa: E731
+    return pool.replace(k=take(pool.k), v=take(pool.v), pos=take(pool.pos), head=take(pool.head))

@@ -208,7 +208,7 @@ def test_local_and_global_layers_in_pages(make_model, requests):
         Engine(model, n_pages=8, policy="snapkv:0.5", window_pages="keep")
     for policy, why in [
         ("tova:0.5:local+kvquant:4", "quantizes them with a scheme's parts"),
-        ("snapkv:0.5:allocator=adakv,local", "pools its heads' budgets"),
+        ("h2o:0.25:allocator=adakv,local,every=4", r"pools its heads' budgets \(allocator=adakv\) and evicts while"),
     ]:
         with pytest.raises(ConfigError, match=f"local=true compresses the sliding-window layers too.*{why}"):
             Engine(model, n_pages=8, policy=policy)
@@ -256,6 +256,7 @@ def test_a_policy_on_local_and_global_layers_compresses_the_global_ones(make_mod
         ("tova:0.5:local+int:8", 4),
         ("tova:0.5:local+kivi:2:group=2,residual=2", 2),
         ("h2o:0.5:local,every=3", 4),
+        (ADAKV + ",local", 4),
     ],
 )
 def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model, requests, policy, page_size):
@@ -269,13 +270,14 @@ def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model,
     the window pool, which an engine whose windows stay whole cannot hold; KIVI's rings (blocks of 4 tokens)
     flush each block (2 tokens) into the ring slots of its tokens, the residual apart. Under `every=` the
     rings are re-selected with the global layers every 3 tokens (H2O's sums kept per ring slot), each ring's
-    new length back to the host, which writes the next tokens after it."""
+    new length back to the host, which writes the next tokens after it. AdaKV's rings (`WindowPooledKVCache`)
+    page as rings of entries, loaded oldest first so that a token's K entries go over the K oldest."""
     model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
     gen = Generator(model, capacity=40, policy=parse_policy(policy))
     args = dict(page_size=page_size, slots=4, chunk=4, decode_steps=4, max_tokens=32)
-    engine = Engine(model, n_pages=24 // page_size, policy=policy, **args)
-    if "kivi" in policy or "every" in policy:  # one that generates enough for its codes to wrap round the
-        # ring (14 of 8 slots), or to re-select its ring four times
+    engine = Engine(model, n_pages=(28 if "adakv" in policy else 24) // page_size, policy=policy, **args)
+    if "kivi" in policy or "every" in policy or "adakv" in policy:  # one that generates enough for its codes to
+        # wrap round the ring (14 of 8 slots), or to re-select its ring four times
         requests = [*requests, Request(tuple(range(1, 21)), DecodingConfig(max_new_tokens=12))]
     _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
     assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0 and engine.windows.used_pages == 0
@@ -294,6 +296,9 @@ def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model,
         return
     if "every" in policy:  # both pools keep H2O's running sums
         assert all(c.stat is not None for c in engine.caches)
+        return
+    if "adakv" in policy:  # both pools hold AdaKV's entries, the window pool's in rings
+        assert all(isinstance(c, PagedPooledCache) for c in engine.caches) and engine.caches[0].windowed
         return
     # Beside requests its own policy compresses (SnapKV's per-head positions need an engine that keeps them)
     own = policy.replace(",local", "") if "snapkv" in policy else None

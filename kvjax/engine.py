@@ -283,7 +283,7 @@ def _loaded(paged, d, stat, row, ring):
     if isinstance(paged, PagedPooledCache):  # AdaKV's pool (a ring's oldest first), or a whole prompt's slots
         # K entries each
         pool = d if isinstance(d, PooledKVCache) else as_entries(d)
-        return paged.load_pool(row, as_ring(pool) if paged.windowed else pool, stat)
+        return paged.load_pool(row, *(as_ring(pool, stat) if paged.windowed else (pool, stat)))
     if isinstance(d, QuantKVCache):
         values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
     elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
@@ -326,8 +326,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     full precision, one position per slot, or int or KIVI codes after it: `WindowQuantKVCache`) and, in
     full precision, while decoding too (`every=`: a quantizer, last in its chain, has no `every=`), with one
     window size for every such layer. PyramidKV's rings keep different numbers of tokens and share one length
-    (`_aligned`); AdaKV's pools are entry rings (`kvjax.paged_pooled.as_ring`), compressed once (with `every=`
-    refused here; PyramidKV's where the engine is built)."""
+    (`_aligned`); AdaKV's pools are entry rings (`kvjax.paged_pooled.as_ring`); PyramidKV's with `every=` are
+    refused where the engine is built."""
     if window_pages != "free":
         raise ConfigError(
             f"engine policy {policy}: {cfg.name!r} has sliding-window layers ({', '.join(windowed)}), whose prompt a "
@@ -342,9 +342,6 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
         if len(sizes) > 1
         else "quantizes them with a scheme's parts (the window pool holds rings of K/V, int or KIVI codes)"
         if last.quantizes and not rings_codes(last.quant_spec)
-        else "pools its heads' budgets (allocator=adakv) and evicts while decoding (every=), which the window "
-        "pool's entry rings do not (they are compressed once, after the prefill)"
-        if any(s.pooled for s in policy.stages) and policy.decode_stage is not None
         else None
     )
     if why:

@@ -11,7 +11,8 @@ dense cache keeps them. A row then holds at most its budget plus N slots; the ho
 its new length (`PagePool.truncate`). Layers with budgets of their own (PyramidKV's) share one pool of
 pages (`kvjax.paged.SharedPool`, threaded through the views and the compaction in layer order), each
 layer re-selected down to its own budget (`kvjax.layer_pages.LayerPages.truncate`); AdaKV's pooled
-entries (`kvjax.paged_pooled`) are re-selected as its dense pool is, K x budget entries a row.
+entries (`kvjax.paged_pooled`) are re-selected as its dense pool is, K x budget entries a row (a
+ring's, under `local=true`, then sorted oldest first, `kvjax.paged_pooled.as_ring`, with their sums).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from kvjax.compress.apply import StagePlan, compress_caches, observe_fn
 from kvjax.paged import SharedPool
+from kvjax.paged_pooled import PagedPooledCache, as_ring
 
 
 class Eviction(NamedTuple):
@@ -37,10 +39,10 @@ class Eviction(NamedTuple):
     @classmethod
     def of(cls, plan: StagePlan, width: int, slots: tuple[int, ...], rings=None) -> Eviction:
         """From the last stage's plan for any prompt: `width` tokens a row's view holds (the block table's;
-        an AdaKV pool's view holds K entries a token); `rings`: per compressible cache, the slots of its
+        an AdaKV pool's view holds K entries a token); `rings`: per compressible cache, the tokens of its
         compressed ring (`local=true`), else None."""
         rings = rings or [None] * len(slots)
-        caps = tuple(ring or width * heads for heads, ring in zip(plan.heads, rings))
+        caps = tuple((ring or width) * heads for heads, ring in zip(plan.heads, rings))
         return cls(dataclasses.replace(plan, keep_caps=caps, capacities=caps).static, tuple(slots))
 
     @property
@@ -89,6 +91,10 @@ def evicting_step(model, caches, tokens: jax.Array, pos: jax.Array, budgets: jax
         new, stats = compress_caches(
             tuple(dense), tuple(running), (evict.static,), ((counts, windows, floors, None),), pos, slots
         )
+        new, stats = list(new), list(stats)
+        for slot in slots:  # an AdaKV ring's entries oldest first, as its pages write over them (`as_ring`)
+            if isinstance(caches[slot], PagedPooledCache) and caches[slot].windowed:
+                new[slot], stats[slot] = as_ring(new[slot], stats[slot])
         caches, pool = list(caches), SharedPool()
         for slot in slots:
             cache = pool.enter(slot, caches[slot]).compact(due, new[slot])

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import KVCache, KVView, PooledKVCache
+from kvjax.cache import KVCache, KVView, PooledKVCache, WindowPooledKVCache
 from kvjax.paged import PagedKVCache, RowSplit
 
 
@@ -97,19 +97,23 @@ class PagedPooledCache(PagedKVCache):
         """Fill sequence slot `row`'s pages (its table set) from row 0 of a compressed `PooledKVCache`, its
         entries in order: AdaKV keeps K x budget of them (`reducers.top_slots`), the row's length budget;
         with their running statistics `[B,1,P]` where the pages keep one."""
+        tokens = -(-pool.length[0] // self.heads)  # a ring's kept entries need not fill their last token's K
         index = jnp.arange(pool.capacity, dtype=jnp.int32)[None]
-        flat = self.replace(table=self.table[row][None])._flat_slots(index, index < pool.length[0])[0]
+        flat = self.replace(table=self.table[row][None])._flat_slots(index, index < tokens * self.heads)[0]
         entries = {name: getattr(pool, name)[0][:, None] for name in ("k", "v", "pos", "head")}
         if self.stat is not None:
             entries["stat"] = stat[0, 0][:, None]
         new = self._scatter(flat, **entries)
-        return new.replace(length=new.length.at[row].set(pool.length[0] // self.heads))
+        return new.replace(length=new.length.at[row].set(tokens))
 
     def dense(self, entries: int) -> PooledKVCache:
         """Every row's entries as a dense pool of their view's width (decode-time eviction re-selects it;
-        `entries`: that width)."""
+        `entries`: that width); a ring's first `entries` (C x K), as `WindowPooledKVCache` holds them."""
         view = self.view()
-        return PooledKVCache(k=view.k, v=view.v, pos=view.pos, head=view.head, length=self.length * self.heads)
+        if self.ring is None:
+            return PooledKVCache(k=view.k, v=view.v, pos=view.pos, head=view.head, length=self.length * self.heads)
+        k, v, pos, head = (x[:, :entries] for x in (view.k, view.v, view.pos, view.head))
+        return WindowPooledKVCache(k=k, v=v, pos=pos, head=head, length=self.length * self.heads)
 
     def compact(self, rows: jax.Array, dense: PooledKVCache) -> PagedPooledCache:
         """Rewrite the entries of the sequence slots `rows` (`[B]` bool) from a dense pool of their view's
@@ -120,7 +124,7 @@ class PagedPooledCache(PagedKVCache):
         entries = {name: getattr(dense, name).reshape(B * S, 1, -1) for name in ("k", "v")}
         entries |= {name: getattr(dense, name).reshape(B * S, 1) for name in ("pos", "head")}
         new = self._scatter(flat, **entries)
-        return new.replace(length=jnp.where(rows, dense.length // self.heads, self.length))
+        return new.replace(length=jnp.where(rows, -(-dense.length // self.heads), self.length))
 
     def prompt_rows(self, pool: jax.Array) -> jax.Array:
         """A whole prompt's entries (K a token, in token order: `as_entries`) as K or V `[B,K,M*page_size,H]`."""
@@ -153,12 +157,14 @@ def as_entries(cache: KVCache) -> PooledKVCache:
     )
 
 
-def as_ring(pool: PooledKVCache) -> PooledKVCache:
-    """A compressed pool's entries sorted by position, empty ones last: the order an entry ring of the window
-    pool holds them in. Written at n x K + h for its n-th token (n % C), the ring then always writes a token
-    over its K oldest entries (oldest first, as they were loaded and as new ones follow), what
-    `WindowPooledKVCache` writes over: out of every later query's window once C >= the window (with at most
-    K (W - 1) entries live before a token is written, K or more of its C x K are dead, and they are the oldest)."""
+def as_ring(pool: PooledKVCache, stat: jax.Array | None = None) -> tuple[PooledKVCache, jax.Array | None]:
+    """A compressed pool's entries sorted by position, empty ones last, and their running statistics `[B,1,E]`
+    (if any) with them: the order an entry ring of the window pool holds them in. Written at n x K + h for
+    its n-th token (n % C), the ring then always writes a token over its K oldest entries (oldest first, as
+    they were loaded and as new ones follow), what `WindowPooledKVCache` writes over: out of every later
+    query's window once C >= the window (with at most K (W - 1) entries live before a token is written, K or
+    more of its C x K are dead, and they are the oldest)."""
     order = jnp.argsort(jnp.where(pool.pos >= 0, pool.pos, jnp.iinfo(jnp.int32).max), axis=1, stable=True)
     take = lambda x: jnp.take_along_axis(x, order.reshape(*order.shape, *(1,) * (x.ndim - 2)), axis=1)  # noqa: E731
-    return pool.replace(k=take(pool.k), v=take(pool.v), pos=take(pool.pos), head=take(pool.head))
+    pool = pool.replace(k=take(pool.k), v=take(pool.v), pos=take(pool.pos), head=take(pool.head))
+    return pool, None if stat is None else jnp.take_along_axis(stat, order[:, None], axis=2)

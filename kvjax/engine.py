@@ -280,8 +280,7 @@ def _loaded(paged, d, stat, row, ring):
         return paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0])  # left whole: by position
     if isinstance(paged, PagedKiviCache):
         return paged.load_quant(row, d)
-    if isinstance(paged, PagedPooledCache):  # AdaKV's pool (a ring's oldest first), or a whole prompt's slots
-        # K entries each
+    if isinstance(paged, PagedPooledCache):  # AdaKV's pool (a ring's oldest first), or a prompt's K entries a slot
         pool = d if isinstance(d, PooledKVCache) else as_entries(d)
         return paged.load_pool(row, *(as_ring(pool, stat) if paged.windowed else (pool, stat)))
     if isinstance(d, QuantKVCache):
@@ -326,8 +325,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     full precision, one position per slot, or int or KIVI codes after it: `WindowQuantKVCache`) and, in
     full precision, while decoding too (`every=`: a quantizer, last in its chain, has no `every=`), with one
     window size for every such layer. PyramidKV's rings keep different numbers of tokens and share one length
-    (`_aligned`); AdaKV's pools are entry rings (`kvjax.paged_pooled.as_ring`); PyramidKV's with `every=` are
-    refused where the engine is built."""
+    (`_aligned`, and after each re-selection under `every=`, `paged_eviction._share_length`); AdaKV's pools are
+    entry rings (`kvjax.paged_pooled.as_ring`)."""
     if window_pages != "free":
         raise ConfigError(
             f"engine policy {policy}: {cfg.name!r} has sliding-window layers ({', '.join(windowed)}), whose prompt a "
@@ -475,12 +474,6 @@ class Engine:
         if self.policy is not None and windowed:
             check_window_policy(self.policy, cfg, windowed, window_pages)
         layout = PageLayout() if self.policy is None else check_engine_policy(self.policy, cfg)
-        if layout.layered and self.policy.local and layout.decoding:
-            raise ConfigError(
-                f"engine policy {self.policy}: under local=true a block table per layer (its layers keep different "
-                f"numbers of tokens) is served compressed once; every={layout.decoding.every} would re-select each "
-                "ring to a length of its own, and the window pool's rings share one (drop every=)"
-            )
         self.model, self.n_pages, self.page_size, self.layout = model, n_pages, page_size, layout
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
         self.windowed, self.recurrent, self.window_pages = windowed, recurrent, window_pages
@@ -979,9 +972,10 @@ class Engine:
         if caching:
             self.pool.release(key)
         self._rings.pop(seq.index, None)
-        heads = self.model.config.attention.n_kv_heads  # an AdaKV ring's length counts entries, K a token
+        heads = self.model.config.attention.n_kv_heads  # an AdaKV ring's length counts entries, K a token (the
+        # last token's maybe not all kept: `PagedPooledCache.load_pool`)
         rings = jax.device_get(
-            [d.length[0] // (heads if isinstance(d, PooledKVCache) else 1) for d in dense if isinstance(d, Ring)]
+            [-(-d.length[0] // (heads if isinstance(d, PooledKVCache) else 1)) for d in dense if isinstance(d, Ring)]
         )
         ring = int(max(rings, default=0))  # local=true: every ring takes the largest one's length (`_aligned`)
         if rings:

@@ -13,11 +13,14 @@ pages (`kvjax.paged.SharedPool`, threaded through the views and the compaction i
 layer re-selected down to its own budget (`kvjax.layer_pages.LayerPages.truncate`); AdaKV's pooled
 entries (`kvjax.paged_pooled`) are re-selected as its dense pool is, K x budget entries a row (a
 ring's, under `local=true`, then sorted oldest first, `kvjax.paged_pooled.as_ring`, with their sums).
+Under `local=true` a row's re-selected rings take the longest one's length (`_share_length`), as the
+window pool's one length a row needs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -95,6 +98,7 @@ def evicting_step(model, caches, tokens: jax.Array, pos: jax.Array, budgets: jax
         for slot in slots:  # an AdaKV ring's entries oldest first, as its pages write over them (`as_ring`)
             if isinstance(caches[slot], PagedPooledCache) and caches[slot].windowed:
                 new[slot], stats[slot] = as_ring(new[slot], stats[slot])
+        _share_length(new, stats, {slot: getattr(caches[slot], "heads", 1) for slot in slots if caches[slot].windowed})
         caches, pool = list(caches), SharedPool()
         for slot in slots:
             cache = pool.enter(slot, caches[slot]).compact(due, new[slot])
@@ -111,3 +115,30 @@ def evicting_step(model, caches, tokens: jax.Array, pos: jax.Array, budgets: jax
         return tuple(pool.close(caches))
 
     return hidden, jax.lax.cond(due.any(), reselect, keep, caches)
+
+
+def _share_length(new: list, stats: list, rings: dict[int, int]) -> None:
+    """Re-selected rings (`new[slot]` for the window pool's `rings`, slot -> entries a token: K in an AdaKV
+    pool, else 1; PyramidKV's keep different numbers of tokens) moved, with their statistics, to the end of
+    the longest one's tokens, the slots before them empty, so that a row's rings share the one length that
+    pool keeps, as at the load (`engine._aligned`): a ring of C >= W slots then writes over only tokens out
+    of every later query's window. In place."""
+    if len(rings) < 2:
+        return
+    tokens = [-(-new[slot].length // unit) for slot, unit in rings.items()]  # (`PagedPooledCache.compact`)
+    longest = functools.reduce(jnp.maximum, tokens)
+    for slot, unit in rings.items():
+        cache, shift = new[slot], longest * unit - new[slot].length
+        moved = {name: _rolled(getattr(cache, name), shift, 2) for name in ("k", "v")}
+        moved |= {name: _rolled(getattr(cache, name), shift, 1) for name in ("pos", "head") if hasattr(cache, name)}
+        new[slot] = cache.replace(**moved, length=longest * unit)
+        stats[slot] = None if stats[slot] is None else _rolled(stats[slot], shift, 1)
+
+
+def _rolled(x: jax.Array, shift: jax.Array, from_end: int) -> jax.Array:
+    """Each row b of `x` rolled by shift[b] along its axis `from_end` places from the last (a slot axis)."""
+    axis, B = x.ndim - from_end, x.shape[0]
+    S = x.shape[axis]
+    index = (jnp.arange(S, dtype=jnp.int32)[None] - shift[:, None]) % S  # [B,S]
+    index = index.reshape(B, *(1,) * (axis - 1), S, *(1,) * (x.ndim - axis - 1))
+    return jnp.take_along_axis(x, jnp.broadcast_to(index, (*x.shape[:axis], S, *x.shape[axis + 1 :])), axis=axis)

@@ -365,7 +365,7 @@ def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
     assert [w.kept for w in work] == [max(len(r.prompt) // 2, 2) for r in requests]  # the window of 2 at least
 
 
-@pytest.mark.parametrize("model", ["gqa", "gemma", "gemma-local", "mla"])
+@pytest.mark.parametrize("model", ["gqa", "gemma", "gemma-local", "gemma-local-every", "mla"])
 def test_pyramid_pages_hold_each_layers_own_budget(gqa, make_model, requests, model):
     """PyramidKV in pages (`kvjax.layer_pages`): the lower layer keeps 3x the upper's tokens (beta=2), each
     layer in a block table of its own over one pool of single-layer pages that the layers take in turn
@@ -376,12 +376,14 @@ def test_pyramid_pages_hold_each_layers_own_budget(gqa, make_model, requests, mo
     local=true compressed too: the two rings keep 5 and 3 of the window's 7 tokens, and both take the
     larger one's length, the smaller one's tokens at its end (a request that generates 12 tokens wraps
     them round a ring of 8 slots: at its start, it would write over tokens still in the window). MLA's
-    latent pages take the budgets as K/V pages do."""
-    local = model == "gemma-local"
+    latent pages take the budgets as K/V pages do. Under `every=6` too: each re-selection (SnapKV's) puts
+    each ring's tokens at the end of the largest one's again (else the shorter ring, its row's one window
+    length the longer one's, writes over a kept token that the 12-token request's window still sees)."""
+    local, every = model.startswith("gemma-local"), model.endswith("every")
     overrides = {"gqa": None, "gemma": ("gqa", *GEMMA_LIKE), "mla": ("mla", "model.n_layers=2")}
     overrides = overrides.get(model, overrides["gemma"])
     model = make_model(*overrides)[1] if overrides else gqa
-    policy = PYRAMID + (",local" if local else "")
+    policy = PYRAMID + (",local" if local else "") + (",every=6" if every else "")
     gen = Generator(model, capacity=40, policy=parse_policy(policy))
     padded, lengths = gen.pad([list(requests[1].prompt)], 0)
     dense = gen.prefill_compressed(padded, lengths, 0)[1]
@@ -406,8 +408,6 @@ def test_pyramid_pages_hold_each_layers_own_budget(gqa, make_model, requests, mo
     assert engine.windows is None or (engine.windows.used_pages == 0 and engine.windows.peak > 0)
     if local:  # the rings' pages: ceil(8 / 4)
         assert engine.windows.peak == 2 < engine.windows.per_decode
-        with pytest.raises(ConfigError, match="under local=true a block table per layer .* every=3 would re-select"):
-            Engine(model, n_pages=7, page_size=4, policy=PYRAMID + ",local,every=3")
 
 
 def test_a_policy_takes_the_pages_its_budget_says(gqa):

@@ -1,20 +1,20 @@
-"""Decode-time eviction (a policy's `every=N`: H2O, TOVA, SnapKV-style re-selection, key norm,
-StreamingLLM) in the engine's pages, so that a request's memory stays capped at its budget however long
+"""Decode-time eviction (a policy's `every=N`: H2O, TOVA, SnapKV-style re-selection, Scissorhands, key
+norm, StreamingLLM) in the engine's pages, so that a request's memory stays capped at its budget however long
 it generates.
 
 It is `Generator`'s decode-time eviction (`kvjax.generate._decode_step`) row by row: each decode step
 observes its query's attention over the row's slots (H2O adds it to the running sum each slot keeps in
-its page, `PagedKVCache.stat`), and on the row's every N-th step since its prefill the row's slots are
-re-selected by the same `compress_caches` the Generator runs, on the dense view of the row's pages, and
-compacted in place (`PagedKVCache.compact`): the kept tokens first, in slot order, as the Generator's
-dense cache keeps them. A row then holds at most its budget plus N slots; the host frees the pages past
-its new length (`PagePool.truncate`). Layers with budgets of their own (PyramidKV's) share one pool of
-pages (`kvjax.paged.SharedPool`, threaded through the views and the compaction in layer order), each
-layer re-selected down to its own budget (`kvjax.layer_pages.LayerPages.truncate`); AdaKV's pooled
-entries (`kvjax.paged_pooled`) are re-selected as its dense pool is, K x budget entries a row (a
-ring's, under `local=true`, then sorted oldest first, `kvjax.paged_pooled.as_ring`, with their sums).
-Under `local=true` a row's re-selected rings take the longest one's length (`_share_length`), as the
-window pool's one length a row needs.
+its page, `PagedKVCache.stat`, Scissorhands its below-average count), and on the row's every N-th step
+since its prefill the row's slots are re-selected by the same `compress_caches` the Generator runs, on
+the dense view of the row's pages, and compacted in place (`PagedKVCache.compact`): the kept tokens
+first, in slot order, as the Generator's dense cache keeps them. A row then holds at most its budget plus
+N slots; the host frees the pages past its new length (`PagePool.truncate`). Layers with budgets of their
+own (PyramidKV's) share one pool of pages (`kvjax.paged.SharedPool`, threaded through the views and the
+compaction in layer order), each layer re-selected down to its own budget
+(`kvjax.layer_pages.LayerPages.truncate`); AdaKV's pooled entries (`kvjax.paged_pooled`) are re-selected
+as its dense pool is, K x budget entries a row (a ring's, under `local=true`, then sorted oldest first,
+`kvjax.paged_pooled.as_ring`, with their sums). Under `local=true` a row's re-selected rings take the
+longest one's length (`_share_length`), as the window pool's one length a row needs.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from kvjax.compress.methods.base import Method, Observed, register, slot_positio
 @register
 class Scissorhands(Method):
     name = "scissorhands"
+    pageable = True  # its counts sum over the steps in the pages, as H2O's attention does
     per_head = True
     accumulates = True
     counts_visible = True  # each query's average 1/n is over the keys it could see

@@ -19,10 +19,11 @@ hybrids), which keep one state slot per running request instead of pages (`kvjax
 prefix cache is then off: a prefix hit would skip tokens a state must see).
 
 A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Generator` does (one prefill of
-the whole prompt, then eviction and/or `int:8` / `int:4` / `kivi` quantization), and only what is kept goes
+the whole prompt, then eviction and/or `int:8` / `int:4` / `kivi` / `kvquant` quantization), and only what is kept goes
 into pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token
 (`int:4` two codes a byte), KIVI pages whole residual blocks of 2- or 4-bit codes, each sequence's newest
-tokens waiting in a full-precision residual slot of its own (`kvjax.paged_kivi`), so more requests fit in
+tokens waiting in a full-precision residual slot of its own (`kvjax.paged_kivi`; KVQuant's blocks with their
+exact outliers and sinks too), so more requests fit in
 the same memory; AdaKV's per-head budgets (`allocator=adakv`) fill pages of entries its heads share unevenly
 (`kvjax.paged_pooled`; under `local=true` the windows' rings too, rings of entries, `as_ring`); PyramidKV's
 per-layer budgets (`allocator=pyramid`) give each layer a block table of its own over one pool of
@@ -388,9 +389,13 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
         where = f"engine policy stage {stage.method!r}"
         if stage.quantizes:
             spec = stage.quant_spec  # int: codes and one symmetric scale per token and head; KIVI: its blocks
-            per_token = spec.bits in (4, 8) and not spec.asym and not spec.blocked
-            if not spec.scheme.plain or not (spec.blocked or per_token):
-                raise ConfigError(f"{where}:{stage.bits}: quantized pages are int:8, int:4 (symmetric) or kivi only")
+            per_token = spec.bits in (4, 8) and not spec.asym and not spec.blocked and spec.scheme.plain
+            # KVQuant's blocks too: its outliers, sinks and pre-RoPE keys (`kvjax.paged_kivi`), not GEAR's error
+            blocked = spec.blocked and not spec.scheme.low_rank and spec.scheme.outliers != "extremes"
+            if not (blocked or per_token):
+                raise ConfigError(
+                    f"{where}:{stage.bits}: quantized pages are int:8, int:4 (symmetric), kivi or kvquant only"
+                )
         elif not (stage.method in METHODS and METHODS[stage.method].pageable):
             raise ConfigError(
                 f"{where}: the engine pages token eviction, int:8, int:4 and kivi; {stage.method} is not supported"
@@ -587,8 +592,10 @@ class Engine:
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
         if layout.pooled and (layout.window_pooled or not windowed):
             cache = PagedPooledCache.init_pooled(*shape, stat=stat)
-        elif codes is not None and codes.blocked:
-            cache = PagedKiviCache.init_kivi(codes, *shape)
+        elif codes is not None and codes.blocked:  # (KVQuant's keys rotated back at this layer's RoPE base)
+            cache = PagedKiviCache.init_kivi(
+                dataclasses.replace(codes, rope_theta=cfg.attention_for(kind).rope_theta), *shape
+            )
         else:
             cache = PagedKVCache.init(*shape, per_head_positions=layout.per_head, bits=codes and codes.bits, stat=stat)
         if windowed:

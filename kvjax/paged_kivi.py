@@ -16,6 +16,12 @@ A step feeds one token per decode row (`chunk_row` set, no prompt chunk): prompt
 the Generator and loaded (`load_quant`), and the tokens a preempted request had generated are re-fed one
 decode step each (`Work.stepwise`), so the residual flushes where it did.
 
+KVQuant's blocks (Hooper et al. 2024, sec. 3.3-3.5; `kvjax/quant/schemes/kvquant.py`) are KIVI's with
+parts: keys held before RoPE (a decode token's rotated back at its position, the view's rotated again at
+each slot's), each token vector's largest entries exact beside its codes (`k_out`, `v_out` and their
+channels, per slot in the pages) and the first `sinks` tokens a sequence holds exact in its sequence slot
+(`k_sink`, `v_sink`, beside the residual), as `QuantKVCache`'s `Outliers` and `Sinks` parts hold them.
+
 In a sliding-window layer's own pool (`local=true`: the window compressed, then quantized, into
 `WindowQuantKVCache`'s ring) a row's C ring slots hold its last C tokens in codes, each flushed block at
 its tokens' slots n % C (`PagedKVCache.ring`), over codes no later query sees; the residual stays apart.
@@ -31,7 +37,9 @@ from kvjax.cache import KVView
 from kvjax.paged import PagedKVCache, RowSplit, _slot_major
 from kvjax.quant.cache import QuantKVCache, QuantSpec
 from kvjax.quant.packing import pack, packed_width, unpack
+from kvjax.quant.parts import Outliers
 from kvjax.quant.quantizers import dequantize, quantize
+from kvjax.rope import rotate_slots
 
 
 def check_kivi_pages(spec: QuantSpec, page_size: int) -> str | None:
@@ -60,6 +68,12 @@ class PagedKiviCache(PagedKVCache):
     v_res: jax.Array | None = None
     res_pos: jax.Array | None = None
     res_rows: jax.Array | None = None
+    k_out: jax.Array | None = None  # KVQuant's exact outliers per slot `[P,K,page_size,n]`: values,
+    k_out_idx: jax.Array | None = None  # and their channels (uint8)
+    v_out: jax.Array | None = None
+    v_out_idx: jax.Array | None = None
+    k_sink: jax.Array | None = None  # KVQuant's first `sinks` tokens per sequence slot `[S,K,sinks,H]`, exact
+    v_sink: jax.Array | None = None
     spec: QuantSpec | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
@@ -70,6 +84,13 @@ class PagedKiviCache(PagedKVCache):
             raise ValueError(why)
         G, Gv, R, w = spec.group, spec.value_group(H), spec.residual, packed_width(H, spec.bits)
         zeros = lambda *shape: jnp.zeros(shape, dtype)  # noqa: E731
+        parts = {}
+        if n := spec.n_outliers(H):
+            channels = lambda: jnp.zeros((n_pages, K, page_size, n), jnp.uint8)  # noqa: E731  (one buffer each)
+            parts = dict(k_out=zeros(n_pages, K, page_size, n), k_out_idx=channels())
+            parts |= dict(v_out=zeros(n_pages, K, page_size, n), v_out_idx=channels())
+        if spec.scheme.exact_sinks:
+            parts |= dict(k_sink=zeros(batch, K, spec.sinks, H), v_sink=zeros(batch, K, spec.sinks, H))
         return cls(
             k=jnp.zeros((n_pages, K, page_size, w), jnp.uint8),
             v=jnp.zeros((n_pages, K, page_size, w), jnp.uint8),
@@ -86,21 +107,27 @@ class PagedKiviCache(PagedKVCache):
             res_rows=jnp.zeros((batch,), jnp.int32),
             bits=spec.bits,
             spec=spec,
+            **parts,
         )
 
     def _pools(self) -> dict[str, jax.Array]:
         """The page arrays `[P,...]` (a page's bytes; what a page copy moves): codes, scales, zero points
         and positions; the residuals are per sequence slot (`slot_nbytes`)."""
-        names = ("k", "v", "pos", "k_scale", "k_zero", "v_scale", "v_zero")
-        return {name: getattr(self, name) for name in names}
+        names = ("k", "v", "pos", "k_scale", "k_zero", "v_scale", "v_zero", "k_out", "k_out_idx", "v_out", "v_out_idx")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def _slotted(self) -> dict[str, jax.Array]:
+        """The per-sequence-slot arrays `[S,...]`: the residual, and KVQuant's exact sinks."""
+        names = ("k_res", "v_res", "res_pos", "k_sink", "v_sink")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _carried(self) -> dict[str, jax.Array]:
-        return self._pools() | dict(k_res=self.k_res, v_res=self.v_res, res_pos=self.res_pos)
+        return self._pools() | self._slotted()
 
     @property
     def slot_nbytes(self) -> int:
-        """Bytes of one sequence slot's residual: its K, V and positions."""
-        return sum(x[0].nbytes for x in (self.k_res, self.v_res, self.res_pos))
+        """Bytes of one sequence slot: its residual's K, V and positions (and KVQuant's exact sinks)."""
+        return sum(x[0].nbytes for x in self._slotted().values())
 
     @property
     def _head_dim(self) -> int:
@@ -117,6 +144,10 @@ class PagedKiviCache(PagedKVCache):
         and write it at the row's slots [start, start + R) where `ok` `[B]`."""
         spec, R = self.spec, self.spec.residual
         G, Gv = spec.group, spec.value_group(self._head_dim)
+        outliers = {}
+        if self.k_out is not None:  # dense and sparse: each vector's largest entries exact, out of the range
+            k, v, out = Outliers.taken_from(k, v, self.k_out.shape[-1], False)
+            outliers = dict(k_out=out.k, k_out_idx=out.k_idx, v_out=out.v, v_out_idx=out.v_idx)
         kc, ks, kz = quantize(k.swapaxes(2, 3), spec.bits, G, symmetric=False)  # [B,K,H,R], [B,K,H,R/G]
         vc, vs, vz = quantize(v, spec.bits, Gv, symmetric=False)  # [B,K,R,H], [B,K,R,H/Gv]
         index = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
@@ -128,6 +159,7 @@ class PagedKiviCache(PagedKVCache):
             v_scale=_slot_major(vs),
             v_zero=_slot_major(vz),
             pos=pos.reshape(-1, 1),
+            **{name: _slot_major(x) for name, x in outliers.items()},
         )
         groups = lambda x: x.transpose(0, 3, 1, 2).reshape(-1, *x.shape[1:3])  # noqa: E731  [B,K,H,R/G] -> [B*R/G,K,H]
         return new._put_groups(flat[:, ::G].reshape(-1), groups(ks), groups(kz))
@@ -147,17 +179,17 @@ class PagedKiviCache(PagedKVCache):
             v_scale=slot_major(dense.v_scale.swapaxes(2, 3)),
             v_zero=slot_major(dense.v_zero.swapaxes(2, 3)),
             pos=dense.pos[0][:, None],
+            **({} if dense.outliers is None else {name: slot_major(x) for name, x in _outlier_arrays(dense.outliers)}),
         )
         new = new._put_groups(flat[::G], slot_major(dense.k_scale), slot_major(dense.k_zero))
         at = nq + jnp.arange(R, dtype=jnp.int32)
         res_pos = jnp.where(at < n, dense.pos[0][jnp.minimum(at, S - 1)], -1)
         slot = self.res_rows[row]
-        return new.replace(
-            k_res=new.k_res.at[slot].set(dense.k_res[0].astype(new.k_res.dtype), mode="drop"),
-            v_res=new.v_res.at[slot].set(dense.v_res[0].astype(new.v_res.dtype), mode="drop"),
-            res_pos=new.res_pos.at[slot].set(res_pos, mode="drop"),
-            length=new.length.at[row].set(n),
-        )
+        rows = dict(k_res=dense.k_res[0], v_res=dense.v_res[0], res_pos=res_pos)
+        if dense.sinks is not None:
+            rows |= dict(k_sink=dense.sinks.k[0], v_sink=dense.sinks.v[0])
+        put = lambda name, x: getattr(new, name).at[slot].set(x.astype(getattr(new, name).dtype), mode="drop")  # noqa: E731
+        return new.replace(**{name: put(name, x) for name, x in rows.items()}, length=new.length.at[row].set(n))
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[PagedKiviCache, KVView]:
         """A decode token per row (a mixed step without a prompt chunk: k, v `[1,B,K,H]`, pos `[1,B]`, -1
@@ -171,6 +203,8 @@ class PagedKiviCache(PagedKVCache):
             )
         R, rows = self.spec.residual, self.res_rows
         k, v, pos = k[0][:, :, None], v[0][:, :, None], pos[0]  # [B,K,1,H], [B]
+        if self.spec.scheme.pre_rope_keys:  # KVQuant: keys held before RoPE
+            k = rotate_slots(k, -pos[:, None], self.spec.rope_theta)
         fed, held = pos >= 0, self.length % R  # a residual holds the tokens past the last full block
         at = (jnp.arange(R)[None, :] == held[:, None]) & fed[:, None]  # [B,R]
         read = lambda x: x.at[rows].get(mode="fill", fill_value=0)  # noqa: E731
@@ -187,6 +221,10 @@ class PagedKiviCache(PagedKVCache):
             res_pos=self.res_pos.at[rows].set(res_pos, mode="drop"),
             length=length,
         )
+        if self.k_sink is not None:  # the first tokens a row holds, also exact beside their codes
+            index = jnp.where(fed, self.length, self.k_sink.shape[2])  # (past the sinks: dropped)
+            sink = lambda buf, x: buf.at[rows, :, index].set(x[:, :, 0].astype(buf.dtype), mode="drop")  # noqa: E731
+            new = new.replace(k_sink=sink(self.k_sink, k), v_sink=sink(self.v_sink, v))
         view = new._kivi_view(k_res, v_res, res_pos)
         return new, view._replace(reader=RowSplit(view, view, None))
 
@@ -205,8 +243,22 @@ class PagedKiviCache(PagedKVCache):
             spec.group,
         ).swapaxes(2, 3)
         v = dequantize(vc, gather(self.v_scale), gather(self.v_zero), spec.bits, spec.value_group(H))
+        if self.k_out is not None:
+            k, v = Outliers(*(gather(x) for x in (self.k_out, self.k_out_idx, self.v_out, self.v_out_idx))).apply(k, v)
+        if self.k_sink is not None:  # a row's first slots hold its first tokens (no ring holds KVQuant's codes)
+            n = min(self.k_sink.shape[2], k.shape[2])
+            sinks = lambda x, buf: x.at[:, :, :n].set(buf.at[self.res_rows].get(mode="fill", fill_value=0)[:, :, :n])  # noqa: E731
+            k, v = sinks(k, self.k_sink), sinks(v, self.v_sink)
         coded = self.length // spec.residual * spec.residual  # (a ring's slots past C: null pages, no position)
         slot = jnp.arange(M * self.page_size, dtype=jnp.int32)[None, :]
         pos = jnp.where(slot < coded[:, None], gather(self.pos)[:, 0], -1)
         join = lambda a, b: jnp.concatenate([a, b.astype(jnp.float32)], axis=2)  # noqa: E731
-        return KVView(join(k, k_res), join(v, v_res), jnp.concatenate([pos, res_pos], axis=1))
+        k, v, pos = join(k, k_res), join(v, v_res), jnp.concatenate([pos, res_pos], axis=1)
+        if spec.scheme.pre_rope_keys:  # RoPE at each slot's true position
+            k = rotate_slots(k, pos, spec.rope_theta)
+        return KVView(k, v, pos)
+
+
+def _outlier_arrays(outliers: Outliers) -> list[tuple[str, jax.Array]]:
+    """A dense cache's outliers `[B,K,S,n]` under the names the pages keep them by."""
+    return [("k_out", outliers.k), ("k_out_idx", outliers.k_idx), ("v_out", outliers.v), ("v_out_idx", outliers.v_idx)]

@@ -3,6 +3,7 @@ batch mix, chunking, prefix hits and preemptions; pages all come back."""
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -326,13 +327,18 @@ def test_a_policy_engine_gives_each_request_what_generator_gives_it_alone(gqa, r
 
 @pytest.mark.parametrize(
     "policy, page_size, pages, steps",
-    [("kivi:2:group=4,residual=8", 4, 10, 4), ("streaming:0.5+kivi:4:group=4,residual=8", 8, 5, 4)],
+    [
+        ("kivi:2:group=4,residual=8", 4, 10, 4),
+        ("streaming:0.5+kivi:4:group=4,residual=8", 8, 5, 4),
+        ("kvquant:4:group=4,residual=8,outliers=0.1,sinks=4", 4, 10, 4),
+    ],
 )
 def test_kivi_pages_give_each_request_what_generator_gives_it_alone(gqa, requests, policy, page_size, pages, steps):
     """KIVI in pages (`kvjax.paged_kivi`): codes of whole residual blocks in pages, each sequence's newest
     tokens in a full-precision residual of its own, flushed into its pages as decoding fills it; each
     request decodes as Generator's dense KIVI cache alone, with preemptions (what it generated re-fed a
-    step at a time) and multi-step calls, and the pages and residual slots hold what the formula says."""
+    step at a time) and multi-step calls, and the pages and residual slots hold what the formula says.
+    KVQuant's blocks too: pre-RoPE keys, exact outliers in the pages, exact sinks beside the residual."""
     gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
     alone = [gen([list(r.prompt)], r.decoding) for r in requests]
     engine = Engine(gqa, n_pages=pages, page_size=page_size, slots=4, decode_steps=steps, policy=policy, max_tokens=32)
@@ -340,10 +346,14 @@ def test_kivi_pages_give_each_request_what_generator_gives_it_alone(gqa, request
     assert engine.pool.used_pages == 0 and engine.stats.preemptions > 0
     att, bits = gqa.config.attention, 2 if "kivi:2" in policy else 4
     K, H, ps = att.n_kv_heads, att.head_dim, page_size
+    kvquant = policy.startswith("kvquant")
     codes = 2 * K * ps * H * bits // 8  # keys and values
-    scales = 2 * K * (ps // 4) * H * 4 + 2 * K * ps * (H // 4) * 4  # key groups of 4 tokens, value groups of 4 channels
-    assert engine.page_nbytes() == 2 * (codes + scales + ps * 4)  # 2 layers, positions an int32 per slot
-    residual = 2 * (2 * K * 8 * H * 4 + 8 * 4)  # 2 layers: K and V of 8 fp32 tokens, their positions
+    value_groups = 1 if kvquant else H // 4  # KVQuant's values: one group a vector, KIVI's: groups of 4 channels
+    scales = 2 * K * (ps // 4) * H * 4 + 2 * K * ps * value_groups * 4  # key groups of 4 tokens
+    outliers = 2 * K * ps * math.ceil(0.1 * H) * (4 + 1) if kvquant else 0  # KVQuant's: an fp32 value, a uint8 channel
+    assert engine.page_nbytes() == 2 * (codes + scales + outliers + ps * 4)  # 2 layers, positions an int32 per slot
+    sinks = 2 * K * 4 * H * 4 if kvquant else 0  # KVQuant's 4 exact tokens (a 3-token prompt decodes its 4th)
+    residual = 2 * (2 * K * 8 * H * 4 + 8 * 4 + sinks)  # 2 layers: K and V of 8 fp32 tokens, their positions
     assert engine.state_nbytes() == residual and engine.fixed_nbytes(4) == 4 * residual
     tables = 2 * (4 * (32 // ps) * 4 + 4 * 4 + 4 * 4)  # block tables of 32 tokens, lengths, residual rows
     assert engine.nbytes() == pages * engine.page_nbytes() + 4 * residual + tables
@@ -601,8 +611,8 @@ def test_a_long_generation_stays_within_its_budget(gqa):
 
 def test_policies_the_engine_cannot_page_are_refused(gqa):
     for policy, match in [
-        ("kvquant:4", r"quantized pages are int:8, int:4 \(symmetric\) or kivi"),
-        ("int:4:asym=true", r"quantized pages are int:8, int:4 \(symmetric\) or kivi"),
+        ("gear:4", r"quantized pages are int:8, int:4 \(symmetric\), kivi or kvquant"),
+        ("int:4:asym=true", r"quantized pages are int:8, int:4 \(symmetric\), kivi or kvquant"),
         (
             "kivi:2",
             r"page_size that is a multiple of the key group \(32\) and divides the residual \(128\): "

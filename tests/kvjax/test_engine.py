@@ -649,7 +649,8 @@ SHARDED = textwrap.dedent(
     requests = [Request(tuple(int(t) for t in rng.integers(0, 258, n)), DecodingConfig(max_new_tokens=m))
                 for n, m in [(5, 6), (17, 3), (3, 8), (11, 2), (9, 5)]]
     out = {}
-    for policy in [None, "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8"]:
+    KVQUANT = "kvquant:2:group=4,residual=8,outliers=0.1,sinks=4"
+    for policy in [None, "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8", KVQUANT]:
         for name, mesh in [("one", None), ("eight", Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "tensor")))]:
             engine = Engine(model, n_pages=12, page_size=4, slots=4, chunk=8, mesh=mesh, policy=policy)
             done = engine.run(requests)
@@ -693,8 +694,9 @@ SHARDED = textwrap.dedent(
 @pytest.mark.slow
 def test_eight_devices_serve_what_one_device_serves():
     """Slots over data (4) and KV heads over tensor (2) on 8 simulated CPU devices: the same tokens, also
-    under PyramidKV's budgets evicting while decoding (one pool every layer shares, H2O's sums in it) and
-    in KIVI's pages (each sequence slot's residual beside them); and the Generator on such meshes
+    under PyramidKV's budgets evicting while decoding (one pool every layer shares, H2O's sums in it), in
+    KIVI's pages (each sequence slot's residual beside them) and KVQuant's (outliers in the pages, sinks
+    beside the residual); and the Generator on such meshes
     generates and scores what it does on one device."""
     env = {
         **os.environ,
@@ -703,7 +705,8 @@ def test_eight_devices_serve_what_one_device_serves():
     }
     run = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, check=True)
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    for policy in ["None", "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8"]:
+    kvquant = "kvquant:2:group=4,residual=8,outliers=0.1,sinks=4"
+    for policy in ["None", "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8", kvquant]:
         got, want = out[f"eight {policy}"], out[f"one {policy}"]
         assert got["pool"] == [8, "P(None, 'tensor')"] and want["pool"][0] == 1, policy
         assert got["tokens"] == want["tokens"], policy

@@ -137,8 +137,4 @@ def _share_length(new: list, stats: list, rings: dict[int, int]) -> None:
 
 def _rolled(x: jax.Array, shift: jax.Array, from_end: int) -> jax.Array:
     """Each row b of `x` rolled by shift[b] along its axis `from_end` places from the last (a slot axis)."""
-    axis, B = x.ndim - from_end, x.shape[0]
-    S = x.shape[axis]
-    index = (jnp.arange(S, dtype=jnp.int32)[None] - shift[:, None]) % S  # [B,S]
-    index = index.reshape(B, *(1,) * (axis - 1), S, *(1,) * (x.ndim - axis - 1))
-    return jnp.take_along_axis(x, jnp.broadcast_to(index, (*x.shape[:axis], S, *x.shape[axis + 1 :])), axis=axis)
+    return jax.vmap(functools.partial(jnp.roll, axis=x.ndim - from_end - 1))(x, shift)

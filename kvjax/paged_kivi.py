@@ -41,6 +41,8 @@ from kvjax.quant.parts import Outliers
 from kvjax.quant.quantizers import dequantize, quantize
 from kvjax.rope import rotate_slots
 
+_OUTLIERS = dict(k="k_out", k_idx="k_out_idx", v="v_out", v_idx="v_out_idx")  # `Outliers` field -> page array
+
 
 def check_kivi_pages(spec: QuantSpec, page_size: int) -> str | None:
     """Why pages of `page_size` slots cannot hold `spec`'s KIVI codes (None: they can)."""
@@ -113,7 +115,7 @@ class PagedKiviCache(PagedKVCache):
     def _pools(self) -> dict[str, jax.Array]:
         """The page arrays `[P,...]` (a page's bytes; what a page copy moves): codes, scales, zero points
         and positions; the residuals are per sequence slot (`slot_nbytes`)."""
-        names = ("k", "v", "pos", "k_scale", "k_zero", "v_scale", "v_zero", "k_out", "k_out_idx", "v_out", "v_out_idx")
+        names = ("k", "v", "pos", "k_scale", "k_zero", "v_scale", "v_zero", *_OUTLIERS.values())
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _slotted(self) -> dict[str, jax.Array]:
@@ -147,7 +149,7 @@ class PagedKiviCache(PagedKVCache):
         outliers = {}
         if self.k_out is not None:  # dense and sparse: each vector's largest entries exact, out of the range
             k, v, out = Outliers.taken_from(k, v, self.k_out.shape[-1], False)
-            outliers = dict(k_out=out.k, k_out_idx=out.k_idx, v_out=out.v, v_out_idx=out.v_idx)
+            outliers = _outlier_arrays(out)
         kc, ks, kz = quantize(k.swapaxes(2, 3), spec.bits, G, symmetric=False)  # [B,K,H,R], [B,K,H,R/G]
         vc, vs, vz = quantize(v, spec.bits, Gv, symmetric=False)  # [B,K,R,H], [B,K,R,H/Gv]
         index = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
@@ -172,6 +174,7 @@ class PagedKiviCache(PagedKVCache):
         index = jnp.arange(S, dtype=jnp.int32)[None]
         flat = self.replace(table=self.table[row][None])._flat_slots(index, index < nq)[0]
         slot_major = lambda x: jnp.moveaxis(x[0], 1, 0)  # noqa: E731  [1,K,S,...] -> [S,K,...]
+        outliers = {} if dense.outliers is None else _outlier_arrays(dense.outliers)
         new = self._scatter(
             flat,
             k=slot_major(dense.k_codes),
@@ -179,7 +182,7 @@ class PagedKiviCache(PagedKVCache):
             v_scale=slot_major(dense.v_scale.swapaxes(2, 3)),
             v_zero=slot_major(dense.v_zero.swapaxes(2, 3)),
             pos=dense.pos[0][:, None],
-            **({} if dense.outliers is None else {name: slot_major(x) for name, x in _outlier_arrays(dense.outliers)}),
+            **{name: slot_major(x) for name, x in outliers.items()},
         )
         new = new._put_groups(flat[::G], slot_major(dense.k_scale), slot_major(dense.k_zero))
         at = nq + jnp.arange(R, dtype=jnp.int32)
@@ -244,7 +247,7 @@ class PagedKiviCache(PagedKVCache):
         ).swapaxes(2, 3)
         v = dequantize(vc, gather(self.v_scale), gather(self.v_zero), spec.bits, spec.value_group(H))
         if self.k_out is not None:
-            k, v = Outliers(*(gather(x) for x in (self.k_out, self.k_out_idx, self.v_out, self.v_out_idx))).apply(k, v)
+            k, v = Outliers(**{field: gather(getattr(self, name)) for field, name in _OUTLIERS.items()}).apply(k, v)
         if self.k_sink is not None:  # a row's first slots hold its first tokens (no ring holds KVQuant's codes)
             n = min(self.k_sink.shape[2], k.shape[2])
             sinks = lambda x, buf: x.at[:, :, :n].set(buf.at[self.res_rows].get(mode="fill", fill_value=0)[:, :, :n])  # noqa: E731
@@ -259,6 +262,6 @@ class PagedKiviCache(PagedKVCache):
         return KVView(k, v, pos)
 
 
-def _outlier_arrays(outliers: Outliers) -> list[tuple[str, jax.Array]]:
-    """A dense cache's outliers `[B,K,S,n]` under the names the pages keep them by."""
-    return [("k_out", outliers.k), ("k_out_idx", outliers.k_idx), ("v_out", outliers.v), ("v_out_idx", outliers.v_idx)]
+def _outlier_arrays(outliers: Outliers) -> dict[str, jax.Array]:
+    """Outliers' arrays (`[B,K,S,n]`, or a block's) under the names the pages keep them by."""
+    return {name: getattr(outliers, field) for field, name in _OUTLIERS.items()}

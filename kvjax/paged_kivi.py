@@ -50,8 +50,8 @@ def check_kivi_pages(spec: QuantSpec, page_size: int) -> str | None:
     if page_size % G or R % page_size:
         sizes = [s for s in range(G, R + 1, G) if R % s == 0]
         return (
-            f"{spec.scheme.name} pages need a page_size that is a multiple of the key group ({G}) and divides the residual "
-            f"({R}): one of {sizes}, not {page_size}"
+            f"{spec.scheme.name} pages need a page_size that is a multiple of the key group ({G}) and divides the "
+            f"residual ({R}): one of {sizes}, not {page_size}"
         )
     return None
 

@@ -9,11 +9,11 @@ per power-of-two row bucket and chunk bucket). While no prompt is being prefille
 request decodes greedily, several decode steps run in one call.
 
 Works for attention models whose layers produce or share K/V (MHA/GQA/MQA, CLA, MLKV), sliding-window
-layers included (Gemma's local layers, Mistral's window: by default they page from a pool of their own in
-which a sequence holds only its window's pages, `kvjax.window_pages`; with `window_pages="keep"` the
-window is a mask over pages kept until the request ends, and prefix hits are possible; a policy then
-compresses the other layers' prompts and leaves the windows whole, as `Generator` does, or under
-`local=true` compresses each window into a ring of its pages that grows back to the window), MLA
+layers included (Gemma's local layers, Mistral's window, YOCO's self-decoder: by default they page from a
+pool of their own in which a sequence holds only its window's pages, `kvjax.window_pages`; with
+`window_pages="keep"` the window is a mask over pages kept until the request ends, and prefix hits are
+possible; a policy then compresses the other layers' prompts and leaves the windows whole, as `Generator`
+does, or under `local=true` compresses each window into a ring of its pages that grows back to the window), MLA
 latents (`PagedLatentCache`), and recurrent layers (Mamba, RWKV-7, RetNet, YOCO's gated retention, the
 hybrids), which keep one state slot per running request instead of pages (`kvjax.slot_states`; the
 prefix cache is then off: a prefix hit would skip tokens a state must see).
@@ -464,7 +464,7 @@ class Engine:
             raise ConfigError(f"window_pages={window_pages!r} must be 'free' or 'keep'")
         cfg = model.config
         recurrent = sorted({k for k in cfg.mixers if KINDS[k].recurrent})
-        if unknown := sorted(set(cfg.mixers) - {"attention", "local", "mla", *recurrent}):
+        if unknown := sorted(set(cfg.mixers) - {"attention", "local", "swa", "mla", *recurrent}):
             raise ConfigError(
                 f"the engine pages attention K/V and MLA latents and keeps recurrent states; model mixers "
                 f"{unknown} are not supported yet"

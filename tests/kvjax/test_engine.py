@@ -131,8 +131,6 @@ def test_mla_latents_in_pages_with_prefix_hits_and_preemptions(make_model, reque
 def test_requests_that_cannot_fit_and_models_it_cannot_page_are_refused(gqa, make_model):
     with pytest.raises(ConfigError, match="request 0: 30 tokens need 8 pages; a sequence may hold 4"):
         Engine(gqa, n_pages=5, page_size=4).run([Request(tuple(range(20)), DecodingConfig(max_new_tokens=10))])
-    with pytest.raises(ConfigError, match=r"mixers \['swa'\] are not supported yet"):
-        Engine(make_model("yoco-swa")[1], n_pages=8)
 
 
 @pytest.mark.parametrize(
@@ -224,6 +222,29 @@ def test_a_model_of_sliding_windows_alone(make_model, requests):
         _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
         assert engine.page_nbytes() == 0 and all(c.windowed for c in engine.caches) and not engine.layout.layered
         assert engine.windows.used_pages == 0 and engine.windows.peak == (2 if policy else 4)
+
+
+def test_yocos_sliding_window_self_decoder_pages_its_windows_beside_one_global_cache(make_model, requests):
+    """YOCO on sliding windows (`yoco-swa`, windows of 8; refused until 2026-12-06): the self-decoder's two
+    layers page from the window pool, holding at most ceil(8 / 4) + 1 pages each, and the cross-decoder's one
+    global K/V from the main pool (its second layer reads it: no cache of its own), as `kvjax.memory` counts
+    them. Without a policy, and with H2O evicting every 3 tokens from the global cache and the rings
+    (`local=true`), each request equals Generator alone, with preemptions and multi-step calls."""
+    from kvjax.memory import layer_memory
+
+    model = make_model("yoco-swa", "model.yoco.window=8")[1]
+    ring, glob = layer_memory(model.config)[0], layer_memory(model.config)[-1]
+    assert model.config.mixers == ("swa", "swa", "attention", "attention") and ring.max_slots == 8
+    for policy, pages in ((None, 9), ("h2o:0.5:local,every=3", 6)):
+        gen = Generator(model, capacity=40, policy=policy and parse_policy(policy))
+        engine = Engine(model, n_pages=pages, page_size=4, slots=4, chunk=4, policy=policy, max_tokens=40)
+        _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
+        assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps, (policy, engine.stats)
+        assert engine.pool.used_pages == 0 and engine.windows.used_pages == 0 and engine.windows.peak <= 4
+        assert [c.windowed for c in engine.caches] == [True, True, False] and engine.prefix_cache is False
+        if policy is None:  # the bytes `kvjax.memory` counts (under the policy H2O's sums lie beside them)
+            assert engine.page_nbytes() == 4 * (glob.kv_bytes_per_slot + glob.meta_bytes_per_slot)
+            assert all(c.page_nbytes == 4 * (ring.kv_bytes_per_slot + ring.meta_bytes_per_slot) for c in engine.caches)
 
 
 @pytest.mark.parametrize("policy", ["snapkv:0.5:obs_window=1+int:8", ADAKV])

@@ -14,6 +14,7 @@ from kvjax.architectures.mixers import MIXERS
 from kvjax.compress import parse_policy
 from kvjax.compress.methods import METHODS
 from kvjax.config import ConfigError
+from kvjax.engine import Engine
 from kvjax.kinds import KINDS
 from kvjax.training.families import BY_HF_ARCHITECTURE
 from tests.architectures.test_kinds import check_kind
@@ -56,6 +57,8 @@ def test_the_documented_layer_kind_is_one_block_that_passes_the_contract(make_mo
         check_kind(make_model, "shift")
         cfg, _ = make_model("gqa", "model.n_layers=4", "model.layer_pattern=[shift, attention]")
         assert cfg.mixers == ("shift", "attention") * 2 and memory.state_bytes_per_sequence(cfg) > 0
+        with pytest.raises(ConfigError, match=r"model mixers \['shift'\] are not supported yet"):
+            Engine(make_model("gqa", "model.n_layers=2", "model.layer_pattern=[shift, attention]")[1], n_pages=8)
     finally:  # the registries are global: leave them as the other tests expect
         KINDS.pop("shift", None)
         MIXERS.pop("shift", None)

@@ -16,7 +16,8 @@ possible; a policy then compresses the other layers' prompts and leaves the wind
 does, or under `local=true` compresses each window into a ring of its pages that grows back to the window), MLA
 latents (`PagedLatentCache`), and recurrent layers (Mamba, RWKV-7, RetNet, YOCO's gated retention, the
 hybrids), which keep one state slot per running request instead of pages (`kvjax.slot_states`; the
-prefix cache is then off: a prefix hit would skip tokens a state must see).
+prefix cache is then off: a prefix hit would skip tokens a state must see; under a policy the state a
+prompt's whole prefill leaves is loaded into its slot).
 
 A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Generator` does (one prefill of
 the whole prompt, then eviction and/or `int:8` / `int:4` / `kivi` / `kvquant` quantization), and only what is kept goes
@@ -150,7 +151,7 @@ def _lengths(rows: Rows, written) -> Rows:
     """`rows` with the lengths the caches `written` now hold (main pool; window pool and states)."""
     main = [c.length for c in written if isinstance(c, PagedKVCache) and not c.windowed]
     window = [c.length for c in written if isinstance(c, SlotStates) or c.windowed]
-    if rows.length.ndim == 2:  # a table per layer (no recurrent states then)
+    if rows.length.ndim == 2:  # a table per layer (`kvjax.layer_pages`)
         return rows._replace(length=jnp.stack(main, axis=1), window_length=window[0] if window else rows.window_length)
     main = main[0] if main else window[0]
     return rows._replace(length=main, window_length=window[0] if window else main)
@@ -247,8 +248,8 @@ def _load_row(caches, rows: Rows, dense, stats, row, ring):
     compressed under `local=true`, a `WindowKVCache`, slot for slot into the ring its row holds, all of
     them `ring` slots long, `_aligned`; an AdaKV pool's, `WindowPooledKVCache`, its entries oldest first,
     `as_ring`), with the running statistic of its kept slots where the pages keep
-    one (`stats`: the Generator's, per layer); the caches and the rows with the row's new lengths
-    (attention and MLA layers only: the engine takes no policy for a model with recurrent layers)."""
+    one (`stats`: the Generator's, per layer), and a recurrent layer's state into the row's state slot; the
+    caches and the rows with the row's new lengths."""
     out, shared = [], SharedPool()
     slots = max((d.pos.shape[-1] for d in dense if isinstance(d, WindowKVCache | WindowQuantKVCache)), default=0)
     for i, (paged, d, stat) in enumerate(zip(_with_rows(caches, rows), dense, stats)):
@@ -277,6 +278,8 @@ def _aligned(values: dict, pos: jax.Array, n: jax.Array, ring: tuple) -> tuple[d
 
 def _loaded(paged, d, stat, row, ring):
     """One layer's pages with row 0 of its dense prefill cache `d` loaded into table row `row` (`_load_row`)."""
+    if isinstance(paged, SlotStates):  # a recurrent layer: the state the prompt left, into the row's slot
+        return paged.load(row, d)
     if paged.windowed and not isinstance(d, WindowKVCache | WindowQuantKVCache | WindowPooledKVCache):
         return paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0])  # left whole: by position
     if isinstance(paged, PagedKiviCache):
@@ -470,11 +473,6 @@ class Engine:
                 f"{unknown} are not supported yet"
             )
         self.policy = parse_policy(policy) if isinstance(policy, str) else policy
-        if self.policy is not None and recurrent:
-            raise ConfigError(
-                f"engine policy {policy!s}: {cfg.name!r} has recurrent layers ({', '.join(recurrent)}), whose "
-                "states hold no tokens to compress, and the engine compresses whole prompts; serve it without a policy"
-            )
         windowed = sorted({k for k in cfg.mixers if k != "mla" and cfg.attention_for(k).window is not None})
         if self.policy is not None and windowed:
             check_window_policy(self.policy, cfg, windowed, window_pages)
@@ -530,7 +528,11 @@ class Engine:
         # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks
         self._stepwise = decoding is not None or (codes is not None and codes.blocked)
         plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
-        main = [i for i in plan.producers if self.window is None or plan.mixers[i] not in windowed]
+        main = [
+            i
+            for i in plan.producers
+            if not KINDS[plan.mixers[i]].recurrent and (self.window is None or plan.mixers[i] not in windowed)
+        ]
         first = main[0] if main else None  # the main-pool layer whose cache holds a shared pool (`_pages`)
         self.caches = tuple(
             PagedLatentCache.init(

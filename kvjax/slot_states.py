@@ -53,9 +53,21 @@ class SlotStates(_Arrays):
         """States hold no pages: a page copied for a shared prefix (copy-on-write) leaves them as they are."""
         return self
 
+    def load(self, row, state) -> SlotStates:
+        """These states with block-table row `row`'s slot set to `state` (one sequence's, leading axis 1: a
+        prompt prefilled apart, as the engine's policies prefill whole prompts)."""
+        slot = self.rows[row]
+        return self.replace(
+            state=jax.tree.map(lambda s, n: s.at[slot].set(n[0].astype(s.dtype), mode="drop"), self.state, state)
+        )
+
     def run(self, block, x: jax.Array, positions: jax.Array):
         """`block` (a recurrent layer's block: `block(x, positions, state) -> (x, state, view)`) over a step's
-        packed tokens x `[1, R + C, D]`: (its output, these states updated, no view)."""
+        packed tokens x `[1, R + C, D]`: (its output, these states updated, no view). One token a row as a
+        batch, x `[R, 1, D]` (decode-time eviction's observed step, `kvjax.paged_eviction`), runs packed."""
+        if x.shape[0] > 1:
+            out, states, view = self.run(block, x.reshape(1, -1, x.shape[-1]), positions.reshape(1, -1))
+            return out.reshape(x.shape[0], 1, -1), states, view
         R = self.rows.shape[0]
         C = x.shape[1] - R
         fed = positions[0, :R] >= 0

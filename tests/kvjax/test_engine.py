@@ -142,8 +142,8 @@ def test_recurrent_layers_keep_a_state_slot_per_request(make_model, requests, na
     """Mamba, RWKV-7, RetNet, a Mamba/attention hybrid and YOCO's gated-retention self-decoder: each
     recurrent layer keeps one state per running request (`SlotStates`), attention layers pages; mixed
     prefill/decode steps, multi-step calls and preemptions (a recomputed request starts from a zero state)
-    give each request what Generator gives it alone; a state slot takes the bytes `kvjax.memory` counts;
-    a policy is refused by name."""
+    give each request what Generator gives it alone; a state slot takes the bytes `kvjax.memory` counts; a
+    policy on a model of recurrent layers alone is refused by name (it has no tokens to compress)."""
     from kvjax.memory import layer_memory
     from kvjax.slot_states import SlotStates
 
@@ -163,8 +163,33 @@ def test_recurrent_layers_keep_a_state_slot_per_request(make_model, requests, na
     assert engine.fit(budget, 8, 40) == (3, pages, None)
     with pytest.raises(ConfigError, match=f"holds no request of 40 tokens: it needs {request:,}"):
         engine.fit(request - 1, 8, 40)
-    with pytest.raises(ConfigError, match=r"has recurrent layers \(.*\), whose states hold no tokens to compress"):
-        Engine(model, n_pages=8, policy="snapkv:0.5")
+    if not compressible(model.config):
+        with pytest.raises(ConfigError, match="has no cache that grows with the sequence"):
+            Engine(model, n_pages=8, policy="snapkv:0.5")
+
+
+@pytest.mark.parametrize(
+    "name, overrides, policy, pages",
+    [
+        ("hybrid-mamba-attn", ("model.n_layers=4", "model.layer_pattern=[mamba, attention]"), PYRAMID + ",every=3", 7),
+        ("yoco-gret", (), "tova:0.5+kivi:2:group=2,residual=4", 6),
+    ],
+)
+def test_a_policy_on_a_hybrid_compresses_its_attention_and_loads_the_prompts_states(
+    make_model, requests, name, overrides, policy, pages
+):
+    """A policy on a model with recurrent and attention layers (a Mamba/attention hybrid under PyramidKV's
+    per-layer budgets evicting every 3 tokens; YOCO's gated-retention self-decoder and KIVI-2 pages of its
+    global cache after TOVA; refused until 2026-12-06): each prompt is prefilled whole and compressed as Generator does,
+    its attention layers' kept tokens go into pages and the state it leaves each recurrent layer into the
+    request's state slot, and decoding goes on from both. Each request equals Generator alone under the
+    policy, with preemptions (the prompt compressed again, its state loaded again) and multi-step calls."""
+    model = make_model(name, *overrides)[1]
+    gen = Generator(model, capacity=40, policy=parse_policy(policy))
+    engine = Engine(model, n_pages=pages, page_size=4, slots=4, chunk=4, decode_steps=4, policy=policy, max_tokens=40)
+    _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
+    assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0 and engine.prefix_cache is False
+    assert engine.layout.layered == ("pyramid" in policy) and engine.state_nbytes() > 0
 
 
 def test_local_and_global_layers_in_pages(make_model, requests):

@@ -512,11 +512,6 @@ class Engine:
                     "cannot split over the mesh's tensor axis (each device would hold the whole pool); serve "
                     "it on one device"
                 )
-            if decoding and "mla" in cfg.mixers:
-                raise ConfigError(
-                    f"engine policy {self.policy}: every={decoding.every} evicts while decoding, which the engine "
-                    "runs on K/V pages; MLA's latent pages are compressed once after the prefill (drop every=)"
-                )
             gen = self._prefill_capacity(self.policy, self.width * page_size)
             if decoding:
                 plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]
@@ -544,6 +539,7 @@ class Engine:
                 mla.kv_lora_rank,
                 dtype,
                 value_dim=mla.rope_heads * mla.qk_rope_head_dim,
+                stat=bool(decoding and accumulates(decoding)),
             ).replace(shared=self.layout.layered)
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)

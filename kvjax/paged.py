@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import KVCache, KVView, LatentView, WindowKVCache, _Arrays
+from kvjax.cache import KVCache, KVView, LatentCache, LatentView, WindowKVCache, _Arrays
 from kvjax.ops import attention, capped, kernel_impl, masked_probs, visible
 from kvjax.page_pool import NULL_PAGE
 from kvjax.quant.packing import pack, packed_width, unpack
@@ -445,6 +445,16 @@ class PagedLatentCache(PagedKVCache):
     def update(self, c: jax.Array, k_rope: jax.Array, pos: jax.Array) -> tuple[PagedLatentCache, LatentView]:
         """Append c `[B,T,Dc]`, k_rope `[B,T,Dr]` at positions `[B,T]`; the view gathers each row's pages."""
         return super().update(c[:, :, None], k_rope[:, :, None], pos)
+
+    def dense(self, slots: int) -> LatentCache:
+        """Every row's latent pages as a dense `LatentCache` of their view's width (decode-time eviction)."""
+        view = self.view()
+        return LatentCache(c=view.c, k_rope=view.k_rope, pos=view.pos, length=self.length)
+
+    def compact(self, rows: jax.Array, dense: LatentCache) -> PagedLatentCache:
+        """`PagedKVCache.compact` from a re-selected dense `LatentCache` (its one "head": latents and RoPE keys)."""
+        kv = KVCache(k=dense.c[:, None], v=dense.k_rope[:, None], pos=dense.pos, length=dense.length)
+        return super().compact(rows, kv)
 
     def _gather(self) -> LatentView:
         view = super()._gather()

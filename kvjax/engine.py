@@ -20,28 +20,29 @@ prefix cache is then off: a prefix hit would skip tokens a state must see; under
 prompt's whole prefill leaves is loaded into its slot).
 
 A token-level `policy` (kvjax.compress syntax) compresses each prompt as `Generator` does (one prefill of
-the whole prompt, then eviction and/or `int:8` / `int:4` / `kivi` / `kvquant` quantization), and only what is kept goes
-into pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit codes and a scale per token
-(`int:4` two codes a byte), KIVI pages whole residual blocks of 2- or 4-bit codes, each sequence's newest
-tokens waiting in a full-precision residual slot of its own (`kvjax.paged_kivi`; KVQuant's blocks with their
-exact outliers and sinks too), so more requests fit in
-the same memory; AdaKV's per-head budgets (`allocator=adakv`) fill pages of entries its heads share unevenly
-(`kvjax.paged_pooled`; under `local=true` the windows' rings too, rings of entries, `as_ring`); PyramidKV's
-per-layer budgets (`allocator=pyramid`) give each layer a block table of its own over one pool of
-single-layer pages (`kvjax.layer_pages`; under `local=true` the windows' rings, one length for all of a
-request's, `_aligned`). Decoding then appends every new token, unless the policy evicts while decoding
-(`every=N`, `kvjax.paged_eviction`): each step then observes the rows' attention and a request's every N-th
-token re-selects its slots within its pages and frees the pages past them, so it never holds more than its
-budget plus N slots (under PyramidKV's budgets, each layer its own). With a policy, a request's pages hold
-its compressed prompt, and the prefix cache holds prompts' full pages uncompressed beside them (where the
-pages are full precision and keep no running statistic): a prompt that starts with cached pages reads them
-into its prefill and computes only the rest (at least the queries its policy observes: SnapKV's window,
-TOVA's last query; H2O observes every query: it neither reads nor enters them), then enters its own full
-pages, while pages are free for them. A preempted request is recomputed by compressing its prompt again and
-re-appending the tokens it generated (under `every=` or KIVI, one decode step at a time). A request may name
-its own policy (`Request.policy`) when its pages have the engine's layout (positions shared by the heads or
-per head, full precision or int8 codes, the same stage evicting while decoding, if any): a plain engine
-serves `streaming:0.5` or `tova:0.5` beside uncompressed requests, all sharing the prefix cache.
+the whole prompt, then eviction and/or `int:8` / `int:4` / `kivi` / `kvquant` / `gear` quantization), and
+only what is kept goes into pages: `snapkv:0.5` takes half the prompt's pages, `int:8` pages hold 8-bit
+codes and a scale per token (`int:4` two codes a byte), KIVI pages whole residual blocks of 2- or 4-bit
+codes, each sequence's newest tokens waiting in a full-precision residual slot of its own
+(`kvjax.paged_kivi`; KVQuant's blocks with their exact outliers and sinks too, GEAR's with their outliers
+and each block's low-rank error), so more requests fit in the same memory; AdaKV's per-head budgets
+(`allocator=adakv`) fill pages of entries its heads share unevenly (`kvjax.paged_pooled`; under `local=true`
+the windows' rings too, rings of entries, `as_ring`); PyramidKV's per-layer budgets (`allocator=pyramid`)
+give each layer a block table of its own over one pool of single-layer pages (`kvjax.layer_pages`; under
+`local=true` the windows' rings, one length for all of a request's, `_aligned`). Decoding then appends every
+new token, unless the policy evicts while decoding (`every=N`, `kvjax.paged_eviction`): each step then
+observes the rows' attention and a request's every N-th token re-selects its slots within its pages and
+frees the pages past them, so it never holds more than its budget plus N slots (under PyramidKV's budgets,
+each layer its own). With a policy, a request's pages hold its compressed prompt, and the prefix cache holds
+prompts' full pages uncompressed beside them (where the pages are full precision and keep no running
+statistic): a prompt that starts with cached pages reads them into its prefill and computes only the rest
+(at least the queries its policy observes: SnapKV's window, TOVA's last query; H2O observes every query: it
+neither reads nor enters them), then enters its own full pages, while pages are free for them. A preempted
+request is recomputed by compressing its prompt again and re-appending the tokens it generated (under
+`every=` or KIVI, one decode step at a time). A request may name its own policy (`Request.policy`) when its
+pages have the engine's layout (positions shared by the heads or per head, full precision or int8 codes, the
+same stage evicting while decoding, if any): a plain engine serves `streaming:0.5` or `tova:0.5` beside
+uncompressed requests, all sharing the prefix cache.
 
 `run` serves a list of requests to completion; a server drives the same engine one `step` at a time,
 `submit`ting requests as they arrive and `cancel`ling those whose clients left.
@@ -393,11 +394,10 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
         if stage.quantizes:
             spec = stage.quant_spec  # int: codes and one symmetric scale per token and head; KIVI: its blocks
             per_token = spec.bits in (4, 8) and not spec.asym and not spec.blocked and spec.scheme.plain
-            # KVQuant's blocks too: its outliers, sinks and pre-RoPE keys (`kvjax.paged_kivi`), not GEAR's error
-            blocked = spec.blocked and not spec.scheme.low_rank and spec.scheme.outliers != "extremes"
-            if not (blocked or per_token):
+            # blocks: KIVI's, KVQuant's and GEAR's with their parts (`kvjax.paged_kivi`)
+            if not (spec.blocked or per_token):
                 raise ConfigError(
-                    f"{where}:{stage.bits}: quantized pages are int:8, int:4 (symmetric), kivi or kvquant only"
+                    f"{where}:{stage.bits}: quantized pages are int:8, int:4 (symmetric), kivi, kvquant or gear only"
                 )
         elif not (stage.method in METHODS and METHODS[stage.method].pageable):
             raise ConfigError(

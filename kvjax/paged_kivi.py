@@ -37,16 +37,22 @@ from kvjax.cache import KVView
 from kvjax.paged import PagedKVCache, RowSplit, _slot_major
 from kvjax.quant.cache import QuantKVCache, QuantSpec
 from kvjax.quant.packing import pack, packed_width, unpack
-from kvjax.quant.parts import Outliers
+from kvjax.quant.parts import LowRankError, Outliers, block_error_factors
 from kvjax.quant.quantizers import dequantize, quantize
 from kvjax.rope import rotate_slots
 
 _OUTLIERS = dict(k="k_out", k_idx="k_out_idx", v="v_out", v_idx="v_out_idx")  # `Outliers` field -> page array
+_LOW_RANK = dict(k_q="k_lr_q", k_p="k_lr_p", v_q="v_lr_q", v_p="v_lr_p")  # `LowRankError` field -> page array
 
 
 def check_kivi_pages(spec: QuantSpec, page_size: int) -> str | None:
     """Why pages of `page_size` slots cannot hold `spec`'s KIVI codes (None: they can)."""
     G, R = spec.group, spec.residual
+    if spec.rank and page_size != R:
+        return (
+            f"gear pages hold a block's low-rank error factors a page: page_size must equal the residual ({R}), "
+            f"not {page_size}"
+        )
     if page_size % G or R % page_size:
         sizes = [s for s in range(G, R + 1, G) if R % s == 0]
         return (
@@ -76,6 +82,10 @@ class PagedKiviCache(PagedKVCache):
     v_out_idx: jax.Array | None = None
     k_sink: jax.Array | None = None  # KVQuant's first `sinks` tokens per sequence slot `[S,K,sinks,H]`, exact
     v_sink: jax.Array | None = None
+    k_lr_q: jax.Array | None = None  # GEAR's error factors: Q per slot `[P,K,page_size,r]` and, a page being
+    k_lr_p: jax.Array | None = None  # one block, P per page `[P,K,H,r]`
+    v_lr_q: jax.Array | None = None
+    v_lr_p: jax.Array | None = None
     spec: QuantSpec | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
@@ -93,6 +103,9 @@ class PagedKiviCache(PagedKVCache):
             parts |= dict(v_out=zeros(n_pages, K, page_size, n), v_out_idx=channels())
         if spec.scheme.exact_sinks:
             parts |= dict(k_sink=zeros(batch, K, spec.sinks, H), v_sink=zeros(batch, K, spec.sinks, H))
+        if r := spec.rank:
+            parts |= dict(k_lr_q=zeros(n_pages, K, page_size, r), k_lr_p=zeros(n_pages, K, H, r))
+            parts |= dict(v_lr_q=zeros(n_pages, K, page_size, r), v_lr_p=zeros(n_pages, K, H, r))
         return cls(
             k=jnp.zeros((n_pages, K, page_size, w), jnp.uint8),
             v=jnp.zeros((n_pages, K, page_size, w), jnp.uint8),
@@ -115,7 +128,7 @@ class PagedKiviCache(PagedKVCache):
     def _pools(self) -> dict[str, jax.Array]:
         """The page arrays `[P,...]` (a page's bytes; what a page copy moves): codes, scales, zero points
         and positions; the residuals are per sequence slot (`slot_nbytes`)."""
-        names = ("k", "v", "pos", "k_scale", "k_zero", "v_scale", "v_zero", *_OUTLIERS.values())
+        names = ("k", "v", "pos", "k_scale", "k_zero", "v_scale", "v_zero", *_OUTLIERS.values(), *_LOW_RANK.values())
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def _slotted(self) -> dict[str, jax.Array]:
@@ -146,14 +159,25 @@ class PagedKiviCache(PagedKVCache):
         and write it at the row's slots [start, start + R) where `ok` `[B]`."""
         spec, R = self.spec, self.spec.residual
         G, Gv = spec.group, spec.value_group(self._head_dim)
-        outliers = {}
-        if self.k_out is not None:  # dense and sparse: each vector's largest entries exact, out of the range
-            k, v, out = Outliers.taken_from(k, v, self.k_out.shape[-1], False)
-            outliers = _outlier_arrays(out)
+        exact_k, exact_v, out, per_slot = k, v, None, {}
+        if self.k_out is not None:  # dense and sparse: each vector's outliers exact, out of the range
+            k, v, out = Outliers.taken_from(k, v, self.k_out.shape[-1], spec.scheme.outliers == "extremes")
+            per_slot = _named(out, _OUTLIERS)
         kc, ks, kz = quantize(k.swapaxes(2, 3), spec.bits, G, symmetric=False)  # [B,K,H,R], [B,K,H,R/G]
         vc, vs, vz = quantize(v, spec.bits, Gv, symmetric=False)  # [B,K,R,H], [B,K,R,H/Gv]
         index = start[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
         flat = self._flat_slots(self._ringed(index), ok[:, None])  # [B,R]
+        per_page = {}
+        if self.k_lr_q is not None:  # GEAR: the block's error (exact - dequantized, outliers back) in rank r
+            recon_k = dequantize(kc, ks, kz, spec.bits, G).swapaxes(2, 3)
+            recon_v = dequantize(vc, vs, vz, spec.bits, Gv)
+            if out is not None:
+                recon_k, recon_v = out.apply(recon_k, recon_v)
+            (k_q, k_p), (v_q, v_p) = (
+                block_error_factors(x, recon, R, spec.rank) for x, recon in ((exact_k, recon_k), (exact_v, recon_v))
+            )
+            per_slot |= dict(k_lr_q=k_q, v_lr_q=v_q)
+            per_page = dict(k_lr_p=k_p[:, :, 0], v_lr_p=v_p[:, :, 0])  # [B,K,H,r]: the block's page, its first slot's
         new = self._scatter(
             flat.reshape(-1),
             k=_slot_major(pack(kc.swapaxes(2, 3), spec.bits)),
@@ -161,10 +185,16 @@ class PagedKiviCache(PagedKVCache):
             v_scale=_slot_major(vs),
             v_zero=_slot_major(vz),
             pos=pos.reshape(-1, 1),
-            **{name: _slot_major(x) for name, x in outliers.items()},
+            **{name: _slot_major(x) for name, x in per_slot.items()},
         )
+        new = new._put_pages(flat[:, 0] // self.page_size, per_page)
         groups = lambda x: x.transpose(0, 3, 1, 2).reshape(-1, *x.shape[1:3])  # noqa: E731  [B,K,H,R/G] -> [B*R/G,K,H]
         return new._put_groups(flat[:, ::G].reshape(-1), groups(ks), groups(kz))
+
+    def _put_pages(self, pages: jax.Array, values: dict[str, jax.Array]) -> PagedKiviCache:
+        """Per-page arrays (GEAR's P `[N,K,H,r]`) into pages `[N]` (past the pool: dropped)."""
+        put = lambda name, x: getattr(self, name).at[pages].set(x.astype(getattr(self, name).dtype), mode="drop")  # noqa: E731
+        return self.replace(**{name: put(name, x) for name, x in values.items()})
 
     def load_quant(self, row: int, dense: QuantKVCache) -> PagedKiviCache:
         """Sequence slot `row` (its table set) from row 0 of a Generator's KIVI cache: its codes into the
@@ -174,7 +204,12 @@ class PagedKiviCache(PagedKVCache):
         index = jnp.arange(S, dtype=jnp.int32)[None]
         flat = self.replace(table=self.table[row][None])._flat_slots(index, index < nq)[0]
         slot_major = lambda x: jnp.moveaxis(x[0], 1, 0)  # noqa: E731  [1,K,S,...] -> [S,K,...]
-        outliers = {} if dense.outliers is None else _outlier_arrays(dense.outliers)
+        per_slot = {} if dense.outliers is None else _named(dense.outliers, _OUTLIERS)
+        per_page = {}
+        if dense.low_rank is not None:  # GEAR: Q per slot, each block's P into the page that holds it
+            factors = _named(dense.low_rank, _LOW_RANK)
+            per_slot |= dict(k_lr_q=factors["k_lr_q"], v_lr_q=factors["v_lr_q"])
+            per_page = dict(k_lr_p=slot_major(factors["k_lr_p"]), v_lr_p=slot_major(factors["v_lr_p"]))
         new = self._scatter(
             flat,
             k=slot_major(dense.k_codes),
@@ -182,8 +217,9 @@ class PagedKiviCache(PagedKVCache):
             v_scale=slot_major(dense.v_scale.swapaxes(2, 3)),
             v_zero=slot_major(dense.v_zero.swapaxes(2, 3)),
             pos=dense.pos[0][:, None],
-            **{name: slot_major(x) for name, x in outliers.items()},
+            **{name: slot_major(x) for name, x in per_slot.items()},
         )
+        new = new._put_pages(flat[::R] // self.page_size, per_page)
         new = new._put_groups(flat[::G], slot_major(dense.k_scale), slot_major(dense.k_zero))
         at = nq + jnp.arange(R, dtype=jnp.int32)
         res_pos = jnp.where(at < n, dense.pos[0][jnp.minimum(at, S - 1)], -1)
@@ -246,6 +282,10 @@ class PagedKiviCache(PagedKVCache):
             spec.group,
         ).swapaxes(2, 3)
         v = dequantize(vc, gather(self.v_scale), gather(self.v_zero), spec.bits, spec.value_group(H))
+        if self.k_lr_q is not None:  # GEAR's error: each slot's Q times its page's (block's) P
+            pages = lambda pool: pool[self.table].swapaxes(1, 2)  # noqa: E731  [P,K,H,r] -> [B,K,M,H,r]
+            q = dict(k_q=gather(self.k_lr_q), v_q=gather(self.v_lr_q))
+            k, v = LowRankError(**q, k_p=pages(self.k_lr_p), v_p=pages(self.v_lr_p), residual=spec.residual).apply(k, v)
         if self.k_out is not None:
             k, v = Outliers(**{field: gather(getattr(self, name)) for field, name in _OUTLIERS.items()}).apply(k, v)
         if self.k_sink is not None:  # a row's first slots hold its first tokens (no ring holds KVQuant's codes)
@@ -262,6 +302,7 @@ class PagedKiviCache(PagedKVCache):
         return KVView(k, v, pos)
 
 
-def _outlier_arrays(outliers: Outliers) -> dict[str, jax.Array]:
-    """Outliers' arrays (`[B,K,S,n]`, or a block's) under the names the pages keep them by."""
-    return {name: getattr(outliers, field) for field, name in _OUTLIERS.items()}
+def _named(part, names: dict[str, str]) -> dict[str, jax.Array]:
+    """A part's arrays (`Outliers`, `LowRankError`: a Generator cache's or a block's) under the names the
+    pages keep them by (`_OUTLIERS`, `_LOW_RANK`)."""
+    return {name: getattr(part, field) for field, name in names.items()}

@@ -58,6 +58,16 @@ def low_rank(error: jax.Array, rank: int, loops: int = 3) -> tuple[jax.Array, ja
     return q, p
 
 
+def block_error_factors(exact, recon, residual: int, rank: int) -> tuple[jax.Array, jax.Array]:
+    """GEAR's factors of the quantization error exact - recon (`[B,K,W,H]`, dequantized with its outliers
+    back): Q `[B,K,W,r]` of each token and P `[B,K,ceil(W/residual),H,r]` of each block of `residual`."""
+    B, K, W, H = exact.shape
+    Wr = -(-W // residual) * residual
+    error = jnp.pad(exact.astype(jnp.float32) - recon, ((0, 0), (0, 0), (0, Wr - W), (0, 0)))
+    q, p = low_rank(error.reshape(B, K, Wr // residual, residual, H), rank)
+    return q.reshape(B, K, Wr, -1)[:, :, :W], p
+
+
 @struct.dataclass
 class Outliers:
     """Each token vector's `n` outlier entries kept exactly beside the codes: values (model dtype) and
@@ -153,12 +163,7 @@ class LowRankError:
         )
 
     def _factors(self, exact, recon):
-        """Q `[B,K,W,r]` of each token and P `[B,K,ceil(W/residual),H,r]` of each block of the error."""
-        R, (B, K, W, H), rank = self.residual, exact.shape, self.k_q.shape[-1]
-        Wr = -(-W // R) * R
-        error = jnp.pad(exact.astype(jnp.float32) - recon, ((0, 0), (0, 0), (0, Wr - W), (0, 0)))
-        q, p = low_rank(error.reshape(B, K, Wr // R, R, H), rank)
-        return q.reshape(B, K, Wr, -1)[:, :, :W], p
+        return block_error_factors(exact, recon, self.residual, self.k_q.shape[-1])
 
     def apply(self, k, v) -> tuple[jax.Array, jax.Array]:
         return k + self._error(self.k_q, self.k_p), v + self._error(self.v_q, self.v_p)

@@ -170,7 +170,7 @@ def test_serve_bench_compares_architectures_at_one_budget(tmp_path, capsys):
     assert set(table) == {"gqa", "mamba"} and table["mamba"][1:3] == ["0", f"{state:,}"]
     assert main(["serve-bench", "gqa", "mamba", "--policy", "snapkv:0.5"]) == 2
     err = capsys.readouterr().err
-    assert "'mamba' has recurrent layers (mamba)" in err and "first pass" not in err
+    assert "'mamba' has no cache that grows with the sequence" in err and "first pass" not in err
 
 
 def test_serve_bench_checks_its_arguments(capsys):
@@ -184,8 +184,8 @@ def test_serve_bench_checks_its_arguments(capsys):
     assert "--prompts is empty: give random or a corpus" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="the text has 20 tokens, fewer than a prompt of 4 shared [+] 17 of its own"):
         Workload(prompt=(2, 17), shared_prefix=4).sample(8, np.arange(20))
-    assert main(["serve-bench", "gqa", "--policy", "gear:4", "--memory-mib", "1"]) == 2
-    assert "quantized pages are int:8, int:4 (symmetric), kivi or kvquant only" in capsys.readouterr().err
+    assert main(["serve-bench", "gqa", "--policy", "int:4:asym=true", "--memory-mib", "1"]) == 2
+    assert "quantized pages are int:8, int:4 (symmetric), kivi, kvquant or gear only" in capsys.readouterr().err
     assert main(["serve-bench", "gqa", "--policy", "kivi:2", "--memory-mib", "1"]) == 2  # pages of 16
     err = capsys.readouterr().err
     assert "divides the residual (128): one of [32, 64, 128], not 16" in err and "first pass" not in err

@@ -375,6 +375,7 @@ def test_a_policy_engine_gives_each_request_what_generator_gives_it_alone(gqa, r
         ("kivi:2:group=4,residual=8", 4, 10, 4),
         ("streaming:0.5+kivi:4:group=4,residual=8", 8, 5, 4),
         ("kvquant:4:group=4,residual=8,outliers=0.1,sinks=4", 4, 10, 4),
+        ("gear:4:group=4,residual=4,outliers=0.2,rank=2", 4, 10, 4),
     ],
 )
 def test_kivi_pages_give_each_request_what_generator_gives_it_alone(gqa, requests, policy, page_size, pages, steps):
@@ -382,22 +383,27 @@ def test_kivi_pages_give_each_request_what_generator_gives_it_alone(gqa, request
     tokens in a full-precision residual of its own, flushed into its pages as decoding fills it; each
     request decodes as Generator's dense KIVI cache alone, with preemptions (what it generated re-fed a
     step at a time) and multi-step calls, and the pages and residual slots hold what the formula says.
-    KVQuant's blocks too: pre-RoPE keys, exact outliers in the pages, exact sinks beside the residual."""
+    KVQuant's blocks too: pre-RoPE keys, exact outliers in the pages, exact sinks beside the residual; and
+    GEAR's: its extremes exact in the pages, each block's low-rank error Q per slot and P per page (a page
+    is a block; refused until 2026-12-06)."""
     gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
     alone = [gen([list(r.prompt)], r.decoding) for r in requests]
     engine = Engine(gqa, n_pages=pages, page_size=page_size, slots=4, decode_steps=steps, policy=policy, max_tokens=32)
     _check(engine.run(requests), alone)
     assert engine.pool.used_pages == 0 and engine.stats.preemptions > 0
     att, bits = gqa.config.attention, 2 if "kivi:2" in policy else 4
-    K, H, ps = att.n_kv_heads, att.head_dim, page_size
-    kvquant = policy.startswith("kvquant")
+    K, H, ps, R = att.n_kv_heads, att.head_dim, page_size, 4 if "residual=4" in policy else 8
+    kvquant, gear = policy.startswith("kvquant"), policy.startswith("gear")
     codes = 2 * K * ps * H * bits // 8  # keys and values
     value_groups = 1 if kvquant else H // 4  # KVQuant's values: one group a vector, KIVI's: groups of 4 channels
     scales = 2 * K * (ps // 4) * H * 4 + 2 * K * ps * value_groups * 4  # key groups of 4 tokens
-    outliers = 2 * K * ps * math.ceil(0.1 * H) * (4 + 1) if kvquant else 0  # KVQuant's: an fp32 value, a uint8 channel
-    assert engine.page_nbytes() == 2 * (codes + scales + outliers + ps * 4)  # 2 layers, positions an int32 per slot
+    # exact outliers a vector, an fp32 value and a uint8 channel each: KVQuant's 10% largest, GEAR's 10% at either end
+    n = math.ceil(0.1 * H) if kvquant else 2 * math.ceil(0.2 * H / 2) if gear else 0
+    outliers = 2 * K * ps * n * (4 + 1)
+    low_rank = 2 * K * (ps + H) * 2 * 4 if gear else 0  # K's and V's rank-2 Q a slot and P a page (block), fp32
+    assert engine.page_nbytes() == 2 * (codes + scales + outliers + low_rank + ps * 4)  # 2 layers, int32 positions
     sinks = 2 * K * 4 * H * 4 if kvquant else 0  # KVQuant's 4 exact tokens (a 3-token prompt decodes its 4th)
-    residual = 2 * (2 * K * 8 * H * 4 + 8 * 4 + sinks)  # 2 layers: K and V of 8 fp32 tokens, their positions
+    residual = 2 * (2 * K * R * H * 4 + R * 4 + sinks)  # 2 layers: K and V of R fp32 tokens, their positions
     assert engine.state_nbytes() == residual and engine.fixed_nbytes(4) == 4 * residual
     tables = 2 * (4 * (32 // ps) * 4 + 4 * 4 + 4 * 4)  # block tables of 32 tokens, lengths, residual rows
     assert engine.nbytes() == pages * engine.page_nbytes() + 4 * residual + tables
@@ -659,8 +665,11 @@ def test_a_long_generation_stays_within_its_budget(gqa):
 
 def test_policies_the_engine_cannot_page_are_refused(gqa):
     for policy, match in [
-        ("gear:4", r"quantized pages are int:8, int:4 \(symmetric\), kivi or kvquant"),
-        ("int:4:asym=true", r"quantized pages are int:8, int:4 \(symmetric\), kivi or kvquant"),
+        (
+            "gear:4",
+            r"gear pages hold a block's low-rank error factors a page: page_size must equal the residual \(64\)",
+        ),
+        ("int:4:asym=true", r"quantized pages are int:8, int:4 \(symmetric\), kivi, kvquant or gear only"),
         (
             "kivi:2",
             r"page_size that is a multiple of the key group \(32\) and divides the residual \(128\): "

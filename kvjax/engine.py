@@ -74,9 +74,11 @@ from kvjax.page_pool import NULL_PAGE, PagePool, PoolExhausted
 from kvjax.paged import PagedKVCache, PagedLatentCache, SharedPool
 from kvjax.paged_eviction import Eviction, budget_row, evicting_step
 from kvjax.paged_kivi import PagedKiviCache, check_kivi_pages
+from kvjax.paged_lowrank import PagedLowRankCache
 from kvjax.paged_pooled import PagedPooledCache, as_entries, as_ring
-from kvjax.plan import LayerPlan, compressible, init_caches
+from kvjax.plan import LayerPlan, compressible, init_caches, rope_base
 from kvjax.quant.cache import QuantKVCache, QuantSpec, WindowQuantKVCache, rings_codes
+from kvjax.quant.lowrank import LowRankKVCache
 from kvjax.sampling import sample
 from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequence, Step, Work, prefix_key
 from kvjax.sharding import place_params
@@ -292,6 +294,8 @@ def _loaded(paged, d, stat, row, ring):
         values = dict(k=d.k_codes[0], v=d.v_codes[0], k_scale=d.k_scale[0], v_scale=d.v_scale[0])
     elif isinstance(d, LatentCache):  # one latent "head": keys the latents, values the RoPE keys
         values = dict(k=d.c[0][None], v=d.k_rope[0][None])
+    elif isinstance(d, LowRankKVCache):  # Palu's or LoRC's latents per head group (`kvjax.paged_lowrank`)
+        values = dict(k=d.zk[0], v=d.zv[0])
     else:
         values = dict(k=d.k[0], v=d.v[0])
     if paged.stat is not None:
@@ -346,6 +350,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
         if len(sizes) > 1
         else "quantizes them with a scheme's parts (the window pool holds rings of K/V, int or KIVI codes)"
         if last.quantizes and not rings_codes(last.quant_spec)
+        else "factors them into latents (the window pool holds rings of K/V, int or KIVI codes)"
+        if _latent(last)
         else None
     )
     if why:
@@ -361,7 +367,8 @@ class PageLayout(NamedTuple):
     (`every=`, None: none); entries pooled over the heads (AdaKV's per-head budgets, `kvjax.paged_pooled`);
     whether the sliding-window layers' pool holds the codes too (`local=true`: rings of int or KIVI codes); a
     block table per layer (PyramidKV's per-layer budgets, `kvjax.layer_pages`); whether that pool's rings are
-    pooled entries too (AdaKV under `local=true`)."""
+    pooled entries too (AdaKV under `local=true`); whether the pages hold low-rank latents (Palu, LoRC,
+    `kvjax.paged_lowrank`)."""
 
     per_head: bool = False
     codes: QuantSpec | None = None
@@ -370,6 +377,7 @@ class PageLayout(NamedTuple):
     window_codes: bool = False
     layered: bool = False
     window_pooled: bool = False
+    low_rank: bool = False
 
     def __str__(self) -> str:
         heads = (
@@ -379,10 +387,21 @@ class PageLayout(NamedTuple):
             if self.per_head
             else "one position per slot"
         )
-        codes = f", {self.codes.method}{self.codes.bits} codes" if self.codes else ", full precision"
+        codes = (
+            f", {self.codes.method}{self.codes.bits} codes"
+            if self.codes
+            else ", low-rank latents"
+            if self.low_rank
+            else ", full precision"
+        )
         codes += " (the windows' rings too)" if self.window_codes else ""
         layers = ", a block table per layer" if self.layered else ""
         return heads + codes + layers + (f", evicting by {self.decoding} while decoding" if self.decoding else "")
+
+
+def _latent(stage: Stage) -> bool:
+    """Whether `stage` keeps low-rank latents (Palu, LoRC: `kvjax.paged_lowrank`)."""
+    return stage.hooks is not None and stage.hooks.kind == "low_rank"
 
 
 def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
@@ -399,11 +418,13 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
                 raise ConfigError(
                     f"{where}:{stage.bits}: quantized pages are int:8, int:4 (symmetric), kivi, kvquant or gear only"
                 )
-        elif not (stage.method in METHODS and METHODS[stage.method].pageable):
+        elif not (_latent(stage) or (stage.method in METHODS and METHODS[stage.method].pageable)):
             raise ConfigError(
-                f"{where}: the engine pages token eviction, int:8, int:4 and kivi; {stage.method} is not supported"
+                f"{where}: the engine pages token eviction, int:8, int:4, kivi, kvquant, gear, palu and lorc; "
+                f"{stage.method} is not supported"
             )
     last = policy.stages[-1]
+    low_rank = _latent(last)
     per_head = any(s.per_head for s in policy.stages if not s.quantizes)
     codes = last.quant_spec if last.quantizes else None
     pooled = any(s.pooled for s in policy.stages)
@@ -413,6 +434,11 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
         raise ConfigError(
             f"engine policy {policy}: KIVI pages keep one position per slot; positions per head (a head-wise "
             "eviction before it) are not paged with them"
+        )
+    if low_rank and (per_head or layered):
+        raise ConfigError(
+            f"engine policy {policy}: latent pages keep one position per slot and one block table for every "
+            "layer; a head-wise eviction or PyramidKV's budgets before them are not paged with them"
         )
     if layered and codes is not None and codes.blocked:
         raise ConfigError(
@@ -427,6 +453,7 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
         bool(policy.local and codes),
         layered,
         pooled and policy.local,
+        low_rank,
     )
 
 
@@ -449,6 +476,7 @@ class Engine:
         decode_steps: int = 8,
         window_pages: str = "free",
         window_pool: int | None = None,
+        calibration: np.ndarray | None = None,
     ):
         """`mesh` (axes `data` and `tensor`) spreads the step's rows (sequences) over `data` and the pages' KV
         heads over `tensor`, as training splits batch and heads; the weights lie as `kvjax.sharding`
@@ -462,7 +490,8 @@ class Engine:
         other layers, the window a mask, every page kept until the request ends (prefix hits possible).
         `window_pool`: pages of that own pool (besides its null page); by default every slot's worst case, so
         it never limits admission; a smaller one (what `fit` buys) admits requests by what their windows can
-        hold (`WindowPages.reserve`)."""
+        hold (`WindowPages.reserve`). `calibration`: tokens `[N,T]` a policy's method learns from (Palu's
+        bases), as `Generator` takes them."""
         if window_pages not in ("free", "keep"):
             raise ConfigError(f"window_pages={window_pages!r} must be 'free' or 'keep'")
         cfg = model.config
@@ -480,14 +509,14 @@ class Engine:
         self.model, self.n_pages, self.page_size, self.layout = model, n_pages, page_size, layout
         self.slots, self.chunk, self.decode_steps = slots, chunk, decode_steps
         self.windowed, self.recurrent, self.window_pages = windowed, recurrent, window_pages
-        self.window_pool = window_pool
+        self.window_pool, self.calibration = window_pool, calibration
         self.window = (
             max((cfg.attention_for(k).window for k in windowed), default=None) if window_pages == "free" else None
         )
         # A prefix hit skips the prefix's tokens: a recurrent layer's state, a freed window, would miss them;
         # the cache's pages hold whole prompts, full precision (where a policy's are codes, they are not), and
         # serve every layer (where each layer has its own tables, they do not)
-        whole = layout.codes is None and not layout.layered
+        whole = layout.codes is None and not (layout.layered or layout.low_rank)
         self.prefix_cache = prefix_cache and not recurrent and self.window is None and whole
         # block-table columns: by default a request may hold the pool; with a table per layer, its largest layer
         # twice a layer's share of it (PyramidKV's largest budget is below twice the mean)
@@ -513,6 +542,8 @@ class Engine:
                     "it on one device"
                 )
             gen = self._prefill_capacity(self.policy, self.width * page_size)
+            if self.layout.low_rank:  # Palu's or LoRC's bases, by cache (the latent pages map them out)
+                latent = dict(zip(compressible(cfg), gen.prepared["bases"]))
             if decoding:
                 plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]
                 evicted = compressible(cfg, self.policy.local)  # (under local=true, the rings too)
@@ -545,7 +576,11 @@ class Engine:
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
             else self._paged(cfg, plan.mixers[i], n_pages, self.layout, first=i == first)
-            for i in plan.producers
+            if not self.layout.low_rank or slot not in latent
+            else PagedLowRankCache.init_low_rank(
+                *latent[slot], att.n_kv_heads, rope_base(cfg, slot), n_pages, page_size, slots, self.width, dtype
+            )
+            for slot, i in enumerate(plan.producers)
         )
         graphdef, self.params = nnx.split(model)
         self._leaves, treedef = jax.tree.flatten(self.params)
@@ -842,9 +877,8 @@ class Engine:
             return None
         key = str(policy)
         if key not in self.gens or self.gens[key].capacity < tokens:
-            self.gens[key] = Generator(
-                self.model, capacity=max(tokens, self.width * self.pool.page_size), policy=policy
-            )
+            capacity = max(tokens, self.width * self.pool.page_size)
+            self.gens[key] = Generator(self.model, capacity=capacity, policy=policy, calibration=self.calibration)
         return self.gens[key]
 
     def _work(self, request: Request, index: int) -> Work:

@@ -402,6 +402,12 @@ class Generator:
         self._layer_counts = None  # (lengths, tokens kept per cache and row) of the last prefill (D2O)
 
     @property
+    def prepared(self) -> dict:
+        """What the policy's methods computed from the model (`prepare_policy`: Palu's and LoRC's bases per
+        compressible cache, DuoAttention's streaming heads)."""
+        return self._prepared
+
+    @property
     def layer_counts(self) -> np.ndarray | None:
         """Tokens each compressible cache keeps per row `[n, B]`, planned at the last prefill by a method
         whose budgets come from it (D2O); None otherwise."""

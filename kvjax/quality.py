@@ -29,14 +29,15 @@ class ContinuationKL:
 
 
 def continuation_kl(
-    model, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], policy: str
+    model, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], policy: str, calibration=None
 ) -> ContinuationKL:
     """KL(full || `policy`) along each prompt's continuation. The first token of a continuation is
     predicted by the prefill before anything is compressed, so it is not counted. Continuations of
     different lengths are padded to a power of two and the padding is masked: a position's distribution
     depends only on the tokens before it (decode-time eviction too fires on what came before), so the
     padding changes nothing that is counted. Rows go in batches whose log-distributions fit LOGITS_BYTES,
-    the last batch filled with copies of its first row, so each padded length compiles once."""
+    the last batch filled with copies of its first row, so each padded length compiles once. `calibration`:
+    tokens the policy learns from (Palu's bases)."""
     if len(prompts) != len(continuations) or not prompts:
         raise ValueError("continuation_kl needs one continuation per prompt, and at least one prompt")
     if min(len(c) for c in continuations) < 1:
@@ -46,7 +47,7 @@ def continuation_kl(
     width = 1 << (longest - 1).bit_length()
     capacity = max(len(p) for p in prompts) + width
     full = Generator(model, capacity=capacity)
-    compressed = Generator(model, capacity=capacity, policy=parse_policy(policy))
+    compressed = Generator(model, capacity=capacity, policy=parse_policy(policy), calibration=calibration)
     rows = max(1, min(len(order), LOGITS_BYTES // (width * model.config.vocab_size * 4)))
     total = top = 0.0
     count = 0

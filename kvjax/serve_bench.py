@@ -165,6 +165,7 @@ def serve_bench(
     kl: bool = True,
     text: np.ndarray | None = None,
     text_name: str = "random tokens",
+    calibration: np.ndarray | None = None,
 ) -> dict:
     """Run every server on the workload at `memory_mib` MiB of K/V and return the figures (see the module
     docstring); a budget too small for the longest request, or a policy budget a prompt cannot meet, is
@@ -172,7 +173,8 @@ def serve_bench(
     each engine also serves the workload through its thread and through `kvjax serve`'s HTTP app at that
     many streams at once (`kvjax.serve.bench`; `tokenizer` decodes the text the server sends). With `kl`,
     each policy's served continuations are scored against the full cache (`kvjax.quality`). With `text`
-    (tokens of the text named `text_name`), prompts are passages of it."""
+    (tokens of the text named `text_name`), prompts are passages of it. `calibration`: tokens a policy learns
+    from (Palu's bases)."""
     cfg = model.config
     requests = workload.sample(cfg.vocab_size, text)
     if text is not None and (top := max(max(r.prompt) for r in requests)) >= cfg.vocab_size:
@@ -190,7 +192,7 @@ def serve_bench(
         )
     engines = {}
     for policy in (None, *policies):  # each layout's pages in the budget; every request checked before compute
-        sized = probe(model, page_size, policy, chunk=chunk, decode_steps=decode_steps)
+        sized = probe(model, page_size, policy, chunk=chunk, decode_steps=decode_steps, calibration=calibration)
         fitted, n_pages, window_pool = sized.fit(budget, slots, longest)
         engines[policy] = Engine(
             model,
@@ -202,6 +204,7 @@ def serve_bench(
             policy=policy,
             decode_steps=decode_steps,
             window_pool=window_pool,
+            calibration=calibration,
         )
         engines[policy].check(requests)
     new_tokens = sum(r.decoding.max_new_tokens for r in requests)
@@ -262,7 +265,8 @@ def serve_bench(
         )
         if kl and policy:
             start = time.perf_counter()
-            cost = continuation_kl(model, [r.prompt for r in requests], [c.tokens for c in served], policy)
+            prompts, continuations = [r.prompt for r in requests], [c.tokens for c in served]
+            cost = continuation_kl(model, prompts, continuations, policy, calibration)
             out["servers"][-1].update(kl_vs_full=cost.kl, kl_max=cost.kl_max, kl_positions=cost.positions)
             took = time.perf_counter() - start
             log(f"engine + {policy}: KL vs full {cost.kl:.4g} over {cost.positions} tokens ({took:.1f} s)")

@@ -23,6 +23,7 @@ def run(args) -> None:
         raise ConfigError(
             f"kvjax serve needs the serve extra ({e.name} is missing): pip install 'kvjax[serve]'"
         ) from None
+    from kvjax.commands.common import calibration_tokens
     from kvjax.compress import parse_policy
     from kvjax.engine import Engine, check_engine_policy
     from kvjax.training.loading import load_model, model_config
@@ -37,7 +38,10 @@ def run(args) -> None:
     def load() -> Served:
         loaded = load_model(args.model)
         max_tokens = args.max_tokens or min(loaded.context or DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS)
-        probe = Engine(loaded.model, n_pages=2, page_size=args.page_size, slots=1, chunk=args.chunk, policy=args.policy)
+        # Palu's bases: from the training split of the model's corpus
+        calibration = calibration_tokens(loaded, [parse_policy(args.policy)] if args.policy else [], None)
+        common = dict(page_size=args.page_size, chunk=args.chunk, policy=args.policy, calibration=calibration)
+        probe = Engine(loaded.model, n_pages=2, slots=1, **common)
         slots, window_pool = args.slots, None
         if args.pages:
             pages = args.pages
@@ -49,12 +53,10 @@ def run(args) -> None:
         engine = Engine(
             loaded.model,
             n_pages=pages + 1,  # + the null page
-            page_size=args.page_size,
             slots=slots,
-            chunk=args.chunk,
             max_tokens=max_tokens,
-            policy=args.policy,
             window_pool=window_pool,
+            **common,
         )
         if args.warm:
             engine.warm()

@@ -52,11 +52,13 @@ def run(args) -> None:
     models = [(name, *_bench_model(name, overrides)) for name in names]
     text_name = models[0][3] if args.prompts is None else args.prompts
     texts = [None if text_name == "random" else _text_tokens(tokenizer, text_name) for _, _, tokenizer, _ in models]
-    for _, model, _, _ in models:  # what an engine cannot serve (a model's layers, a policy) fails before compute
-        for policy in (None, *policies):
-            probe(model, args.page_size, policy)
+    calibrations = [_calibration(tokenizer, corpus, policies) for _, _, tokenizer, corpus in models]
+    for (_, model, _, _), calibration in zip(models, calibrations):  # what an engine cannot serve (a model's
+        for policy in (None, *policies):  # layers, a policy) fails before compute
+            probe(model, args.page_size, policy, calibration=calibration)
     runs, memory_mib = [], args.memory_mib
-    for (name, model, tokenizer, _), text in zip(models, texts):  # one budget (the first's default), each served alike
+    for (name, model, tokenizer, _), text, calibration in zip(models, texts, calibrations):  # one budget (the
+        # first's default), each model served alike
         memory_mib = memory_mib or default_memory(model.config, workload, text)
         figures = serve_bench(
             model,
@@ -73,6 +75,7 @@ def run(args) -> None:
             kl=not args.no_kl,
             text=text,
             text_name="random tokens" if text is None else f"from {text_name}",
+            calibration=calibration,
         )
         print(render(figures))
         runs.append(figures)
@@ -82,6 +85,17 @@ def run(args) -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1))
         print(f"wrote {args.json}")
+
+
+def _calibration(tokenizer, corpus: str, policies: list[str]):
+    """Palu's calibration tokens for a model served under `policies`: the training split of its corpus (KJV
+    for a model config's random weights), or None when no policy learns from data."""
+    from kvjax.compress import needs_calibration, parse_policy
+    from kvjax.training.compression_eval import calibration_tokens
+
+    if not needs_calibration([parse_policy(p) for p in policies]):
+        return None
+    return calibration_tokens(tokenizer, "kjv" if corpus == "random" else corpus)
 
 
 def _text_tokens(tokenizer, corpus: str):

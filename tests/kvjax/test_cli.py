@@ -76,7 +76,7 @@ def test_compiled_generation_holds_what_its_budget_counts(capsys):
 
 
 def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
-    """`kvjax serve-bench`: static batches, the engine and the engine with int:8 at the same K/V bytes
+    """`kvjax serve-bench`: static batches, the engine and the engine with int:8 and Palu at the same K/V bytes
     (by default what static batches need for a quarter of the requests, here 2 of 5); the JSON has every
     figure, the budget buys more int8 pages, and int:8's served continuations carry their KL. The prompts
     are passages of the KJV's validation text (in bytes), the shared prefix one passage."""
@@ -111,16 +111,21 @@ def test_serve_bench_compares_servers_at_one_budget(tmp_path, capsys):
         "kjv",
         "--policy",
         "int:8",
+        "--policy",
+        "palu:0.5",
         "--json",
         str(out),
     ]
     assert main(args) == 0
     figures = json.loads(out.read_text())
-    static, engine, int8 = figures["servers"]
-    assert [s["server"] for s in figures["servers"]] == ["static batches", "engine", "engine"]
+    static, engine, int8, palu = figures["servers"]
+    assert [s["server"] for s in figures["servers"]] == ["static batches", "engine", "engine", "engine"]
     assert int8["policy"] == "int:8" and int8["pages"] > 3 * engine["pages"]  # codes + scales: < 1/3 the bytes
+    # Palu's latent pages, its bases calibrated on KJV's training split: half the K/V a token, plus positions
+    assert palu["policy"] == "palu:0.5" and 1.5 * engine["pages"] < palu["pages"] <= 2 * engine["pages"]
+    assert palu["kl_positions"] == figures["new_tokens"] - 5 and palu["kl_vs_full"] > 0
     budget = figures["kv_budget_bytes"]
-    for s in (engine, int8):
+    for s in (engine, int8, palu):
         assert s["pages"] * s["page_bytes"] <= budget < (s["pages"] + 1) * s["page_bytes"]
         assert s["peak_pages"] <= s["pages"]
         assert s["prefill_tokens"] + s["cached_tokens"] >= figures["prompt_tokens"]

@@ -20,6 +20,7 @@ from kvjax.config import ConfigError
 from kvjax.engine import Engine, Request
 from kvjax.paged import PagedKVCache
 from kvjax.paged_kivi import PagedKiviCache
+from kvjax.paged_lowrank import PagedLowRankCache
 from kvjax.paged_pooled import PagedPooledCache
 from kvjax.plan import compressible
 from tests.conftest import GEMMA_LIKE
@@ -409,6 +410,31 @@ def test_kivi_pages_give_each_request_what_generator_gives_it_alone(gqa, request
     assert engine.nbytes() == pages * engine.page_nbytes() + 4 * residual + tables
 
 
+@pytest.mark.parametrize("policy, pages", [("lorc:0.5:heads=2", 10), ("tova:0.5+palu:0.5", 6)])
+def test_palu_and_lorc_latents_in_pages(gqa, requests, policy, pages):
+    """Palu's and LoRC's latents in pages (`kvjax.paged_lowrank`; refused until 2026-12-06): a page holds each
+    token's key and value latents per head group, the view maps them out and rotates the keys, and each
+    request equals Generator alone under the policy (LoRC's ranks differ per layer; Palu's bases from the
+    engine's calibration tokens, after TOVA), with preemptions (the generated tokens re-fed as a chunk) and
+    multi-step calls; a page takes the latents' bytes. Latents with positions per head or a table per layer
+    are refused by name."""
+    calibration = np.random.default_rng(1).integers(0, gqa.config.vocab_size, (2, 32)) if "palu" in policy else None
+    gen = Generator(gqa, capacity=40, policy=parse_policy(policy), calibration=calibration)
+    engine = Engine(
+        gqa, n_pages=pages, page_size=4, slots=4, decode_steps=4, policy=policy, calibration=calibration, max_tokens=32
+    )
+    _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
+    assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps and engine.pool.used_pages == 0
+    assert all(isinstance(c, PagedLowRankCache) for c in engine.caches) and engine.prefix_cache is False
+    groups, ranks = zip(*((k.shape[0], k.shape[-1]) for k, _ in gen.prepared["bases"]))
+    assert len(set(ranks)) == (2 if "lorc" in policy else 1)  # LoRC's progressive ranks
+    assert engine.page_nbytes() == sum(
+        4 * (2 * g * r * 4 + 4) for g, r in zip(groups, ranks)
+    )  # fp32 latents, int32 pos
+    with pytest.raises(ConfigError, match="latent pages keep one position per slot and one block table for every"):
+        Engine(gqa, n_pages=9, policy="snapkv:0.5:allocator=pyramid+lorc:0.5")
+
+
 def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
     """AdaKV in pages (`kvjax.paged_pooled`): a layer's heads share K x budget entries, here unevenly (the
     longest prompt's 14 a head are 15 and 13), yet a request holds its budget's pages as under a uniform
@@ -679,7 +705,8 @@ def test_policies_the_engine_cannot_page_are_refused(gqa):
         ("d2o:0.5", "d2o is not supported"),
         ("tova:0.5:allocator=pyramid+kivi:2", r"different numbers of tokens.*KIVI's blocks are not paged with them"),
         ("snapkv:0.5:allocator=adakv+int:8", "allocator='adakv' must be the last stage of a chain"),
-        ("palu:0.5", "palu is not supported"),
+        ("keynorm:0.5+lorc:0.5", "latent pages keep one position per slot and one block table for every layer"),
+        ("think:0.5", "think is not supported"),
         ("duo:0.5", "duo is not supported"),
     ]:
         with pytest.raises(ConfigError, match=match):

@@ -418,7 +418,7 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
                 raise ConfigError(
                     f"{where}:{stage.bits}: quantized pages are int:8, int:4 (symmetric), kivi, kvquant or gear only"
                 )
-        elif not (_latent(stage) or (stage.method in METHODS and METHODS[stage.method].pageable)):
+        elif not (stage.method in METHODS and METHODS[stage.method].pageable):
             raise ConfigError(
                 f"{where}: the engine pages token eviction, int:8, int:4, kivi, kvquant, gear, palu and lorc; "
                 f"{stage.method} is not supported"

@@ -14,6 +14,7 @@ from kvjax.quant.lowrank import LowRankKVCache, calibrate, group_heads, rank_for
 @register
 class Palu(Method):
     name = "palu"
+    pageable = True  # its latents, in latent pages (`kvjax.paged_lowrank`)
     poolable = False
     kind = "low_rank"
     prepares = ("bases",)

@@ -535,11 +535,11 @@ class Engine:
             if codes and codes.blocked:
                 if why := check_kivi_pages(codes, page_size):
                     raise ConfigError(f"engine policy {self.policy}: {why}")
-            if self.layout.pooled and mesh is not None:
+            if self.layout.pooled and mesh is not None and mesh.shape["tensor"] > 1:
                 raise ConfigError(
                     f"engine policy {self.policy}: allocator=adakv's pages pool entries of every KV head, which "
                     "cannot split over the mesh's tensor axis (each device would hold the whole pool); serve "
-                    "it on one device"
+                    "it on a mesh of tensor=1 (rows over data) or on one device"
                 )
             gen = self._prefill_capacity(self.policy, self.width * page_size)
             if self.layout.low_rank:  # Palu's or LoRC's bases, by cache (the latent pages map them out)

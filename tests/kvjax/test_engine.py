@@ -9,10 +9,8 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
@@ -711,9 +709,6 @@ def test_policies_the_engine_cannot_page_are_refused(gqa):
     ]:
         with pytest.raises(ConfigError, match=match):
             Engine(gqa, n_pages=8, policy=policy)
-    mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
-    with pytest.raises(ConfigError, match="pool entries of every KV head, which cannot split over the mesh"):
-        Engine(gqa, n_pages=8, policy=ADAKV, mesh=mesh)
 
 
 SHARDED = textwrap.dedent(
@@ -742,6 +737,14 @@ SHARDED = textwrap.dedent(
                                        "pool": [len(engine.caches[0].k.sharding.device_set),
                                                 str(getattr(engine.caches[0].k.sharding, "spec", ""))],
                                        "preemptions": engine.stats.preemptions}
+    ADAKV = "h2o:0.5:allocator=adakv,every=3"  # its pool mixes heads: rows over data only, or refused
+    for name, mesh in [("one", None), ("rows", Mesh(np.asarray(jax.devices()).reshape(8, 1), ("data", "tensor")))]:
+        done = Engine(model, n_pages=12, page_size=4, slots=8, chunk=8, mesh=mesh, policy=ADAKV).run(requests)
+        out[f"{name} adakv"] = {"tokens": [d.tokens for d in done], "logprobs": [d.logprobs for d in done]}
+    try:
+        Engine(model, n_pages=12, mesh=Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "tensor")), policy=ADAKV)
+    except Exception as e:
+        out["adakv tensor"] = str(e)
     prompts = [list(r.prompt) for r in requests[:4]]
     scored = [list(map(int, rng.integers(0, 258, 4))) for _ in prompts]
     for name, mesh in [("alone", None), ("tensor", generation_mesh(2)), ("both", generation_mesh(2, data=4))]:
@@ -780,7 +783,8 @@ def test_eight_devices_serve_what_one_device_serves():
     """Slots over data (4) and KV heads over tensor (2) on 8 simulated CPU devices: the same tokens, also
     under PyramidKV's budgets evicting while decoding (one pool every layer shares, H2O's sums in it), in
     KIVI's pages (each sequence slot's residual beside them) and KVQuant's (outliers in the pages, sinks
-    beside the residual); and the Generator on such meshes
+    beside the residual); AdaKV's pooled pages with slots over data alone (8 x 1; refused over tensor
+    until 2026-12-06 whatever its size); and the Generator on such meshes
     generates and scores what it does on one device."""
     env = {
         **os.environ,
@@ -797,6 +801,11 @@ def test_eight_devices_serve_what_one_device_serves():
         for a, b in zip(got["logprobs"], want["logprobs"]):
             np.testing.assert_allclose(a, b, atol=1e-5)
     assert out["one None"]["preemptions"] > 0 and out["one kivi:2:group=4,residual=8"]["preemptions"] > 0
+    # AdaKV's pooled entries on a mesh of rows alone (8 x 1); over tensor they would not split: refused
+    assert out["rows adakv"]["tokens"] == out["one adakv"]["tokens"]
+    for a, b in zip(out["rows adakv"]["logprobs"], out["one adakv"]["logprobs"]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert "cannot split over the mesh's tensor axis" in out["adakv tensor"]
     # The Generator on a mesh (eval, ruler, generate): weights' heads over tensor, rows over data, the
     # caches' KV heads over tensor; the tokens and log-probabilities of one device, under each policy.
     for name, rows in [("tensor", "None"), ("both", "'data'")]:

@@ -50,8 +50,8 @@ def check_kivi_pages(spec: QuantSpec, page_size: int) -> str | None:
     G, R = spec.group, spec.residual
     if spec.rank and page_size != R:
         return (
-            f"gear pages hold a block's low-rank error factors a page: page_size must equal the residual ({R}), "
-            f"not {page_size}"
+            f"gear pages hold one residual block each, with its low-rank error factors: page_size must equal "
+            f"the residual ({R}), not {page_size}"
         )
     if page_size % G or R % page_size:
         sizes = [s for s in range(G, R + 1, G) if R % s == 0]

@@ -691,7 +691,8 @@ def test_policies_the_engine_cannot_page_are_refused(gqa):
     for policy, match in [
         (
             "gear:4",
-            r"gear pages hold a block's low-rank error factors a page: page_size must equal the residual \(64\)",
+            r"gear pages hold one residual block each, with its low-rank error factors: page_size must equal "
+            r"the residual \(64\)",
         ),
         ("int:4:asym=true", r"quantized pages are int:8, int:4 \(symmetric\), kivi, kvquant or gear only"),
         (

@@ -20,8 +20,7 @@ from flax import struct
 
 from kvjax.cache import KVView
 from kvjax.paged import PagedKVCache, RowSplit
-from kvjax.quant.lowrank import _grouped, _ungrouped
-from kvjax.rope import rotate_slots
+from kvjax.quant.lowrank import latents, rebuilt
 
 
 @struct.dataclass
@@ -46,21 +45,15 @@ class PagedLowRankCache(PagedKVCache):
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[PagedLowRankCache, KVView]:
         """Append k, v `[B,T,K,H]` (post-RoPE keys) at positions `[B,T]` as their latents `[B,T,Kg,r]`."""
-        Kg = self.k_basis.shape[0]
-        k_pre = rotate_slots(k.transpose(0, 2, 1, 3), -pos, self.rope_theta)
-        project = lambda x, basis: jnp.einsum("BGTi,Gir->BTGr", _grouped(x, Kg).astype(jnp.float32), basis)  # noqa: E731
-        zk, zv = project(k_pre, self.k_basis), project(v.transpose(0, 2, 1, 3), self.v_basis)
-        return super().update(zk.astype(self.k.dtype), zv.astype(self.v.dtype), pos)
+        head_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  (and back: the same swap)
+        zk, zv = latents(head_major(k), head_major(v), pos, self.k_basis, self.v_basis, self.rope_theta)
+        return super().update(head_major(zk).astype(self.k.dtype), head_major(zv).astype(self.v.dtype), pos)
 
     def _gather(self) -> KVView:
         """The rows' latents gathered, rebuilt: K rotated at each slot's position, V `[B,K,M*page_size,H]`."""
-        latents = super()._gather()
-        k = rotate_slots(self._rebuilt(latents.k, self.k_basis), latents.pos, self.rope_theta)
-        return KVView(k.astype(self.k.dtype), self._rebuilt(latents.v, self.v_basis).astype(self.v.dtype), latents.pos)
-
-    def _rebuilt(self, z: jax.Array, basis: jax.Array) -> jax.Array:
-        """Latents `[B,Kg,S,r]` mapped out by a group basis `[Kg,g*H,r]`: `[B,K,S,H]` (fp32)."""
-        return _ungrouped(jnp.einsum("BGSr,Gir->BGSi", z.astype(jnp.float32), basis), self.n_kv_heads)
+        z = super()._gather()
+        k, v = rebuilt(z.k, z.v, z.pos, self.k_basis, self.v_basis, self.n_kv_heads, self.rope_theta)
+        return KVView(k.astype(self.k.dtype), v.astype(self.v.dtype), z.pos)
 
     @staticmethod
     def _split(rows: KVView, chunk: KVView, pool: PagedKVCache | None) -> KVView:

@@ -70,6 +70,22 @@ def _ungrouped(x, K: int):
     return x.reshape(B, Kg, S, g, gH // g).transpose(0, 1, 3, 2, 4).reshape(B, K, S, gH // g)
 
 
+def latents(k_hm, v_hm, pos, k_basis, v_basis, rope_theta: float) -> tuple[jax.Array, jax.Array]:
+    """Head-major k, v `[B,K,T,H]` (post-RoPE keys at positions `[B,T]`) -> their latents zk, zv `[B,Kg,T,r]`
+    (fp32): the keys rotated back, each head group projected on its basis."""
+    Kg = k_basis.shape[0]
+    k_pre = rotate_slots(k_hm, -pos, rope_theta)
+    zk = jnp.einsum("BGTi,Gir->BGTr", _grouped(k_pre, Kg).astype(jnp.float32), k_basis)
+    zv = jnp.einsum("BGTi,Gir->BGTr", _grouped(v_hm, Kg).astype(jnp.float32), v_basis)
+    return zk, zv
+
+
+def rebuilt(zk, zv, pos, k_basis, v_basis, n_kv_heads: int, rope_theta: float) -> tuple[jax.Array, jax.Array]:
+    """K (RoPE'd at positions `pos`) and V `[B,K,S,H]` (fp32) from latents zk, zv `[B,Kg,S,r]`."""
+    out = lambda z, basis: _ungrouped(jnp.einsum("BGSr,Gir->BGSi", z.astype(jnp.float32), basis), n_kv_heads)  # noqa: E731
+    return rotate_slots(out(zk, k_basis), pos, rope_theta), out(zv, v_basis)
+
+
 @struct.dataclass
 class LowRankKVCache(_Positioned):
     """zk, zv `[B,Kg,S,r]` latents per head group, pos, length; the calibrated bases `[Kg,g*H,r]` ride
@@ -98,10 +114,7 @@ class LowRankKVCache(_Positioned):
         """Project a dense cache's keys (un-rotated at their positions) and values onto the bases."""
         cache = cache.resized(capacity)
         K = cache.k.shape[1]
-        Kg = k_basis.shape[0]
-        k_pre = rotate_slots(cache.k, -cache.pos, rope_theta)
-        zk = jnp.einsum("BGSi,Gir->BGSr", _grouped(k_pre, Kg).astype(jnp.float32), k_basis)
-        zv = jnp.einsum("BGSi,Gir->BGSr", _grouped(cache.v, Kg).astype(jnp.float32), v_basis)
+        zk, zv = latents(cache.k, cache.v, cache.pos, k_basis, v_basis, rope_theta)
         return cls(
             zk=zk.astype(cache.k.dtype),
             zv=zv.astype(cache.v.dtype),
@@ -115,11 +128,9 @@ class LowRankKVCache(_Positioned):
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[LowRankKVCache, KVView]:
         """Append a chunk k, v `[B,T,K,H]` (post-RoPE keys) at positions `[B,T]`."""
-        Kg = self.k_basis.shape[0]
         slots = self._slots(pos)
-        k_pre = rotate_slots(k.transpose(0, 2, 1, 3), -pos, self.rope_theta)
-        zk = jnp.einsum("BGTi,Gir->BGTr", _grouped(k_pre, Kg).astype(jnp.float32), self.k_basis)
-        zv = jnp.einsum("BGTi,Gir->BGTr", _grouped(v.transpose(0, 2, 1, 3), Kg).astype(jnp.float32), self.v_basis)
+        head_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+        zk, zv = latents(head_major(k), head_major(v), pos, self.k_basis, self.v_basis, self.rope_theta)
         new = self._write_slots(slots, pos, zk=jnp.moveaxis(zk, 1, 2), zv=jnp.moveaxis(zv, 1, 2))
         k_view, v_view = new.reconstructed()
         view = KVView(k_view.astype(k.dtype), v_view.astype(v.dtype), new.pos)
@@ -127,9 +138,7 @@ class LowRankKVCache(_Positioned):
 
     def reconstructed(self) -> tuple[jax.Array, jax.Array]:
         """K (RoPE'd at each slot's position) and V `[B,K,S,H]` from the latents."""
-        k_pre = _ungrouped(jnp.einsum("BGSr,Gir->BGSi", self.zk.astype(jnp.float32), self.k_basis), self.n_kv_heads)
-        v = _ungrouped(jnp.einsum("BGSr,Gir->BGSi", self.zv.astype(jnp.float32), self.v_basis), self.n_kv_heads)
-        return rotate_slots(k_pre, self.pos, self.rope_theta), v
+        return rebuilt(self.zk, self.zv, self.pos, self.k_basis, self.v_basis, self.n_kv_heads, self.rope_theta)
 
 
 @struct.dataclass

@@ -175,6 +175,21 @@ class KVCache(_SlotCache):
         return new.replace(fresh=False), KVView(new.k, new.v, new.pos, fresh=k.shape[1] if self.fresh else None)
 
 
+def quest_bounds(q: jax.Array, page_min: jax.Array, page_max: jax.Array, filled: jax.Array, newest: jax.Array):
+    """Quest's score of each page for a decode query q `[B,1,N,H]` (Tang et al. 2024, sec. 3, Algorithm 1):
+    the upper bound sum_c max(q_c min_c, q_c max_c) on q.k over the page's keys (key min and max per page
+    and KV head `[B,K,P,H]`), the max over the KV head's query group; `[B,K,P]`, the page of the newest
+    token (`newest` `[B]`) +inf (always read), pages not `filled` `[B,P]` -inf (never read)."""
+    B, _, N, H = q.shape
+    K, P = page_min.shape[1:3]
+    q_g = q[:, 0].reshape(B, K, 1, N // K, H).astype(jnp.float32)  # [B,K,1,G,H]
+    lo = jnp.where(filled[:, None, :, None], page_min, 0).astype(jnp.float32)[:, :, :, None]
+    hi = jnp.where(filled[:, None, :, None], page_max, 0).astype(jnp.float32)[:, :, :, None]
+    bound = jnp.maximum(q_g * lo, q_g * hi).sum(axis=-1).max(axis=-1)  # [B,K,P]
+    is_newest = (jnp.arange(P)[None, :] == newest[:, None])[:, None, :]
+    return jnp.where(filled[:, None, :], jnp.where(is_newest, jnp.inf, bound), -jnp.inf)
+
+
 @struct.dataclass
 class QuestKVCache(KVCache):
     """A dense cache that also keeps, per page of `page_size` slots and per KV head, the channel-wise
@@ -231,20 +246,14 @@ class QuestKVCache(KVCache):
         group), and the newest page, gathered into `[B,K,R*page_size,H]` with per-head positions, so
         attention reads those pages only (the bound reads only the per-page min and max). With a
         sliding `window` (a compressed ring), pages wholly out of it are not candidates."""
-        B, _, N, H = q.shape
-        K, S = self.k.shape[1], self.capacity
+        B, K, S = *self.k.shape[:2], self.capacity
         P = self.page_min.shape[2]
-        q_g = q[:, 0].reshape(B, K, 1, N // K, H).astype(jnp.float32)  # [B,K,1,G,H]
         filled = jnp.arange(P)[None, :] * self.page_size < self.length[:, None]  # [B,P]
         if window is not None:  # a page is seen while its newest token is in the window
             newest_pos = jnp.pad(self.pos, ((0, 0), (0, P * self.page_size - S)), constant_values=-1)
             newest_pos = newest_pos.reshape(B, P, self.page_size).max(axis=-1)
             filled = filled & (newest_pos > q_pos[:, :1] - window)
-        lo = jnp.where(filled[:, None, :, None], self.page_min, 0).astype(jnp.float32)[:, :, :, None]
-        hi = jnp.where(filled[:, None, :, None], self.page_max, 0).astype(jnp.float32)[:, :, :, None]
-        bound = jnp.maximum(q_g * lo, q_g * hi).sum(axis=-1).max(axis=-1)  # [B,K,P]
-        newest = (jnp.arange(P)[None, :] == (jnp.argmax(self.pos, axis=1) // self.page_size)[:, None])[:, None, :]
-        bound = jnp.where(filled[:, None, :], jnp.where(newest, jnp.inf, bound), -jnp.inf)
+        bound = quest_bounds(q, self.page_min, self.page_max, filled, jnp.argmax(self.pos, axis=1) // self.page_size)
         if self.read_pages >= P:  # every page is read: nothing to select
             return view
         _, top = jax.lax.top_k(bound, self.read_pages)

@@ -76,6 +76,7 @@ from kvjax.paged_eviction import Eviction, budget_row, evicting_step
 from kvjax.paged_kivi import PagedKiviCache, check_kivi_pages
 from kvjax.paged_lowrank import PagedLowRankCache
 from kvjax.paged_pooled import PagedPooledCache, as_entries, as_ring
+from kvjax.paged_quest import READ_ALL, PagedQuestCache
 from kvjax.plan import LayerPlan, compressible, init_caches, rope_base
 from kvjax.quant.cache import QuantKVCache, QuantSpec, WindowQuantKVCache, rings_codes
 from kvjax.quant.lowrank import LowRankKVCache
@@ -142,6 +143,8 @@ def _with_rows(caches, rows: Rows, chunk_row=None):
             )
         elif isinstance(c, PagedKiviCache):  # its residuals are per sequence slot, as recurrent states
             out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row, res_rows=rows.states))
+        elif isinstance(c, PagedQuestCache) and rows.budgets is not None:  # the pages each row reads
+            out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row, read=rows.budgets[:, 0]))
         elif rows.length.ndim == 2:  # a table per layer (`kvjax.layer_pages`)
             out.append(c.replace(table=rows.table[:, layer], length=rows.length[:, layer], chunk_row=chunk_row))
             layer += 1
@@ -325,6 +328,25 @@ def _gather_prefix(caches, pages, n, *, cfg, capacity):
     return tuple(out)
 
 
+def check_quest_pages(policy: Policy, cfg, page_size: int, mesh) -> None:
+    """Refuse, naming why, what the engine cannot serve of Quest (`kvjax.paged_quest`): pages of another size
+    than Quest's, a mesh, and layers that read another layer's K/V (the Generator hands them the pages its
+    producer's queries chose, which a consumer's own queries would not)."""
+    quest = check_engine_policy(policy, cfg).quest
+    if quest != page_size:
+        raise ConfigError(
+            f"engine policy {policy}: Quest's pages are the engine's; its page_size={quest} must equal the engine's "
+            f"page_size={page_size}"
+        )
+    if mesh is not None:
+        raise ConfigError(f"engine policy {policy}: Quest's pages are served on one device, not on a mesh")
+    if any(src != i for i, src in enumerate(cfg.kv_source)):
+        raise ConfigError(
+            f"engine policy {policy}: layers here read another layer's K/V (CLA, MLKV, YOCO), and Quest's pages "
+            "are chosen by each layer's own queries; the engine serves Quest where every layer has its own"
+        )
+
+
 def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: str) -> None:
     """A policy on a model with sliding-window layers compresses the other layers' prompts and leaves the
     windows whole, which the engine serves when those layers have their own pool (`window_pages="free"`:
@@ -352,6 +374,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
         if last.quantizes and not rings_codes(last.quant_spec)
         else "factors them into latents (the window pool holds rings of K/V, int or KIVI codes)"
         if _latent(last)
+        else "reads Quest's pages of them (the window pool keeps no key bounds)"
+        if last.hooks is not None and last.hooks.kind == "selector"
         else None
     )
     if why:
@@ -368,7 +392,7 @@ class PageLayout(NamedTuple):
     whether the sliding-window layers' pool holds the codes too (`local=true`: rings of int or KIVI codes); a
     block table per layer (PyramidKV's per-layer budgets, `kvjax.layer_pages`); whether that pool's rings are
     pooled entries too (AdaKV under `local=true`); whether the pages hold low-rank latents (Palu, LoRC,
-    `kvjax.paged_lowrank`)."""
+    `kvjax.paged_lowrank`); Quest's page size where the pages keep its key bounds (`kvjax.paged_quest`), else 0."""
 
     per_head: bool = False
     codes: QuantSpec | None = None
@@ -378,6 +402,7 @@ class PageLayout(NamedTuple):
     layered: bool = False
     window_pooled: bool = False
     low_rank: bool = False
+    quest: int = 0
 
     def __str__(self) -> str:
         heads = (
@@ -395,6 +420,7 @@ class PageLayout(NamedTuple):
             else ", full precision"
         )
         codes += " (the windows' rings too)" if self.window_codes else ""
+        codes += ", Quest's key bounds per page" if self.quest else ""
         layers = ", a block table per layer" if self.layered else ""
         return heads + codes + layers + (f", evicting by {self.decoding} while decoding" if self.decoding else "")
 
@@ -420,7 +446,7 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
                 )
         elif not (stage.method in METHODS and METHODS[stage.method].pageable):
             raise ConfigError(
-                f"{where}: the engine pages token eviction, int:8, int:4, kivi, kvquant, gear, palu and lorc; "
+                f"{where}: the engine pages token eviction, int:8, int:4, kivi, kvquant, gear, palu, lorc and quest; "
                 f"{stage.method} is not supported"
             )
     last = policy.stages[-1]
@@ -440,6 +466,7 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
             f"engine policy {policy}: latent pages keep one position per slot and one block table for every "
             "layer; a head-wise eviction or PyramidKV's budgets before them are not paged with them"
         )
+    quest = last.options.page_size if last.hooks is not None and last.hooks.kind == "selector" else 0
     if layered and codes is not None and codes.blocked:
         raise ConfigError(
             f"engine policy {policy}: its layers keep different numbers of tokens, each with its own block table "
@@ -454,6 +481,7 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
         layered,
         pooled and policy.local,
         low_rank,
+        quest,
     )
 
 
@@ -535,6 +563,8 @@ class Engine:
             if codes and codes.blocked:
                 if why := check_kivi_pages(codes, page_size):
                     raise ConfigError(f"engine policy {self.policy}: {why}")
+            if self.layout.quest:
+                check_quest_pages(self.policy, cfg, page_size, mesh)
             if self.layout.pooled and mesh is not None and mesh.shape["tensor"] > 1:
                 raise ConfigError(
                     f"engine policy {self.policy}: allocator=adakv's pages pool entries of every KV head, which "
@@ -551,8 +581,9 @@ class Engine:
                 self.evict = Eviction.of(plan, self.width * page_size, evicted, rings)
         codes, decoding = self.layout.codes, self.layout.decoding
         # a preempted request's generated tokens are re-fed a decode step each (never as a chunk) where the
-        # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks
-        self._stepwise = decoding is not None or (codes is not None and codes.blocked)
+        # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks;
+        # and Quest's, whose decode queries each read their own pages
+        self._stepwise = decoding is not None or (codes is not None and codes.blocked) or bool(self.layout.quest)
         plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
         main = [
             i
@@ -591,7 +622,8 @@ class Engine:
             self.prefix_cache
             and mesh is None
             and all(
-                type(c) in (PagedKVCache, PagedPooledCache) and not c.quantized and c.stat is None for c in self.caches
+                type(c) in (PagedKVCache, PagedPooledCache, PagedQuestCache) and not c.quantized and c.stat is None
+                for c in self.caches
             )
         )
         self.mesh = mesh
@@ -625,6 +657,8 @@ class Engine:
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
         if layout.pooled and (layout.window_pooled or not windowed):
             cache = PagedPooledCache.init_pooled(*shape, stat=stat)
+        elif layout.quest and not windowed:  # (a policy leaves the windows whole)
+            cache = PagedQuestCache.init_quest(*shape)
         elif codes is not None and codes.blocked:  # (KVQuant's keys rotated back at this layer's RoPE base)
             cache = PagedKiviCache.init_kivi(
                 dataclasses.replace(codes, rope_theta=cfg.attention_for(kind).rope_theta), *shape
@@ -800,6 +834,8 @@ class Engine:
         if self.evict is not None:
             none = np.zeros(1 + 3 * len(self.evict.slots), np.int32)
             arrays.append(np.stack([none if s is None else self._budgets[s] for s in seqs]))
+        elif self.layout.quest:  # the pages each row's decode query reads (a request Quest leaves alone: all)
+            arrays.append(np.asarray([self._budgets.get(s, [READ_ALL]) for s in seqs], np.int32))
         self._rows_pushed = Rows(*(self._rows_placed(x) for x in arrays))  # numpy: jit moves it
 
     @property
@@ -855,8 +891,8 @@ class Engine:
         cannot hold is a ConfigError saying why."""
         if request.policy is None:
             return self.policy
-        if request.policy == "none":
-            policy, layout = None, PageLayout()
+        if request.policy == "none":  # (Quest's pages hold a whole prompt, as plain pages do: it reads them all)
+            policy, layout = None, PageLayout(quest=self.layout.quest)
         else:
             policy = parse_policy(request.policy)
             layout = check_engine_policy(policy, self.model.config)
@@ -893,6 +929,9 @@ class Engine:
             plan = gen.compression_plan(np.array([len(request.prompt)]), 0)[-1]
             budget = int(plan.counts.max())
             kept = ring_kept = min(budget, len(request.prompt))  # under every=, a budget above the prompt is a cap
+            if self.layout.quest:  # Quest keeps every token; its budget (whole pages) is what a decode step reads
+                kept = len(request.prompt)
+                self._budgets[index] = [plan.keep_caps[0] // self.layout.quest]
             if self.evict is not None:  # held at its budget while decoding: at most `every` slots more
                 self._budgets[index] = budget_row(plan, len(request.prompt))
                 cap = budget + self.evict.every
@@ -906,7 +945,8 @@ class Engine:
                 self.pool.shape(index, counts[~ringed], caps)
         d = request.decoding
         greedy = d.temperature == 0 and not request.top_logprobs  # else each step reads the distribution
-        stepwise = self._stepwise or bool(gen and gen.policy.local)  # a compressed ring takes a token a step
+        # a compressed ring takes a token a step (an uncompressed prompt, beside Quest's, is fed in chunks)
+        stepwise = gen is not None and (self._stepwise or gen.policy.local)
         window = 0
         if self.windows is not None:  # what its windows can hold: its positions' pages; a ring's, its kept
             # tokens (at most the largest layer's budget) and those it generates, up to the ring's size

@@ -18,6 +18,7 @@ manager from its model runner.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -37,12 +38,14 @@ class RowSplit(NamedTuple):
     As a `KVView.reader` it runs the attention op on each part; MLA maps its own attention over both.
     With `pool` (the decode rows' cache), XLA attends the decode queries over the whole pool instead of
     the gathered rows (`PagedKVCache.attend_pool`). `heads`: the KV heads of a pooled view's entries
-    (`kvjax.paged_pooled`), which the op masks by."""
+    (`kvjax.paged_pooled`), which the op masks by. `select(q, view, q_pos)`: the part of the rows' view that
+    their decode queries read (Quest's pages, `kvjax.paged_quest`)."""
 
     rows: KVView | LatentView  # batch R
     chunk: KVView | LatentView  # batch 1
     pool: PagedKVCache | None = None
     heads: int | None = None
+    select: Callable | None = None
 
     def map(self, fn, queries: tuple[jax.Array, ...], positions: jax.Array, rows_fn=None) -> jax.Array:
         """fn(*queries, view, positions) on each part of the step's queries `[1, R + C, ...]` (the decode
@@ -66,8 +69,12 @@ class RowSplit(NamedTuple):
         def over_pool(q, view, pos):
             return self.pool.attend_pool(q, pos, window, softcap=softcap)
 
+        def selected(q, view, pos):
+            return op(q, self.select(q, view, pos), pos)
+
         xla_pool = self.pool is not None and kernel_impl(impl, softcap=softcap) == "xla"
-        return self.map(op, (q,), q_pos, rows_fn=over_pool if xla_pool else None)
+        rows_fn = over_pool if xla_pool else selected if self.select is not None else None
+        return self.map(op, (q,), q_pos, rows_fn=rows_fn)
 
 
 @struct.dataclass

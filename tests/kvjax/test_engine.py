@@ -9,8 +9,10 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
@@ -20,6 +22,7 @@ from kvjax.paged import PagedKVCache
 from kvjax.paged_kivi import PagedKiviCache
 from kvjax.paged_lowrank import PagedLowRankCache
 from kvjax.paged_pooled import PagedPooledCache
+from kvjax.paged_quest import PagedQuestCache
 from kvjax.plan import compressible
 from tests.conftest import GEMMA_LIKE
 
@@ -269,22 +272,27 @@ def test_yocos_sliding_window_self_decoder_pages_its_windows_beside_one_global_c
             assert all(c.page_nbytes == 4 * (ring.kv_bytes_per_slot + ring.meta_bytes_per_slot) for c in engine.caches)
 
 
-@pytest.mark.parametrize("policy", ["snapkv:0.5:obs_window=1+int:8", ADAKV])
+@pytest.mark.parametrize("policy", ["snapkv:0.5:obs_window=1+int:8", ADAKV, "quest:0.5:page_size=4"])
 def test_a_policy_on_local_and_global_layers_compresses_the_global_ones(make_model, requests, policy):
     """Gemma's layout with a policy: the global layers' pages hold the compressed prompt (kept slots, int8
-    codes; AdaKV's pooled entries), the local layers' own pool the window of the whole prompt at its
-    positions, as Generator's rings (the policy leaves them whole); each request equals Generator alone
-    under the policy, with preemptions and multi-step calls. Positions, not kept slots, must fit the window
-    tables."""
+    codes; AdaKV's pooled entries; every token with Quest's key bounds), the local layers' own pool the
+    window of the whole prompt at its positions, as Generator's rings (the policy leaves them whole); each
+    request equals Generator alone under the policy, with preemptions and multi-step calls. Positions, not
+    kept slots, must fit the window tables (under Quest, which keeps every token, the main pool's first)."""
     model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
     gen = Generator(model, capacity=40, policy=parse_policy(policy))
-    engine = Engine(model, n_pages=6, page_size=4, slots=4, chunk=4, decode_steps=4, policy=policy, max_tokens=32)
+    pages = 10 if policy.startswith("quest") else 6  # (Quest keeps every token)
+    engine = Engine(model, n_pages=pages, page_size=4, slots=4, chunk=4, decode_steps=4, policy=policy, max_tokens=32)
     _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
     assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0 and engine.windows.used_pages == 0
     local, glob = engine.caches
     assert local.bits is None and glob.bits == (8 if "int:8" in policy else None)
     assert isinstance(glob, PagedPooledCache) == ("adakv" in policy) and type(local) is PagedKVCache
-    with pytest.raises(ConfigError, match="request 0: 33 positions, past the 32 the sliding-window layers'"):
+    assert isinstance(glob, PagedQuestCache) == policy.startswith("quest")
+    too_long = (
+        "tokens need 9 pages" if policy.startswith("quest") else "positions, past the 32 the sliding-window layers'"
+    )
+    with pytest.raises(ConfigError, match=f"request 0: 33 {too_long}"):
         engine.run([Request(tuple(range(1, 31)), DecodingConfig(max_new_tokens=3))])
 
 
@@ -431,6 +439,32 @@ def test_palu_and_lorc_latents_in_pages(gqa, requests, policy, pages):
     )  # fp32 latents, int32 pos
     with pytest.raises(ConfigError, match="latent pages keep one position per slot and one block table for every"):
         Engine(gqa, n_pages=9, policy="snapkv:0.5:allocator=pyramid+lorc:0.5")
+
+
+def test_quest_pages_keep_every_token_and_each_decode_row_reads_its_best(gqa, requests, alone):
+    """Quest in pages (`kvjax.paged_quest`; refused until 2026-12-07): every token stays, each page keeps its keys'
+    min and max per head, and a decode row reads the half of its pages whose bound on q.k is highest (the page
+    of its newest token always); each request equals Generator alone under Quest (whose answers differ from the
+    full cache's, so reading every page fails), with preemptions, multi-step calls and prefix hits, and a request
+    Quest leaves alone (`none`) reads all its pages beside them. A page takes Quest's bytes: its K/V and
+    positions, and a key min and max per KV head."""
+    policy = "quest:0.5:page_size=4"
+    gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
+    longer = [
+        Request(tuple(range(1, 21)), DecodingConfig(max_new_tokens=12)),
+        Request(tuple(range(30, 52)), DecodingConfig(max_new_tokens=10)),
+    ]
+    mine = [dataclasses.replace(r, policy="none") if i == 2 else r for i, r in enumerate([*requests, *longer])]
+    engine = Engine(gqa, n_pages=18, page_size=4, slots=4, chunk=4, decode_steps=4, max_tokens=40, policy=policy)
+    want = [alone[i] if i == 2 else gen([list(r.prompt)], r.decoding) for i, r in enumerate(mine)]
+    _check(engine.run(mine), want)
+    assert engine.stats.preemptions > 0 and engine.stats.cached_tokens > 0 and engine.stats.calls < engine.stats.steps
+    assert engine.pool.used_pages == 0 and all(isinstance(c, PagedQuestCache) for c in engine.caches)
+    assert not any(np.allclose(want[i].logprobs, alone[i].logprobs, atol=1e-3) for i in (0, 1, 3, 4))
+    K, H = gqa.config.attention.n_kv_heads, gqa.config.attention.head_dim
+    assert engine.page_nbytes() == 2 * (2 * K * 4 * H * 4 + 4 * 4 + 2 * K * H * 4)  # 2 layers, fp32, int32 pos
+    with pytest.raises(ConfigError, match=r"Quest's pages are the engine's; its page_size=16 must equal the engine's"):
+        Engine(gqa, n_pages=8, page_size=4, policy="quest:0.5")
 
 
 def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
@@ -687,7 +721,17 @@ def test_a_long_generation_stays_within_its_budget(gqa):
     assert peaks == {None: 55, "h2o:0.5:every=8": 5, "h2o:0.5:allocator=pyramid,beta=2,every=8": 6 + 4}
 
 
-def test_policies_the_engine_cannot_page_are_refused(gqa):
+def test_policies_the_engine_cannot_page_are_refused(gqa, make_model):
+    quest = "quest:0.5:page_size=16"
+    one = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+    for model, args, match in [
+        (gqa, dict(policy="quest:0.5", page_size=4), r"its page_size=16 must equal the engine's page_size=4"),
+        (gqa, dict(policy=quest, mesh=one), "Quest's pages are served on one device, not on a mesh"),
+        (make_model("cla2")[1], dict(policy=quest), r"read another layer's K/V \(CLA, MLKV, YOCO\)"),
+        (make_model("gqa", *GEMMA_LIKE)[1], dict(policy=quest + ",local"), "reads Quest's pages of them"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            Engine(model, n_pages=8, **args)
     for policy, match in [
         (
             "gear:4",

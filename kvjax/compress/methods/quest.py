@@ -22,6 +22,7 @@ class Quest(Method):
     name = "quest"
     kind = "selector"
     head_keys = True
+    pageable = True  # its pages are the engine's, with their key bounds (`kvjax.paged_quest`)
     alone = "it selects pages at attention time"
 
     @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 # on their flag ("Unknown flag in XLA_FLAGS"), so it is set for the versions that have them only. XLA:CPU
 # splits a program's LLVM module to compile the parts on several threads, which only adds work where each core
 # runs a test process: one part cut the backend compile of a tests/kvjax/test_engine.py case (65 programs) from
-# 9.7-10.5 s to 8.1-8.2 s (2026-12-07).
+# 9.7-10.5 s to 8.1-8.2 s (2026-12-06).
 _QUICK = ["--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1"]
 if tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
     _QUICK.append("--xla_cpu_use_fusion_emitters=false")

@@ -442,7 +442,7 @@ def test_palu_and_lorc_latents_in_pages(gqa, requests, policy, pages):
 
 
 def test_quest_pages_keep_every_token_and_each_decode_row_reads_its_best(gqa, requests, alone):
-    """Quest in pages (`kvjax.paged_quest`; refused until 2026-12-07): every token stays, each page keeps its keys'
+    """Quest in pages (`kvjax.paged_quest`; refused until 2026-12-06): every token stays, each page keeps its keys'
     min and max per head, and a decode row reads the half of its pages whose bound on q.k is highest (the page
     of its newest token always); each request equals Generator alone under Quest (whose answers differ from the
     full cache's, so reading every page fails), with preemptions, multi-step calls and prefix hits, and a request

@@ -83,6 +83,8 @@ class Attention(nnx.Module):
             cache, shared = self.kv(x if kv_x is None else kv_x, positions, cache)
             if isinstance(cache, QuestKVCache) and T == 1:  # Quest: a decode query reads its best pages
                 shared = cache.select(q, shared, positions, cfg.window)
+            elif getattr(shared.reader, "select", None) is not None:  # the engine's Quest pages (`kvjax.paged_quest`)
+                shared = shared._replace(reader=shared.reader.chosen(q, positions))
         if shared.reader is not None:  # the view attends its own way (kvjax.cache.KVView)
             out = shared.reader.attend(q, positions, self.cfg.impl, self.cfg.window, self.cfg.softcap)
         else:

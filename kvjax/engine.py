@@ -328,22 +328,13 @@ def _gather_prefix(caches, pages, n, *, cfg, capacity):
     return tuple(out)
 
 
-def check_quest_pages(policy: Policy, cfg, page_size: int, mesh) -> None:
-    """Refuse, naming why, what the engine cannot serve of Quest (`kvjax.paged_quest`): pages of another size
-    than Quest's, a mesh, and layers that read another layer's K/V (the Generator hands them the pages its
-    producer's queries chose, which a consumer's own queries would not)."""
+def check_quest_pages(policy: Policy, cfg, page_size: int) -> None:
+    """Quest's pages are the engine's (`kvjax.paged_quest`): a page size other than Quest's is a ConfigError."""
     quest = check_engine_policy(policy, cfg).quest
     if quest != page_size:
         raise ConfigError(
             f"engine policy {policy}: Quest's pages are the engine's; its page_size={quest} must equal the engine's "
             f"page_size={page_size}"
-        )
-    if mesh is not None:
-        raise ConfigError(f"engine policy {policy}: Quest's pages are served on one device, not on a mesh")
-    if any(src != i for i, src in enumerate(cfg.kv_source)):
-        raise ConfigError(
-            f"engine policy {policy}: layers here read another layer's K/V (CLA, MLKV, YOCO), and Quest's pages "
-            "are chosen by each layer's own queries; the engine serves Quest where every layer has its own"
         )
 
 
@@ -554,6 +545,7 @@ class Engine:
         att = cfg.attention
         self.gens: dict[str, Generator] = {}  # the compressed prefill of each policy served, by its text
         self.evict = None  # decode-time eviction (`kvjax.paged_eviction`)
+        bases = {}  # Palu's or LoRC's bases by cache slot, for the latent pages
         if self.policy is not None:
             codes, decoding = self.layout.codes, self.layout.decoding
             if codes and "mla" in cfg.mixers:
@@ -564,7 +556,7 @@ class Engine:
                 if why := check_kivi_pages(codes, page_size):
                     raise ConfigError(f"engine policy {self.policy}: {why}")
             if self.layout.quest:
-                check_quest_pages(self.policy, cfg, page_size, mesh)
+                check_quest_pages(self.policy, cfg, page_size)
             if self.layout.pooled and mesh is not None and mesh.shape["tensor"] > 1:
                 raise ConfigError(
                     f"engine policy {self.policy}: allocator=adakv's pages pool entries of every KV head, which "
@@ -573,7 +565,7 @@ class Engine:
                 )
             gen = self._prefill_capacity(self.policy, self.width * page_size)
             if self.layout.low_rank:  # Palu's or LoRC's bases, by cache (the latent pages map them out)
-                latent = dict(zip(compressible(cfg), gen.prepared["bases"]))
+                bases = dict(zip(compressible(cfg), gen.prepared["bases"]))
             if decoding:
                 plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]
                 evicted = compressible(cfg, self.policy.local)  # (under local=true, the rings too)
@@ -606,11 +598,7 @@ class Engine:
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
-            else self._paged(cfg, plan.mixers[i], n_pages, self.layout, first=i == first)
-            if not self.layout.low_rank or slot not in latent
-            else PagedLowRankCache.init_low_rank(
-                *latent[slot], att.n_kv_heads, rope_base(cfg, slot), n_pages, page_size, slots, self.width, dtype
-            )
+            else self._paged(cfg, plan.mixers[i], n_pages, self.layout, first=i == first, slot=slot, bases=bases)
             for slot, i in enumerate(plan.producers)
         )
         graphdef, self.params = nnx.split(model)
@@ -638,14 +626,20 @@ class Engine:
             self.caches = tuple(self._placed(c) for c in self.caches)
         self._sync([])
 
-    def _paged(self, cfg, kind: str, n_pages: int, layout: PageLayout, first: bool) -> PagedKVCache:
-        """An attention layer's pages as `layout` says: the window pool's for a sliding-window layer when windows
-        are freed (full precision: a policy leaves the windows whole, or compresses them by eviction alone); the
-        policy's codes (int codes, or KIVI's blocks with a residual per sequence slot, `kvjax.paged_kivi`); a
-        running statistic per slot (decode-time eviction that accumulates one, H2O's); pooled entries (AdaKV);
-        one physical pool of every layer's pages where each layer has its own tables (`layered`: the `first`
-        layer's cache holds it, the others zero-size stand-ins, `kvjax.paged.SharedPool`)."""
-        att, ps = cfg.attention, self.pool.page_size
+    def _paged(
+        self, cfg, kind: str, n_pages: int, layout: PageLayout, first: bool, slot: int, bases: dict
+    ) -> PagedKVCache:
+        """Cache `slot`'s pages (an attention layer's) as `layout` says: the window pool's for a sliding-window
+        layer when windows are freed (full precision: a policy leaves the windows whole, or compresses them by
+        eviction alone); the policy's codes (int codes, or KIVI's blocks with a residual per sequence slot,
+        `kvjax.paged_kivi`); a running statistic per slot (decode-time eviction that accumulates one, H2O's);
+        pooled entries (AdaKV); Quest's key bounds; latents on the cache's Palu or LoRC `bases` where it has
+        them; one physical pool of every layer's pages where each layer has its own tables (`layered`: the
+        `first` layer's cache holds it, the others zero-size stand-ins, `kvjax.paged.SharedPool`)."""
+        att, ps, dtype = cfg.attention, self.pool.page_size, jnp.dtype(cfg.dtype)
+        if slot in bases:  # (`kvjax.paged_lowrank`)
+            args = (n_pages, ps, self.slots, self.width, dtype)
+            return PagedLowRankCache.init_low_rank(*bases[slot], att.n_kv_heads, rope_base(cfg, slot), *args)
         codes, stat = layout.codes, bool(layout.decoding and accumulates(layout.decoding))
         windowed = self.window is not None and kind in self.windowed
         if windowed:  # positions as the main pool keeps them (a head-wise `local` ring: per head); codes only in
@@ -654,7 +648,7 @@ class Engine:
             stat = stat and self.policy.local  # a ring evicting while decoding keeps its running sums too
         else:
             n = self._pages(n_pages, first)
-        shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, jnp.dtype(cfg.dtype))
+        shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, dtype)
         if layout.pooled and (layout.window_pooled or not windowed):
             cache = PagedPooledCache.init_pooled(*shape, stat=stat)
         elif layout.quest and not windowed:  # (a policy leaves the windows whole)

@@ -39,7 +39,7 @@ class RowSplit(NamedTuple):
     With `pool` (the decode rows' cache), XLA attends the decode queries over the whole pool instead of
     the gathered rows (`PagedKVCache.attend_pool`). `heads`: the KV heads of a pooled view's entries
     (`kvjax.paged_pooled`), which the op masks by. `select(q, view, q_pos)`: the part of the rows' view that
-    their decode queries read (Quest's pages, `kvjax.paged_quest`)."""
+    their decode queries read (Quest's pages, `kvjax.paged_quest`), applied by `chosen`."""
 
     rows: KVView | LatentView  # batch R
     chunk: KVView | LatentView  # batch 1
@@ -69,12 +69,15 @@ class RowSplit(NamedTuple):
         def over_pool(q, view, pos):
             return self.pool.attend_pool(q, pos, window, softcap=softcap)
 
-        def selected(q, view, pos):
-            return op(q, self.select(q, view, pos), pos)
-
         xla_pool = self.pool is not None and kernel_impl(impl, softcap=softcap) == "xla"
-        rows_fn = over_pool if xla_pool else selected if self.select is not None else None
-        return self.map(op, (q,), q_pos, rows_fn=rows_fn)
+        return self.map(op, (q,), q_pos, rows_fn=over_pool if xla_pool else None)
+
+    def chosen(self, q: jax.Array, q_pos: jax.Array) -> RowSplit:
+        """The split with the rows' view as the decode queries of a mixed step's q `[1, R + C, N, H]` at q_pos
+        `[1, R + C]` read it (`select`), as a dense Quest cache hands its producer's selection to the layers
+        that share its K/V."""
+        R = self.rows.pos.shape[0]
+        return self._replace(rows=self.select(q[0, :R, None], self.rows, q_pos[0, :R, None]), select=None)
 
 
 @struct.dataclass
@@ -161,7 +164,8 @@ class PagedKVCache(_Arrays):
         return sum(pool[0].nbytes for pool in self._pools().values())
 
     def _pools(self) -> dict[str, jax.Array]:
-        """The per-slot arrays `[P,X,page_size,...]` a write fills and a page copy moves."""
+        """The page arrays `[P,X,...]`: a page's bytes, what a page copy moves and a mesh splits over X (the KV
+        heads); the per-slot ones `[P,X,page_size,...]` are those a write fills."""
         pools = dict(k=self.k, v=self.v, pos=self.pos)
         pools |= dict(k_scale=self.k_scale, v_scale=self.v_scale) if self.quantized else {}
         return pools | (dict(stat=self.stat) if self.stat is not None else {})

@@ -23,8 +23,9 @@ READ_ALL = 2**30  # a row's `read` that reads every page (a request that Quest d
 @struct.dataclass
 class PagedQuestCache(PagedKVCache):
     """One layer's pages with Quest's key bounds: page_min, page_max `[P,K,H]` (a page's keys' channel-wise
-    min and max per KV head, over the slots written since the page was begun) and each row's pages read per
-    decode step, read `[B]`."""
+    min and max per KV head, over the slots written since the page was begun: page arrays, so a page's bytes,
+    copies and placement on a mesh count them) and, set by each step from `Rows.budgets`, the pages each row
+    reads per decode step, read `[B]`."""
 
     page_min: jax.Array | None = None
     page_max: jax.Array | None = None
@@ -34,15 +35,10 @@ class PagedQuestCache(PagedKVCache):
     def init_quest(cls, n_pages, page_size, batch, max_pages, n_kv_heads, head_dim, dtype) -> PagedQuestCache:
         pages = cls.init(n_pages, page_size, batch, max_pages, n_kv_heads, head_dim, dtype)
         bound = lambda fill: jnp.full((n_pages, n_kv_heads, head_dim), fill, dtype)  # noqa: E731
-        return pages.replace(page_min=bound(jnp.inf), page_max=bound(-jnp.inf), read=jnp.full((batch,), READ_ALL))
+        return pages.replace(page_min=bound(jnp.inf), page_max=bound(-jnp.inf))
 
-    @property
-    def page_nbytes(self) -> int:
-        """A page's K, V and positions and its key min and max (Quest's bytes per page and KV head)."""
-        return super().page_nbytes + self.page_min[0].nbytes + self.page_max[0].nbytes
-
-    def _carried(self) -> dict[str, jax.Array]:
-        return super()._carried() | dict(page_min=self.page_min, page_max=self.page_max)
+    def _pools(self) -> dict[str, jax.Array]:
+        return super()._pools() | dict(page_min=self.page_min, page_max=self.page_max)
 
     def _write(self, flat: jax.Array, **values: jax.Array) -> PagedQuestCache:
         """`PagedKVCache._write`, each written key also into its page's bounds; a write at a page's first slot
@@ -57,16 +53,6 @@ class PagedQuestCache(PagedKVCache):
         page_min = new.page_min.at[begun].set(jnp.inf, mode="drop").at[page].min(k, mode="drop")
         page_max = new.page_max.at[begun].set(-jnp.inf, mode="drop").at[page].max(k, mode="drop")
         return new.replace(page_min=page_min, page_max=page_max)
-
-    def copy_pages(self, copies: list[tuple[int, int]]) -> PagedQuestCache:
-        new = super().copy_pages(copies)
-        if not copies:
-            return new
-        src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
-        return new.replace(
-            page_min=self.page_min.at[dst].set(self.page_min[src]),
-            page_max=self.page_max.at[dst].set(self.page_max[src]),
-        )
 
     def _split(self, rows: KVView, chunk: KVView, pool) -> KVView:
         """A mixed step's reader: the decode rows over the pages each reads (`selected`), the chunk over all of

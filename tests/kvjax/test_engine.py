@@ -9,10 +9,8 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
@@ -441,13 +439,13 @@ def test_palu_and_lorc_latents_in_pages(gqa, requests, policy, pages):
         Engine(gqa, n_pages=9, policy="snapkv:0.5:allocator=pyramid+lorc:0.5")
 
 
-def test_quest_pages_keep_every_token_and_each_decode_row_reads_its_best(gqa, requests, alone):
+def test_quest_pages_keep_every_token_and_each_decode_row_reads_its_best(gqa, make_model, requests, alone):
     """Quest in pages (`kvjax.paged_quest`; refused until 2026-12-06): every token stays, each page keeps its keys'
     min and max per head, and a decode row reads the half of its pages whose bound on q.k is highest (the page
     of its newest token always); each request equals Generator alone under Quest (whose answers differ from the
     full cache's, so reading every page fails), with preemptions, multi-step calls and prefix hits, and a request
     Quest leaves alone (`none`) reads all its pages beside them. A page takes Quest's bytes: its K/V and
-    positions, and a key min and max per KV head."""
+    positions, and a key min and max per KV head. On CLA too (refused until 2026-12-06)."""
     policy = "quest:0.5:page_size=4"
     gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
     longer = [
@@ -463,6 +461,11 @@ def test_quest_pages_keep_every_token_and_each_decode_row_reads_its_best(gqa, re
     assert not any(np.allclose(want[i].logprobs, alone[i].logprobs, atol=1e-3) for i in (0, 1, 3, 4))
     K, H = gqa.config.attention.n_kv_heads, gqa.config.attention.head_dim
     assert engine.page_nbytes() == 2 * (2 * K * 4 * H * 4 + 4 * 4 + 2 * K * H * 4)  # 2 layers, fp32, int32 pos
+    # CLA: the layer that shares a producer's K/V reads the pages the producer's queries chose, as in Generator
+    cla = make_model("cla2", "model.n_layers=4")[1]
+    gen = Generator(cla, capacity=40, policy=parse_policy(policy))
+    engine = Engine(cla, n_pages=18, page_size=4, slots=4, chunk=4, decode_steps=4, max_tokens=40, policy=policy)
+    _check(engine.run(longer), [gen([list(r.prompt)], r.decoding) for r in longer])
     with pytest.raises(ConfigError, match=r"Quest's pages are the engine's; its page_size=16 must equal the engine's"):
         Engine(gqa, n_pages=8, page_size=4, policy="quest:0.5")
 
@@ -723,11 +726,8 @@ def test_a_long_generation_stays_within_its_budget(gqa):
 
 def test_policies_the_engine_cannot_page_are_refused(gqa, make_model):
     quest = "quest:0.5:page_size=16"
-    one = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
     for model, args, match in [
         (gqa, dict(policy="quest:0.5", page_size=4), r"its page_size=16 must equal the engine's page_size=4"),
-        (gqa, dict(policy=quest, mesh=one), "Quest's pages are served on one device, not on a mesh"),
-        (make_model("cla2")[1], dict(policy=quest), r"read another layer's K/V \(CLA, MLKV, YOCO\)"),
         (make_model("gqa", *GEMMA_LIKE)[1], dict(policy=quest + ",local"), "reads Quest's pages of them"),
     ]:
         with pytest.raises(ConfigError, match=match):
@@ -774,7 +774,8 @@ SHARDED = textwrap.dedent(
                 for n, m in [(5, 6), (17, 3), (3, 8), (11, 2), (9, 5)]]
     out = {}
     KVQUANT = "kvquant:2:group=4,residual=8,outliers=0.1,sinks=4"
-    for policy in [None, "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8", KVQUANT]:
+    QUEST = "quest:0.5:page_size=4"
+    for policy in [None, "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8", KVQUANT, QUEST]:
         for name, mesh in [("one", None), ("eight", Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "tensor")))]:
             engine = Engine(model, n_pages=12, page_size=4, slots=4, chunk=8, mesh=mesh, policy=policy)
             done = engine.run(requests)
@@ -828,7 +829,8 @@ def test_eight_devices_serve_what_one_device_serves():
     """Slots over data (4) and KV heads over tensor (2) on 8 simulated CPU devices: the same tokens, also
     under PyramidKV's budgets evicting while decoding (one pool every layer shares, H2O's sums in it), in
     KIVI's pages (each sequence slot's residual beside them) and KVQuant's (outliers in the pages, sinks
-    beside the residual); AdaKV's pooled pages with slots over data alone (8 x 1; refused over tensor
+    beside the residual) and Quest's (each page's key bounds split over heads too, refused on a mesh until
+    2026-12-06); AdaKV's pooled pages with slots over data alone (8 x 1; refused over tensor
     until 2026-12-06 whatever its size); and the Generator on such meshes
     generates and scores what it does on one device."""
     env = {
@@ -838,8 +840,8 @@ def test_eight_devices_serve_what_one_device_serves():
     }
     run = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, check=True)
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    kvquant = "kvquant:2:group=4,residual=8,outliers=0.1,sinks=4"
-    for policy in ["None", "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8", kvquant]:
+    kvquant, quest = "kvquant:2:group=4,residual=8,outliers=0.1,sinks=4", "quest:0.5:page_size=4"
+    for policy in ["None", "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8", kvquant, quest]:
         got, want = out[f"eight {policy}"], out[f"one {policy}"]
         assert got["pool"] == [8, "P(None, 'tensor')"] and want["pool"][0] == 1, policy
         assert got["tokens"] == want["tokens"], policy

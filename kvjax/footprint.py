@@ -87,7 +87,7 @@ def compiled(
     """Compile (for this host's backend, from abstract inputs) a prefill chunk into caches of `context`
     slots and a greedy decode of `new_tokens` of `model` (abstract: `nnx.eval_shape` of its constructor),
     and report XLA's memory analysis of each."""
-    from kvjax.generate import _programs, sampling_args
+    from kvjax.generate import _programs, length_bucket, sampling_args
     from kvjax.plan import init_caches
 
     cfg = model.config
@@ -108,7 +108,8 @@ def compiled(
         jax.eval_shape(lambda: jax.random.key(0)),
         (None,) * len(caches),
         None,
-        n_new=new_tokens,
+        spec((), "int32"),
+        width=length_bucket(new_tokens),
         sampling=sampling_args(decoding),
         eos_id=None,
         pad_id=0,

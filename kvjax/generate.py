@@ -67,15 +67,20 @@ class _LoopState:
     stats: tuple  # per cache: the decode-time policy's running statistic (H2O's attention sums), or None
 
 
-def prompt_bucket(length: int, capacity: int) -> int:
-    """Padded prefill length, capped at capacity: the next power of two (at least MIN_BUCKET) up to
-    FINE_BUCKETS_FROM tokens; above, the next multiple of a quarter of the power of two below the length
-    (1,280, 1,536, 1,792, 2,048, 2,560, ...), so a long prompt computes at most 25% padding (a 1,100-token
-    prompt 1,280, not 2,048) for four compiles per doubling of the length."""
+def length_bucket(length: int) -> int:
+    """The next power of two (at least MIN_BUCKET) up to FINE_BUCKETS_FROM tokens; above, the next multiple
+    of a quarter of the power of two below the length (1,280, 1,536, 1,792, 2,048, 2,560, ...), so a long
+    prompt computes at most 25% padding (a 1,100-token prompt 1,280, not 2,048) for four compiles per
+    doubling of the length."""
     if length <= FINE_BUCKETS_FROM:
-        return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), capacity)
+        return max(MIN_BUCKET, 1 << (length - 1).bit_length())
     step = 1 << ((length - 1).bit_length() - 3)
-    return min(-(-length // step) * step, capacity)
+    return -(-length // step) * step
+
+
+def prompt_bucket(length: int, capacity: int) -> int:
+    """Padded prefill length: `length_bucket`, capped at capacity."""
+    return min(length_bucket(length), capacity)
 
 
 def _prefill(graphdef, params, tokens, lengths, *, capacity):
@@ -184,9 +189,24 @@ def _unheld(stat, cache, pos):
 
 
 def _decode(
-    graphdef, params, caches, logits, lengths, rng, stats, evict_arrays, *, n_new, sampling, eos_id, pad_id, evict
+    graphdef,
+    params,
+    caches,
+    logits,
+    lengths,
+    rng,
+    stats,
+    evict_arrays,
+    n_new,
+    *,
+    width,
+    sampling,
+    eos_id,
+    pad_id,
+    evict,
 ):
-    """Sample n_new tokens: the first from the prefill logits, each next one after a decode step."""
+    """Sample n_new (a scalar) tokens: the first from the prefill logits, each next one after a decode step, into
+    buffers of `width` >= n_new columns (`length_bucket`: nearby generation lengths share a compile)."""
     model = nnx.merge(graphdef, params)
     B = logits.shape[0]
     evict = None if evict is None else (evict[0], evict_arrays, evict[1])
@@ -201,8 +221,8 @@ def _decode(
     tok, logp, done = pick(logits, sub, jnp.zeros((B,), bool))
     state = _LoopState(
         step=jnp.int32(1),
-        tokens=jnp.full((B, n_new), pad_id, jnp.int32).at[:, 0].set(tok),
-        logprobs=jnp.zeros((B, n_new), jnp.float32).at[:, 0].set(logp),
+        tokens=jnp.full((B, width), pad_id, jnp.int32).at[:, 0].set(tok),
+        logprobs=jnp.zeros((B, width), jnp.float32).at[:, 0].set(logp),
         done=done,
         n_generated=jnp.ones((B,), jnp.int32),
         rng=rng,
@@ -323,7 +343,7 @@ def _programs(graphdef) -> SimpleNamespace:
         ),
         decode=jax.jit(
             partial(_decode, graphdef),
-            static_argnames=("n_new", "sampling", "eos_id", "pad_id", "evict"),
+            static_argnames=("width", "sampling", "eos_id", "pad_id", "evict"),
             donate_argnames=("caches",),
         ),
         score=jax.jit(partial(_score, graphdef), static_argnames=("evict", "keep_logits")),
@@ -641,8 +661,8 @@ class Generator:
         With a policy that holds its budget, pass the `stats` that `prefill_compressed` returned. `at`: the
         rows' positions where decoding starts when tokens were fed after the prompts of `lengths` (`answer`),
         whose caches were planned with `headroom` slots for what follows them."""
-        sampling = sampling_args(decoding)
-        evict, arrays = self._evict_args(lengths, decoding.max_new_tokens if headroom is None else headroom)
+        sampling, n_new = sampling_args(decoding), decoding.max_new_tokens
+        evict, arrays = self._evict_args(lengths, n_new if headroom is None else headroom)
         out, logprobs, n_generated, caches, stats = self._decode(
             self.params,
             caches,
@@ -651,13 +671,15 @@ class Generator:
             rng,
             stats if stats is not None else (None,) * len(caches),
             arrays,
-            n_new=decoding.max_new_tokens,
+            jnp.int32(n_new),
+            width=length_bucket(n_new),
             sampling=sampling,
             eos_id=decoding.eos_id,
             pad_id=decoding.eos_id or 0,
             evict=evict,
         )
-        return GenerationResult(np.asarray(out), np.asarray(logprobs), np.asarray(n_generated), caches, stats)
+        out, logprobs = np.asarray(out)[:, :n_new], np.asarray(logprobs)[:, :n_new]
+        return GenerationResult(out, logprobs, np.asarray(n_generated), caches, stats)
 
     def answer(
         self,

@@ -61,7 +61,7 @@ def test_compiled_generation_holds_what_its_budget_counts(capsys):
     assert budget[0].weights == footprint.weight_bytes(model) == weights and budget[0].caches == caches
     assert prefill.arguments == weights + caches + B * D * 4 + B * C * 4 + B * 4 + 4  # hidden, tokens, lengths, start
     assert prefill.aliased == caches + B * D * 4
-    assert decode.arguments == weights + caches + B * V * 4 + B * 4 + 8  # logits, lengths, key
+    assert decode.arguments == weights + caches + B * V * 4 + B * 4 + 8 + 4  # logits, lengths, key, new tokens
     assert decode.aliased == caches
     assert prefill.temporaries < min(1.6 * budget[0].activations, B * cfg.attention.n_heads * C * S * 4)
     assert decode.temporaries < 1.6 * budget[1].activations

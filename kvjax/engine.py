@@ -573,9 +573,8 @@ class Engine:
                 self.evict = Eviction.of(plan, self.width * page_size, evicted, rings)
         codes, decoding = self.layout.codes, self.layout.decoding
         # a preempted request's generated tokens are re-fed a decode step each (never as a chunk) where the
-        # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks;
-        # and Quest's, whose decode queries each read their own pages
-        self._stepwise = decoding is not None or (codes is not None and codes.blocked) or bool(self.layout.quest)
+        # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks
+        self._stepwise = decoding is not None or (codes is not None and codes.blocked)
         plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
         main = [
             i
@@ -610,8 +609,7 @@ class Engine:
             self.prefix_cache
             and mesh is None
             and all(
-                type(c) in (PagedKVCache, PagedPooledCache, PagedQuestCache) and not c.quantized and c.stat is None
-                for c in self.caches
+                type(c) in (PagedKVCache, PagedPooledCache) and not c.quantized and c.stat is None for c in self.caches
             )
         )
         self.mesh = mesh
@@ -919,13 +917,14 @@ class Engine:
             raise ConfigError(f"request {index}: the prompt is empty")
         kept = cap = ring_kept = None
         gen = self._prefill_capacity(self.policy_of(request), len(request.prompt))
+        quest = gen is not None and self.layout.quest  # Quest keeps every token: its prompt goes in chunks, as any
+        if quest:  # (its budget, whole pages, is what each of its decode queries reads)
+            self._budgets[index] = [gen.compression_plan(np.array([len(request.prompt)]), 0)[-1].keep_caps[0] // quest]
+            gen = None
         if gen is not None:
             plan = gen.compression_plan(np.array([len(request.prompt)]), 0)[-1]
             budget = int(plan.counts.max())
             kept = ring_kept = min(budget, len(request.prompt))  # under every=, a budget above the prompt is a cap
-            if self.layout.quest:  # Quest keeps every token; its budget (whole pages) is what a decode step reads
-                kept = len(request.prompt)
-                self._budgets[index] = [plan.keep_caps[0] // self.layout.quest]
             if self.evict is not None:  # held at its budget while decoding: at most `every` slots more
                 self._budgets[index] = budget_row(plan, len(request.prompt))
                 cap = budget + self.evict.every
@@ -939,8 +938,8 @@ class Engine:
                 self.pool.shape(index, counts[~ringed], caps)
         d = request.decoding
         greedy = d.temperature == 0 and not request.top_logprobs  # else each step reads the distribution
-        # a compressed ring takes a token a step (an uncompressed prompt, beside Quest's, is fed in chunks)
-        stepwise = gen is not None and (self._stepwise or gen.policy.local)
+        # a compressed ring takes a token a step, and Quest's queries each read their own pages
+        stepwise = bool(quest) or gen is not None and (self._stepwise or gen.policy.local)
         window = 0
         if self.windows is not None:  # what its windows can hold: its positions' pages; a ring's, its kept
             # tokens (at most the largest layer's budget) and those it generates, up to the ring's size

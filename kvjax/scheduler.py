@@ -30,10 +30,12 @@ class Work:
     (`kept`: the whole prompt, or what a compression policy keeps of it) and, when the policy evicts
     while decoding, the most slots it ever holds (`cap`: its budget plus `every`); `stepwise`: after a
     preemption what it generated is re-fed one decode step per token, not as a chunk (its pages change as
-    tokens arrive: eviction while decoding, KIVI's residual); `window`: the most pages its sliding-window
-    layers' own pool holds for it while it decodes (`WindowPages.reserve`), reserved while it runs;
-    `cacheable`: of a compressed prompt, the tokens a prefix-cache hit may cover (0: none), those before
-    the queries its policy observes (which must be computed)."""
+    tokens arrive: eviction while decoding, KIVI's residual; a decode query reads its own pages: Quest),
+    while an uncompressed prompt is still fed in chunks alone, never a prompt token as a decode row;
+    `window`: the most pages its sliding-window layers' own pool holds for it while it decodes
+    (`WindowPages.reserve`), reserved while it runs; `cacheable`: of a compressed prompt, the tokens a
+    prefix-cache hit may cover (0: none), those before the queries its policy observes (which must be
+    computed)."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
@@ -216,7 +218,10 @@ class Scheduler:
             return prefill
         if not self.running:
             raise RuntimeError("no request fits the free pages")  # cannot happen: `check` sized them
-        rows = sorted((s for s in self.running.values() if s.pending == 1 or self._replays(s)), key=lambda s: s.index)
+        rows = sorted(
+            (s for s in self.running.values() if (s.pending == 1 or self._replays(s)) and not self._fills(s)),
+            key=lambda s: s.index,
+        )
         copies = self._grow(rows)
         rows = [s for s in rows if s.index in self.running]
         filling = min((s for s in self.running.values() if self._fills(s)), key=lambda s: s.index, default=None)
@@ -226,6 +231,8 @@ class Scheduler:
         if stops:
             return Step(rows, copies=copies, greedy_steps=self.decode_steps, stops=stops)
         chunk = filling.tokens[filling.at : filling.at + self.chunk] if filling else []
+        if filling and self.work[filling.index].stepwise:  # the prompt in chunks, what it generated a step a token
+            chunk = chunk[: len(self.work[filling.index].prompt) - filling.at]
         return Step(rows, filling, chunk, copies)
 
     def _admit_waiting(self) -> Prefill | None:
@@ -268,11 +275,14 @@ class Scheduler:
     def _replays(self, s: Sequence) -> bool:
         """Whether `s` re-feeds what it generated before a preemption one decode step at a time (`stepwise`:
         its pages must see each token as they saw it)."""
-        return s.pending > 1 and self.work[s.index].stepwise
+        w = self.work[s.index]
+        return s.pending > 1 and w.stepwise and s.at >= len(w.prompt)
 
     def _fills(self, s: Sequence) -> bool:
-        """Whether `s` has prompt (or recomputed) tokens to feed in chunks."""
-        return s.pending > 1 and not self.work[s.index].stepwise
+        """Whether `s` has prompt (or recomputed) tokens to feed in chunks: a stepwise request its
+        uncompressed prompt's alone, to its last token."""
+        w = self.work[s.index]
+        return s.pending > 1 and not w.stepwise or (w.stepwise and s.at < len(w.prompt))
 
     def _grow(self, rows: list[Sequence]) -> list[tuple[int, int]]:
         """A page for each decode row's token, preempting the newest requests while short (a prompt

@@ -279,7 +279,7 @@ def test_a_policy_on_local_and_global_layers_compresses_the_global_ones(make_mod
     kept slots, must fit the window tables (under Quest, which keeps every token, the main pool's first)."""
     model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
     gen = Generator(model, capacity=40, policy=parse_policy(policy))
-    pages = 10 if policy.startswith("quest") else 6  # (Quest keeps every token)
+    pages = 9 if policy.startswith("quest") else 6  # (Quest keeps every token)
     engine = Engine(model, n_pages=pages, page_size=4, slots=4, chunk=4, decode_steps=4, policy=policy, max_tokens=32)
     _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
     assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0 and engine.windows.used_pages == 0
@@ -443,9 +443,10 @@ def test_quest_pages_keep_every_token_and_each_decode_row_reads_its_best(gqa, ma
     """Quest in pages (`kvjax.paged_quest`; refused until 2026-12-06): every token stays, each page keeps its keys'
     min and max per head, and a decode row reads the half of its pages whose bound on q.k is highest (the page
     of its newest token always); each request equals Generator alone under Quest (whose answers differ from the
-    full cache's, so reading every page fails), with preemptions, multi-step calls and prefix hits, and a request
-    Quest leaves alone (`none`) reads all its pages beside them. A page takes Quest's bytes: its K/V and
-    positions, and a key min and max per KV head. On CLA too (refused until 2026-12-06)."""
+    full cache's, so reading every page fails), with preemptions, multi-step calls and prefix hits (its prompts go
+    in chunks, as uncompressed ones), and a request Quest leaves alone (`none`) reads all its pages beside them.
+    A page takes Quest's bytes: its K/V and positions, and a key min and max per KV head. On CLA too (refused
+    until 2026-12-06)."""
     policy = "quest:0.5:page_size=4"
     gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
     longer = [
@@ -453,7 +454,7 @@ def test_quest_pages_keep_every_token_and_each_decode_row_reads_its_best(gqa, ma
         Request(tuple(range(30, 52)), DecodingConfig(max_new_tokens=10)),
     ]
     mine = [dataclasses.replace(r, policy="none") if i == 2 else r for i, r in enumerate([*requests, *longer])]
-    engine = Engine(gqa, n_pages=18, page_size=4, slots=4, chunk=4, decode_steps=4, max_tokens=40, policy=policy)
+    engine = Engine(gqa, n_pages=13, page_size=4, slots=4, chunk=4, decode_steps=4, max_tokens=40, policy=policy)
     want = [alone[i] if i == 2 else gen([list(r.prompt)], r.decoding) for i, r in enumerate(mine)]
     _check(engine.run(mine), want)
     assert engine.stats.preemptions > 0 and engine.stats.cached_tokens > 0 and engine.stats.calls < engine.stats.steps

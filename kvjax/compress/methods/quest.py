@@ -7,7 +7,12 @@ prompt's pages, not the pages decoding adds), and a size may exceed the prompt (
 (`local=true`) the pages are those of the tokens still in the window and the ones decoding adds, a page
 wholly out of the window is no candidate, and a size of at least the window reads every page; the pages
 form a ring (`kvjax.cache.WindowQuestKVCache`) of the ceil((W - 1) / page_size) + 1 pages that W consecutive
-tokens can touch, so the cache stays capped however long decoding goes."""
+tokens can touch, so the cache stays capped however long decoding goes.
+
+Deviation, known: the budget is the stage's keep cap, so where prompts of one bucket share a compile
+(`Generator.compression_plan(sized_for=)`: `prefill_shared`, `answer`, RULER's sweeps) it is the bucket's, not the
+prompt's, up to one bucket's rounding more pages (a 2,000-token prompt in the 2,048 bucket at `quest:0.5` reads
+64 pages of 16, not 63). `Generator.__call__` and the engine's pages (`kvjax.paged_quest`) read the prompt's own."""
 
 from __future__ import annotations
 

@@ -70,9 +70,7 @@ class PagedQuestCache(PagedKVCache):
         newest = jnp.argmax(view.pos, axis=1) // ps
         bounds = [x[self.table].transpose(0, 2, 1, 3) for x in (self.page_min, self.page_max)]  # [R,K,M,H]
         bound = quest_bounds(q, *bounds, filled, newest)  # [R,K,M]
-        earlier = (jnp.arange(M)[:, None] < jnp.arange(M)[None, :])[None, None]
-        ahead = (bound[..., :, None] > bound[..., None, :]) | ((bound[..., :, None] == bound[..., None, :]) & earlier)
-        # [R,K,i,j]: page i ranks before page j
-        chosen = ahead.sum(axis=2) < self.read[:, None, None]  # [R,K,M]
+        order = jnp.argsort(-bound, axis=-1, stable=True)  # best first, ties to the earlier page (as top_k's)
+        chosen = jnp.argsort(order, axis=-1) < self.read[:, None, None]  # [R,K,M]: a page's rank within its budget
         pos = jnp.where(jnp.repeat(chosen, ps, axis=2), view.pos[:, None], -1)
         return KVView(view.k, view.v, pos)

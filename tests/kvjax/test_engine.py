@@ -445,8 +445,8 @@ def test_quest_pages_keep_every_token_and_each_decode_row_reads_its_best(gqa, ma
     of its newest token always); each request equals Generator alone under Quest (whose answers differ from the
     full cache's, so reading every page fails), with preemptions, multi-step calls and prefix hits (its prompts go
     in chunks, as uncompressed ones), and a request Quest leaves alone (`none`) reads all its pages beside them.
-    A page takes Quest's bytes: its K/V and positions, and a key min and max per KV head. On CLA too (refused
-    until 2026-12-06)."""
+    A page takes Quest's bytes: its K/V and positions, and a key min and max per KV head. On CLA and YOCO-gRet
+    too (refused until 2026-12-06)."""
     policy = "quest:0.5:page_size=4"
     gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
     longer = [
@@ -462,11 +462,13 @@ def test_quest_pages_keep_every_token_and_each_decode_row_reads_its_best(gqa, ma
     assert not any(np.allclose(want[i].logprobs, alone[i].logprobs, atol=1e-3) for i in (0, 1, 3, 4))
     K, H = gqa.config.attention.n_kv_heads, gqa.config.attention.head_dim
     assert engine.page_nbytes() == 2 * (2 * K * 4 * H * 4 + 4 * 4 + 2 * K * H * 4)  # 2 layers, fp32, int32 pos
-    # CLA: the layer that shares a producer's K/V reads the pages the producer's queries chose, as in Generator
-    cla = make_model("cla2", "model.n_layers=4")[1]
-    gen = Generator(cla, capacity=40, policy=parse_policy(policy))
-    engine = Engine(cla, n_pages=18, page_size=4, slots=4, chunk=4, decode_steps=4, max_tokens=40, policy=policy)
-    _check(engine.run(longer), [gen([list(r.prompt)], r.decoding) for r in longer])
+    # CLA: the layer that shares a producer's K/V reads the pages the producer's queries chose, as in Generator;
+    # YOCO-gRet: its cross-decoder reads one global cache so, its recurrent self-decoder a state slot a request
+    for name in ("cla2", "yoco-gret"):
+        other = make_model(name, "model.n_layers=4")[1]
+        gen = Generator(other, capacity=40, policy=parse_policy(policy))
+        engine = Engine(other, n_pages=18, page_size=4, slots=4, chunk=4, decode_steps=4, max_tokens=40, policy=policy)
+        _check(engine.run(longer), [gen([list(r.prompt)], r.decoding) for r in longer])
     with pytest.raises(ConfigError, match=r"Quest's pages are the engine's; its page_size=16 must equal the engine's"):
         Engine(gqa, n_pages=8, page_size=4, policy="quest:0.5")
 

@@ -328,16 +328,6 @@ def _gather_prefix(caches, pages, n, *, cfg, capacity):
     return tuple(out)
 
 
-def check_quest_pages(policy: Policy, cfg, page_size: int) -> None:
-    """Quest's pages are the engine's (`kvjax.paged_quest`): a page size other than Quest's is a ConfigError."""
-    quest = check_engine_policy(policy, cfg).quest
-    if quest != page_size:
-        raise ConfigError(
-            f"engine policy {policy}: Quest's pages are the engine's; its page_size={quest} must equal the engine's "
-            f"page_size={page_size}"
-        )
-
-
 def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: str) -> None:
     """A policy on a model with sliding-window layers compresses the other layers' prompts and leaves the
     windows whole, which the engine serves when those layers have their own pool (`window_pages="free"`:
@@ -366,7 +356,7 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
         else "factors them into latents (the window pool holds rings of K/V, int or KIVI codes)"
         if _latent(last)
         else "reads Quest's pages of them (the window pool keeps no key bounds)"
-        if last.hooks is not None and last.hooks.kind == "selector"
+        if _quest(last)
         else None
     )
     if why:
@@ -421,6 +411,11 @@ def _latent(stage: Stage) -> bool:
     return stage.hooks is not None and stage.hooks.kind == "low_rank"
 
 
+def _quest(stage: Stage) -> bool:
+    """Whether `stage` selects pages at attention time (Quest: `kvjax.paged_quest`)."""
+    return stage.hooks is not None and stage.hooks.kind == "selector"
+
+
 def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
     """What the engine's pages need for `policy` (`PageLayout`) on a model of config `cfg` (where given: a
     model of sliding windows alone has no main-pool layer to give a table each, and under `local=true` its
@@ -457,7 +452,7 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
             f"engine policy {policy}: latent pages keep one position per slot and one block table for every "
             "layer; a head-wise eviction or PyramidKV's budgets before them are not paged with them"
         )
-    quest = last.options.page_size if last.hooks is not None and last.hooks.kind == "selector" else 0
+    quest = last.options.page_size if _quest(last) else 0
     if layered and codes is not None and codes.blocked:
         raise ConfigError(
             f"engine policy {policy}: its layers keep different numbers of tokens, each with its own block table "
@@ -555,8 +550,11 @@ class Engine:
             if codes and codes.blocked:
                 if why := check_kivi_pages(codes, page_size):
                     raise ConfigError(f"engine policy {self.policy}: {why}")
-            if self.layout.quest:
-                check_quest_pages(self.policy, cfg, page_size)
+            if self.layout.quest not in (0, page_size):  # Quest's pages are the engine's (`kvjax.paged_quest`)
+                raise ConfigError(
+                    f"engine policy {self.policy}: Quest's pages are the engine's; its page_size={self.layout.quest} "
+                    f"must equal the engine's page_size={page_size}"
+                )
             if self.layout.pooled and mesh is not None and mesh.shape["tensor"] > 1:
                 raise ConfigError(
                     f"engine policy {self.policy}: allocator=adakv's pages pool entries of every KV head, which "

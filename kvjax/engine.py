@@ -72,6 +72,7 @@ from kvjax.kinds import KINDS
 from kvjax.layer_pages import LayerPages
 from kvjax.page_pool import NULL_PAGE, PagePool, PoolExhausted
 from kvjax.paged import PagedKVCache, PagedLatentCache, SharedPool
+from kvjax.paged_duo import PagedDuoCache
 from kvjax.paged_eviction import Eviction, budget_row, evicting_step
 from kvjax.paged_kivi import PagedKiviCache, check_kivi_pages
 from kvjax.paged_lowrank import PagedLowRankCache
@@ -143,6 +144,8 @@ def _with_rows(caches, rows: Rows, chunk_row=None):
             )
         elif isinstance(c, PagedKiviCache):  # its residuals are per sequence slot, as recurrent states
             out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row, res_rows=rows.states))
+        elif isinstance(c, PagedDuoCache):  # its streaming heads' tokens too
+            out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row, slot_rows=rows.states))
         elif isinstance(c, PagedQuestCache) and rows.budgets is not None:  # the pages each row reads
             out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row, read=rows.budgets[:, 0]))
         elif rows.length.ndim == 2:  # a table per layer (`kvjax.layer_pages`)
@@ -290,6 +293,8 @@ def _loaded(paged, d, stat, row, ring):
         return paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0])  # left whole: by position
     if isinstance(paged, PagedKiviCache):
         return paged.load_quant(row, d)
+    if isinstance(paged, PagedDuoCache):
+        return paged.load_duo(row, d)
     if isinstance(paged, PagedPooledCache):  # AdaKV's pool (a ring's oldest first), or a prompt's K entries a slot
         pool = d if isinstance(d, PooledKVCache) else as_entries(d)
         return paged.load_pool(row, *(as_ring(pool, stat) if paged.windowed else (pool, stat)))
@@ -357,6 +362,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
         if _latent(last)
         else "reads Quest's pages of them (the window pool keeps no key bounds)"
         if _quest(last)
+        else "splits their heads (the window pool keeps every head of a token)"
+        if _duo(last)
         else None
     )
     if why:
@@ -373,7 +380,8 @@ class PageLayout(NamedTuple):
     whether the sliding-window layers' pool holds the codes too (`local=true`: rings of int or KIVI codes); a
     block table per layer (PyramidKV's per-layer budgets, `kvjax.layer_pages`); whether that pool's rings are
     pooled entries too (AdaKV under `local=true`); whether the pages hold low-rank latents (Palu, LoRC,
-    `kvjax.paged_lowrank`); Quest's page size where the pages keep its key bounds (`kvjax.paged_quest`), else 0."""
+    `kvjax.paged_lowrank`); Quest's page size where the pages keep its key bounds (`kvjax.paged_quest`), else 0;
+    the DuoAttention stage whose retrieval heads the pages hold (`kvjax.paged_duo`; its text), else ""."""
 
     per_head: bool = False
     codes: QuantSpec | None = None
@@ -384,6 +392,7 @@ class PageLayout(NamedTuple):
     window_pooled: bool = False
     low_rank: bool = False
     quest: int = 0
+    duo: str = ""
 
     def __str__(self) -> str:
         heads = (
@@ -402,6 +411,7 @@ class PageLayout(NamedTuple):
         )
         codes += " (the windows' rings too)" if self.window_codes else ""
         codes += ", Quest's key bounds per page" if self.quest else ""
+        codes += f", the retrieval heads of {self.duo} (its streaming heads per sequence)" if self.duo else ""
         layers = ", a block table per layer" if self.layered else ""
         return heads + codes + layers + (f", evicting by {self.decoding} while decoding" if self.decoding else "")
 
@@ -414,6 +424,12 @@ def _latent(stage: Stage) -> bool:
 def _quest(stage: Stage) -> bool:
     """Whether `stage` selects pages at attention time (Quest: `kvjax.paged_quest`)."""
     return stage.hooks is not None and stage.hooks.kind == "selector"
+
+
+def _duo(stage: Stage) -> bool:
+    """Whether `stage` keeps some heads' tokens whole and others' sinks and recent ones (DuoAttention:
+    `kvjax.paged_duo`)."""
+    return stage.hooks is not None and stage.hooks.kind == "head_level"
 
 
 def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
@@ -432,7 +448,8 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
                 )
         elif not (stage.method in METHODS and METHODS[stage.method].pageable):
             raise ConfigError(
-                f"{where}: the engine pages token eviction, int:8, int:4, kivi, kvquant, gear, palu, lorc and quest; "
+                f"{where}: the engine pages token eviction, int:8, int:4, kivi, kvquant, gear, palu, lorc, quest and "
+                f"duo; "
                 f"{stage.method} is not supported"
             )
     last = policy.stages[-1]
@@ -468,6 +485,7 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
         pooled and policy.local,
         low_rank,
         quest,
+        str(last) if _duo(last) else "",
     )
 
 
@@ -541,6 +559,7 @@ class Engine:
         self.gens: dict[str, Generator] = {}  # the compressed prefill of each policy served, by its text
         self.evict = None  # decode-time eviction (`kvjax.paged_eviction`)
         bases = {}  # Palu's or LoRC's bases by cache slot, for the latent pages
+        streaming = {}  # DuoAttention's streaming heads by cache slot (`kvjax.paged_duo`)
         if self.policy is not None:
             codes, decoding = self.layout.codes, self.layout.decoding
             if codes and "mla" in cfg.mixers:
@@ -564,6 +583,13 @@ class Engine:
             gen = self._prefill_capacity(self.policy, self.width * page_size)
             if self.layout.low_rank:  # Palu's or LoRC's bases, by cache (the latent pages map them out)
                 bases = dict(zip(compressible(cfg), gen.prepared["bases"]))
+            if self.layout.duo:
+                if mesh is not None:
+                    raise ConfigError(
+                        f"engine policy {self.policy}: DuoAttention's pages hold each layer's own number of "
+                        "retrieval heads, and are served on one device (not yet on a mesh)"
+                    )
+                streaming = dict(zip(compressible(cfg), gen.prepared["streaming"]))
             if decoding:
                 plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]
                 evicted = compressible(cfg, self.policy.local)  # (under local=true, the rings too)
@@ -571,8 +597,9 @@ class Engine:
                 self.evict = Eviction.of(plan, self.width * page_size, evicted, rings)
         codes, decoding = self.layout.codes, self.layout.decoding
         # a preempted request's generated tokens are re-fed a decode step each (never as a chunk) where the
-        # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks
-        self._stepwise = decoding is not None or (codes is not None and codes.blocked)
+        # pages change as tokens arrive: eviction while decoding, KIVI's residual flushing its blocks,
+        # DuoAttention's streaming rings
+        self._stepwise = decoding is not None or (codes is not None and codes.blocked) or bool(self.layout.duo)
         plan, mla, dtype = LayerPlan.from_config(cfg), cfg.mla, jnp.dtype(cfg.dtype)
         main = [
             i
@@ -595,7 +622,7 @@ class Engine:
             if plan.mixers[i] == "mla"
             else SlotStates.init(KINDS[plan.mixers[i]].init_cache(cfg, slots, 1, False), slots)
             if KINDS[plan.mixers[i]].recurrent
-            else self._paged(cfg, plan.mixers[i], n_pages, self.layout, first=i == first, slot=slot, bases=bases)
+            else self._paged(cfg, plan.mixers[i], n_pages, i == first, slot, bases, streaming)
             for slot, i in enumerate(plan.producers)
         )
         graphdef, self.params = nnx.split(model)
@@ -623,19 +650,24 @@ class Engine:
         self._sync([])
 
     def _paged(
-        self, cfg, kind: str, n_pages: int, layout: PageLayout, first: bool, slot: int, bases: dict
+        self, cfg, kind: str, n_pages: int, first: bool, slot: int, bases: dict, streaming: dict
     ) -> PagedKVCache:
-        """Cache `slot`'s pages (an attention layer's) as `layout` says: the window pool's for a sliding-window
-        layer when windows are freed (full precision: a policy leaves the windows whole, or compresses them by
-        eviction alone); the policy's codes (int codes, or KIVI's blocks with a residual per sequence slot,
-        `kvjax.paged_kivi`); a running statistic per slot (decode-time eviction that accumulates one, H2O's);
-        pooled entries (AdaKV); Quest's key bounds; latents on the cache's Palu or LoRC `bases` where it has
-        them; one physical pool of every layer's pages where each layer has its own tables (`layered`: the
-        `first` layer's cache holds it, the others zero-size stand-ins, `kvjax.paged.SharedPool`)."""
-        att, ps, dtype = cfg.attention, self.pool.page_size, jnp.dtype(cfg.dtype)
+        """Cache `slot`'s pages (an attention layer's) as the engine's layout says: the window pool's for a
+        sliding-window layer when windows are freed (full precision: a policy leaves the windows whole, or
+        compresses them by eviction alone); the policy's codes (int codes, or KIVI's blocks with a residual per
+        sequence slot, `kvjax.paged_kivi`); a running statistic per slot (decode-time eviction that accumulates
+        one, H2O's); pooled entries (AdaKV); Quest's key bounds; latents on the cache's Palu or LoRC `bases`
+        where it has them; one physical pool of every layer's pages where each layer has its own tables
+        (`layered`: the `first` layer's cache holds it, the others zero-size stand-ins, `kvjax.paged.SharedPool`);
+        a DuoAttention cache's retrieval heads in pages, its `streaming` heads (where it has them) per sequence
+        slot (`kvjax.paged_duo`)."""
+        att, ps, dtype, layout = cfg.attention, self.pool.page_size, jnp.dtype(cfg.dtype), self.layout
         if slot in bases:  # (`kvjax.paged_lowrank`)
             args = (n_pages, ps, self.slots, self.width, dtype)
             return PagedLowRankCache.init_low_rank(*bases[slot], att.n_kv_heads, rope_base(cfg, slot), *args)
+        if slot in streaming:  # (`kvjax.paged_duo`)
+            stage, shape = self.policy.stages[-1], (n_pages, ps, self.slots, self.width, att.n_kv_heads, att.head_dim)
+            return PagedDuoCache.init_duo(streaming[slot], stage.n_sinks, stage.recent, *shape, dtype)
         codes, stat = layout.codes, bool(layout.decoding and accumulates(layout.decoding))
         windowed = self.window is not None and kind in self.windowed
         if windowed:  # positions as the main pool keeps them (a head-wise `local` ring: per head); codes only in
@@ -775,9 +807,9 @@ class Engine:
 
     def state_nbytes(self) -> int:
         """Bytes one sequence slot holds whatever its length: its recurrent states over every recurrent
-        layer, its KIVI residuals over every layer paging KIVI codes."""
+        layer, and what pages keep per sequence beside them (KIVI's residuals, DuoAttention's streaming heads)."""
         states = sum(c.nbytes() // c.slots for c in self.caches if isinstance(c, SlotStates))
-        return states + sum(c.slot_nbytes for c in self.caches if isinstance(c, PagedKiviCache))
+        return states + sum(c.slot_nbytes for c in self.caches if isinstance(c, PagedKVCache))
 
     # --- device state -----------------------------------------------------------------------------
     def _placed(self, cache: PagedKVCache) -> PagedKVCache:

@@ -163,6 +163,11 @@ class PagedKVCache(_Arrays):
         """Bytes one page takes: its K, V, positions (and int8 scales, running statistics)."""
         return sum(pool[0].nbytes for pool in self._pools().values())
 
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes one sequence slot holds beside the pages (KIVI's residual, DuoAttention's streaming heads): none."""
+        return 0
+
     def _pools(self) -> dict[str, jax.Array]:
         """The page arrays `[P,X,...]`: a page's bytes, what a page copy moves and a mesh splits over X (the KV
         heads); the per-slot ones `[P,X,page_size,...]` are those a write fills."""
@@ -272,11 +277,17 @@ class PagedKVCache(_Arrays):
     def load_positions(self, row: int, pos: jax.Array, **values: jax.Array) -> PagedKVCache:
         """Fill sequence slot `row`'s slots at its tokens' positions from one row of a sliding-window
         layer's ring (positions `[W]`, -1 empty; k, v `[K,W,H]`): a window pool's slot is the token's
-        position, and a token whose page the window has left (or never held) is dropped."""
+        position, and a token whose page the window has left (or never held) is dropped. The row's other
+        slots below its length are emptied first: a page from the free list keeps its last owner's positions,
+        which the row's queries would otherwise see where the ring holds no token (before its window)."""
+        mine = self.replace(table=self.table[row][None])
+        every = jnp.arange(self.table.shape[1] * self.page_size, dtype=jnp.int32)[None]
+        emptied = mine._flat_slots(every, every <= pos.max())[0]
+        new = self._scatter(emptied, pos=jnp.full((emptied.shape[0], self.pos.shape[1]), -1, jnp.int32))
         index = pos[None]
-        flat = self.replace(table=self.table[row][None])._flat_slots(index, index >= 0)[0]
+        flat = mine._flat_slots(index, index >= 0)[0]
         slot_major = {name: jnp.moveaxis(x, 1, 0) for name, x in values.items()}
-        new = self._write(flat, pos=jnp.broadcast_to(pos, (self.pos.shape[1], pos.shape[0])).T, **slot_major)
+        new = new._write(flat, pos=jnp.broadcast_to(pos, (self.pos.shape[1], pos.shape[0])).T, **slot_major)
         return new.replace(length=new.length.at[row].set(pos.max() + 1))
 
     def view(self) -> KVView:

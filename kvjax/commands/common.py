@@ -17,13 +17,14 @@ def calibration_tokens(loaded, policies, corpus: str | None):
     return ce.calibration_tokens(loaded.tokenizer, corpus or loaded.corpus)
 
 
-def resolve_duo(texts: list[str], model_ref: str, loaded) -> list[str]:
-    """Policy texts (or `--policy` methods) whose `duo` stages read the model's learned pattern
-    (`kvjax.duo.default_pattern`; the one with the rings' gates for `duo:R:local`) unless they name one."""
+def resolve_duo(texts: list[str], model_ref: str, model_name: str) -> list[str]:
+    """Policy texts (or `--policy` methods) whose `duo` stages read the learned pattern of the model
+    `model_ref` (named `model_name`; `kvjax.duo.default_pattern`, the one with the rings' gates for
+    `duo:R:local`) unless they name one."""
     from kvjax.duo import default_pattern, with_pattern
 
     def shown(local: bool):
-        path = default_pattern(model_ref, loaded.config.model.name, local)
+        path = default_pattern(model_ref, model_name, local)
         return os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else path
 
     return [with_pattern(text, shown(False), shown(True)) for text in texts]

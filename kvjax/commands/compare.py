@@ -79,7 +79,7 @@ def _compare_policies(args) -> None:
         )
     loaded = load_model(model_ref)
     fit_to_context(args, loaded)
-    args.policy = resolve_duo(args.policy, model_ref, loaded)
+    args.policy = resolve_duo(args.policy, model_ref, loaded.config.model.name)
     check_policies([text for text, _ in ce.table_runs(args.policy, args.ratios)[1:]], loaded)
     allow = args.allow_long_context
     check_context(loaded, args.prefix + args.continuation + 1, "--prefix + --continuation + 1", allow)

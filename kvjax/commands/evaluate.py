@@ -74,7 +74,7 @@ def _eval_compressed(args, task: str) -> None:
 
     parsed = [parse_policy(p) for p in args.policy or []]  # every policy is checked before compute
     loaded = load_model(args.model, mesh=mesh_of(args))
-    policies = resolve_duo([str(p) for p in parsed], args.model, loaded)
+    policies = resolve_duo([str(p) for p in parsed], args.model, loaded.config.model.name)
     check_policies(policies, loaded)
     fit_to_context(args, loaded)
     model, tokenizer, corpus = loaded.model, loaded.tokenizer, args.corpus or loaded.corpus

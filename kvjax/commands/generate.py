@@ -29,7 +29,7 @@ def run(args) -> None:
     policy = parse_policy(args.policy) if args.policy else None
     loaded = load_model(args.model, mesh=mesh_of(args))
     if policy is not None:
-        text = resolve_duo([str(policy)], args.model, loaded)
+        text = resolve_duo([str(policy)], args.model, loaded.config.model.name)
         check_policies(text, loaded)
         policy = parse_policy(text[0])
     tokenizer = loaded.tokenizer

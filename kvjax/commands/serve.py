@@ -23,7 +23,7 @@ def run(args) -> None:
         raise ConfigError(
             f"kvjax serve needs the serve extra ({e.name} is missing): pip install 'kvjax[serve]'"
         ) from None
-    from kvjax.commands.common import calibration_tokens
+    from kvjax.commands.common import calibration_tokens, resolve_duo
     from kvjax.compress import parse_policy
     from kvjax.engine import Engine, check_engine_policy
     from kvjax.training.loading import load_model, model_config
@@ -37,6 +37,8 @@ def run(args) -> None:
 
     def load() -> Served:
         loaded = load_model(args.model)
+        if args.policy:  # a duo stage reads the model's learned pattern unless it names one
+            args.policy = resolve_duo([args.policy], args.model, loaded.config.model.name)[0]
         max_tokens = args.max_tokens or min(loaded.context or DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS)
         # Palu's bases: from the training split of the model's corpus
         calibration = calibration_tokens(loaded, [parse_policy(args.policy)] if args.policy else [], None)

@@ -19,6 +19,7 @@ from kvjax.errors import ConfigError
 
 
 def run(args) -> None:
+    from kvjax.commands.common import resolve_duo
     from kvjax.compress import parse_policy
     from kvjax.engine import check_engine_policy
     from kvjax.serve_bench import WORKLOADS, Workload, default_memory, probe, render, render_models, serve_bench
@@ -53,12 +54,14 @@ def run(args) -> None:
     text_name = models[0][3] if args.prompts is None else args.prompts
     texts = [None if text_name == "random" else _text_tokens(tokenizer, text_name) for _, _, tokenizer, _ in models]
     calibrations = [_calibration(tokenizer, corpus, policies) for _, _, tokenizer, corpus in models]
-    for (_, model, _, _), calibration in zip(models, calibrations):  # what an engine cannot serve (a model's
-        for policy in (None, *policies):  # layers, a policy) fails before compute
+    # a duo stage reads each model's own learned pattern unless it names one
+    resolved = [resolve_duo(policies, name, model.config.name) for name, model, _, _ in models]
+    for (_, model, _, _), calibration, own in zip(models, calibrations, resolved):  # what an engine cannot serve
+        for policy in (None, *own):  # (a model's layers, a policy) fails before compute
             probe(model, args.page_size, policy, calibration=calibration)
     runs, memory_mib = [], args.memory_mib
-    for (name, model, tokenizer, _), text, calibration in zip(models, texts, calibrations):  # one budget (the
-        # first's default), each model served alike
+    for (name, model, tokenizer, _), text, calibration, own in zip(models, texts, calibrations, resolved):
+        # one budget (the first's default), each model served alike
         memory_mib = memory_mib or default_memory(model.config, workload, text)
         figures = serve_bench(
             model,
@@ -68,7 +71,7 @@ def run(args) -> None:
             slots=args.slots,
             chunk=args.chunk,
             decode_steps=args.decode_steps,
-            policies=tuple(policies),
+            policies=tuple(own),
             log=lambda line, name=name: print(f"serve-bench {name}: {line}", file=sys.stderr, flush=True),
             http=args.http,
             tokenizer=tokenizer,

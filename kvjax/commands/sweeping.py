@@ -57,7 +57,7 @@ def resolved(runs: list, args, loaded) -> tuple[list, object]:
     from kvjax.compress import parse_policy
     from kvjax.training import sweeps
 
-    texts = resolve_duo([r.policy for r in runs[1:]], args.model, loaded)
+    texts = resolve_duo([r.policy for r in runs[1:]], args.model, loaded.config.model.name)
     check_policies(texts, loaded)
     runs = [runs[0], *(sweeps.Run(t, r.method, r.ratio) for t, r in zip(texts, runs[1:]))]
     return runs, calibration_tokens(loaded, [parse_policy(t) for t in texts], None)

@@ -9,14 +9,17 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
 from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
 from kvjax.config import ConfigError
+from kvjax.duo import save_pattern
 from kvjax.engine import Engine, Request
 from kvjax.paged import PagedKVCache
+from kvjax.paged_duo import PagedDuoCache
 from kvjax.paged_kivi import PagedKiviCache
 from kvjax.paged_lowrank import PagedLowRankCache
 from kvjax.paged_pooled import PagedPooledCache
@@ -27,6 +30,10 @@ from tests.conftest import GEMMA_LIKE
 PROMPT_LENGTHS, NEW = (5, 17, 3, 11, 9), (6, 3, 8, 2, 5)
 ADAKV = "snapkv:0.5:obs_window=2,allocator=adakv"  # AdaKV's per-head budgets, pooled pages
 PYRAMID = "snapkv:0.5:obs_window=2,allocator=pyramid,beta=2"  # PyramidKV's layer budgets, a block table per layer
+LONGER = [  # two requests of 32 tokens, which preempt others on a small pool
+    Request(tuple(range(1, 21)), DecodingConfig(max_new_tokens=12)),
+    Request(tuple(range(30, 52)), DecodingConfig(max_new_tokens=10)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -449,11 +456,7 @@ def test_quest_pages_keep_every_token_and_each_decode_row_reads_its_best(gqa, ma
     too (refused until 2026-12-06)."""
     policy = "quest:0.5:page_size=4"
     gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
-    longer = [
-        Request(tuple(range(1, 21)), DecodingConfig(max_new_tokens=12)),
-        Request(tuple(range(30, 52)), DecodingConfig(max_new_tokens=10)),
-    ]
-    mine = [dataclasses.replace(r, policy="none") if i == 2 else r for i, r in enumerate([*requests, *longer])]
+    mine = [dataclasses.replace(r, policy="none") if i == 2 else r for i, r in enumerate([*requests, *LONGER])]
     engine = Engine(gqa, n_pages=13, page_size=4, slots=4, chunk=4, decode_steps=4, max_tokens=40, policy=policy)
     want = [alone[i] if i == 2 else gen([list(r.prompt)], r.decoding) for i, r in enumerate(mine)]
     _check(engine.run(mine), want)
@@ -468,9 +471,50 @@ def test_quest_pages_keep_every_token_and_each_decode_row_reads_its_best(gqa, ma
         other = make_model(name, "model.n_layers=4")[1]
         gen = Generator(other, capacity=40, policy=parse_policy(policy))
         engine = Engine(other, n_pages=18, page_size=4, slots=4, chunk=4, decode_steps=4, max_tokens=40, policy=policy)
-        _check(engine.run(longer), [gen([list(r.prompt)], r.decoding) for r in longer])
+        _check(engine.run(LONGER), [gen([list(r.prompt)], r.decoding) for r in LONGER])
     with pytest.raises(ConfigError, match=r"Quest's pages are the engine's; its page_size=16 must equal the engine's"):
         Engine(gqa, n_pages=8, page_size=4, policy="quest:0.5")
+
+
+def test_duo_pages_hold_the_retrieval_heads_and_sequence_slots_the_streaming_heads(
+    gqa, make_model, requests, alone, tmp_path
+):
+    """DuoAttention in the engine (`kvjax.paged_duo`; refused until 2026-12-07): a layer's retrieval heads keep
+    every token in its pages, its streaming heads their sinks and recent ring in the request's sequence slot;
+    each request equals Generator alone under the policy (whose answers differ from the full cache's), with
+    preemptions (what a request generated re-fed a step at a time) and multi-step calls. A page takes the
+    retrieval heads' bytes, a slot the streaming heads'. On Gemma's layout too, the windows whole in their
+    pool, one global layer streaming every head (pages of positions only) and the other none."""
+    K, H = gqa.config.attention.n_kv_heads, gqa.config.attention.head_dim
+    save_pattern(tmp_path / "split.json", [np.linspace(0.1, 0.9, K), np.linspace(0.8, 0.2, K)])
+    policy = f"duo:0.5:sinks=2,window=4,pattern={tmp_path / 'split.json'}"  # one head of each layer streams
+    gen = Generator(gqa, capacity=40, policy=parse_policy(policy))
+    engine = Engine(gqa, n_pages=12, page_size=4, slots=4, decode_steps=4, policy=policy, max_tokens=32)
+    mine = [*requests, *LONGER]
+    want = [gen([list(r.prompt)], r.decoding) for r in mine]
+    _check(engine.run(mine), want)
+    assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps and engine.pool.used_pages == 0
+    assert all(isinstance(c, PagedDuoCache) and len(c.retrieval) == 1 for c in engine.caches)
+    assert not any(np.allclose(w.logprobs, a.logprobs, atol=1e-3) for w, a in zip(want, alone) if w.logprobs.size > 2)
+    assert engine.page_nbytes() == 2 * (2 * 4 * H * 4 + 4 * 4)  # 2 layers: one head's fp32 K/V, int32 positions
+    # 2 layers: one head's K/V of 2 sinks and a ring of 4, their positions and the two lengths
+    assert engine.state_nbytes() == 2 * ((2 + 4) * (2 * H * 4 + 4) + 2 * 4)
+    tables = 2 * (4 * 8 * 4 + 4 * 4 + 4 * 4)  # block tables of 32 tokens, lengths, slot rows
+    assert engine.nbytes() == 12 * engine.page_nbytes() + 4 * engine.state_nbytes() + tables
+    model = make_model("gqa", *GEMMA_LIKE)[1]
+    save_pattern(tmp_path / "edge.json", [np.full(K, 0.1), np.full(K, 0.9)])  # the two global layers
+    policy = f"duo:0.5:sinks=2,window=4,pattern={tmp_path / 'edge.json'}"
+    gen = Generator(model, capacity=40, policy=parse_policy(policy))
+    engine = Engine(model, n_pages=12, page_size=4, slots=4, decode_steps=4, policy=policy, max_tokens=32)
+    _check(engine.run(mine), [gen([list(r.prompt)], r.decoding) for r in mine])
+    assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0 and engine.windows.used_pages == 0
+    duo = [c for c in engine.caches if isinstance(c, PagedDuoCache)]
+    assert [len(c.retrieval) for c in duo] == [0, K] and duo[0].page_nbytes == 4 * 4 and duo[1].slot_nbytes == 0
+    with pytest.raises(ConfigError, match=r"policy duo:0.25.*serve it from an engine started with it"):
+        engine.submit(dataclasses.replace(requests[0], policy=policy.replace("duo:0.5", "duo:0.25")))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+    with pytest.raises(ConfigError, match=r"served on one device \(not yet on a mesh\)"):
+        Engine(model, n_pages=12, page_size=4, policy=policy, mesh=mesh)
 
 
 def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
@@ -732,6 +776,7 @@ def test_policies_the_engine_cannot_page_are_refused(gqa, make_model):
     for model, args, match in [
         (gqa, dict(policy="quest:0.5", page_size=4), r"its page_size=16 must equal the engine's page_size=4"),
         (make_model("gqa", *GEMMA_LIKE)[1], dict(policy=quest + ",local"), "reads Quest's pages of them"),
+        (make_model("gqa", *GEMMA_LIKE)[1], dict(policy="duo:0.5:local,pattern=p.json"), "splits their heads"),
     ]:
         with pytest.raises(ConfigError, match=match):
             Engine(model, n_pages=8, **args)
@@ -753,7 +798,6 @@ def test_policies_the_engine_cannot_page_are_refused(gqa, make_model):
         ("snapkv:0.5:allocator=adakv+int:8", "allocator='adakv' must be the last stage of a chain"),
         ("keynorm:0.5+lorc:0.5", "latent pages keep one position per slot and one block table for every layer"),
         ("think:0.5", "think is not supported"),
-        ("duo:0.5", "duo is not supported"),
     ]:
         with pytest.raises(ConfigError, match=match):
             Engine(gqa, n_pages=8, policy=policy)

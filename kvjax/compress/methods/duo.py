@@ -15,6 +15,7 @@ class Duo(Method):
     name = "duo"
     head_keys = True
     kind = "head_level"
+    pageable = True  # its retrieval heads in the engine's pages, its streaming heads per sequence (`kvjax.paged_duo`)
     sinks = 64
     prepares = ("streaming",)
     recent = 256

@@ -194,6 +194,9 @@ def test_serve_bench_checks_its_arguments(capsys):
     assert main(["serve-bench", "gqa", "--policy", "kivi:2", "--memory-mib", "1"]) == 2  # pages of 16
     err = capsys.readouterr().err
     assert "divides the residual (128): one of [32, 64, 128], not 16" in err and "first pass" not in err
+    assert main(["serve-bench", "gqa", "--policy", "duo:0.5", "--memory-mib", "1"]) == 2  # the model's own pattern
+    err = capsys.readouterr().err
+    assert re.search(r"no learned pattern at \S*configs/duo/gqa[^ ]*\.json", err) and "first pass" not in err
     assert main(["serve-bench", "gqa", "--memory-mib", "0.001"]) == 2
     assert re.search(
         r"hold no static row of \d+ tokens; the least that holds one is [\d.]+ MiB", capsys.readouterr().err

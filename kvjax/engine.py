@@ -133,6 +133,7 @@ def _with_rows(caches, rows: Rows, chunk_row=None):
         elif c.windowed:
             # a KIVI ring's residuals are per sequence slot too
             residuals = dict(res_rows=rows.states) if isinstance(c, PagedKiviCache) else {}
+            residuals |= dict(slot_rows=rows.states) if isinstance(c, PagedDuoCache) else {}  # (local=true)
             out.append(
                 c.replace(
                     table=rows.window_table,
@@ -289,12 +290,12 @@ def _loaded(paged, d, stat, row, ring):
     """One layer's pages with row 0 of its dense prefill cache `d` loaded into table row `row` (`_load_row`)."""
     if isinstance(paged, SlotStates):  # a recurrent layer: the state the prompt left, into the row's slot
         return paged.load(row, d)
+    if isinstance(paged, PagedDuoCache):  # (a window's too, under local=true)
+        return paged.load_duo(row, d)
     if paged.windowed and not isinstance(d, WindowKVCache | WindowQuantKVCache | WindowPooledKVCache):
         return paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0])  # left whole: by position
     if isinstance(paged, PagedKiviCache):
         return paged.load_quant(row, d)
-    if isinstance(paged, PagedDuoCache):
-        return paged.load_duo(row, d)
     if isinstance(paged, PagedPooledCache):  # AdaKV's pool (a ring's oldest first), or a prompt's K entries a slot
         pool = d if isinstance(d, PooledKVCache) else as_entries(d)
         return paged.load_pool(row, *(as_ring(pool, stat) if paged.windowed else (pool, stat)))
@@ -362,8 +363,6 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
         if _latent(last)
         else "reads Quest's pages of them (the window pool keeps no key bounds)"
         if _quest(last)
-        else "splits their heads (the window pool keeps every head of a token)"
-        if _duo(last)
         else None
     )
     if why:
@@ -589,7 +588,7 @@ class Engine:
                         f"engine policy {self.policy}: DuoAttention's pages hold each layer's own number of "
                         "retrieval heads, and are served on one device (not yet on a mesh)"
                     )
-                streaming = dict(zip(compressible(cfg), gen.prepared["streaming"]))
+                streaming = dict(zip(compressible(cfg, self.policy.local), gen.prepared["streaming"]))
             if decoding:
                 plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]
                 evicted = compressible(cfg, self.policy.local)  # (under local=true, the rings too)
@@ -665,11 +664,13 @@ class Engine:
         if slot in bases:  # (`kvjax.paged_lowrank`)
             args = (n_pages, ps, self.slots, self.width, dtype)
             return PagedLowRankCache.init_low_rank(*bases[slot], att.n_kv_heads, rope_base(cfg, slot), *args)
-        if slot in streaming:  # (`kvjax.paged_duo`)
-            stage, shape = self.policy.stages[-1], (n_pages, ps, self.slots, self.width, att.n_kv_heads, att.head_dim)
-            return PagedDuoCache.init_duo(streaming[slot], stage.n_sinks, stage.recent, *shape, dtype)
-        codes, stat = layout.codes, bool(layout.decoding and accumulates(layout.decoding))
         windowed = self.window is not None and kind in self.windowed
+        if slot in streaming:  # (`kvjax.paged_duo`; under local=true a window's too, its slots positions)
+            stage, n = self.policy.stages[-1], self.windows.n_pages if windowed else n_pages
+            shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim)
+            cache = PagedDuoCache.init_duo(streaming[slot], stage.n_sinks, stage.recent, *shape, dtype)
+            return cache.replace(windowed=True, ring=jnp.zeros((self.slots,), jnp.int32)) if windowed else cache
+        codes, stat = layout.codes, bool(layout.decoding and accumulates(layout.decoding))
         if windowed:  # positions as the main pool keeps them (a head-wise `local` ring: per head); codes only in
             # rings compressed under `local=true`, the windows otherwise whole
             n, codes = self.windows.n_pages, codes if layout.window_codes else None
@@ -973,7 +974,9 @@ class Engine:
         window = 0
         if self.windows is not None:  # what its windows can hold: its positions' pages; a ring's, its kept
             # tokens (at most the largest layer's budget) and those it generates, up to the ring's size
-            ring = min(self._ring_size(), ring_kept + d.max_new_tokens) if gen and gen.policy.local else None
+            # (DuoAttention's retrieval heads keep their window whole, by position)
+            ringed = gen and gen.policy.local and not self.layout.duo
+            ring = min(self._ring_size(), ring_kept + d.max_new_tokens) if ringed else None
             window = self.windows.reserve(len(request.prompt) + d.max_new_tokens, ring)
         # a prefix-cache hit may cover a compressed prompt up to the queries its policy observes
         cacheable = len(request.prompt) - gen.observed_queries(len(request.prompt)) if gen and self._prefix_pages else 0

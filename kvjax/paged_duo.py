@@ -120,13 +120,16 @@ class PagedDuoCache(PagedKVCache):
     def load_duo(self, row: int, dense: DuoKVCache) -> PagedDuoCache:
         """Sequence slot `row` (its table set) from row 0 of a Generator's `DuoKVCache`: the retrieval heads'
         tokens into its pages, the streaming heads' sinks and ring into its sequence slot. A layer of streaming
-        heads alone keeps positions only (its pages hold no head), those of the whole prompt."""
-        if dense.full is not None:
-            new = self.load(row, dense.full.length[0], dense.full.pos[0], k=dense.full.k[0], v=dense.full.v[0])
-        else:  # a prompt's every position, 0..n-1: the sinks and the ring counted all of them
+        heads alone keeps positions only (its pages hold no head), those of the whole prompt. A sliding-window
+        layer's pages (`windowed`, under local=true) take the retrieval heads' ring at its tokens' positions."""
+        full = dense.full
+        if full is None:  # a prompt's every position, 0..n-1: the sinks and the ring counted all of them
             n = dense.ring.length[0] + (0 if dense.sink is None else dense.sink.length[0])
             at = jnp.arange(self.table.shape[1] * self.page_size, dtype=jnp.int32)
-            new = self.load(row, n, jnp.where(at < n, at, -1))
+            pos, values = jnp.where(at < n, at, -1), {}
+        else:
+            n, pos, values = full.length[0], full.pos[0], dict(k=full.k[0], v=full.v[0])
+        new = self.load_positions(row, pos, **values) if self.windowed else self.load(row, n, pos, **values)
         return new._with_slotted(self.slot_rows[row][None], dense)
 
     def update(self, k: jax.Array, v: jax.Array, pos: jax.Array) -> tuple[PagedDuoCache, KVView]:

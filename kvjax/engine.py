@@ -582,12 +582,7 @@ class Engine:
             gen = self._prefill_capacity(self.policy, self.width * page_size)
             if self.layout.low_rank:  # Palu's or LoRC's bases, by cache (the latent pages map them out)
                 bases = dict(zip(compressible(cfg), gen.prepared["bases"]))
-            if self.layout.duo:
-                if mesh is not None:
-                    raise ConfigError(
-                        f"engine policy {self.policy}: DuoAttention's pages hold each layer's own number of "
-                        "retrieval heads, and are served on one device (not yet on a mesh)"
-                    )
+            if self.layout.duo:  # (on a mesh, a layer's retrieval heads split over tensor where they divide)
                 streaming = dict(zip(compressible(cfg, self.policy.local), gen.prepared["streaming"]))
             if decoding:
                 plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import numpy as np
 import pytest
 
@@ -516,9 +515,6 @@ def test_duo_pages_hold_the_retrieval_heads_and_sequence_slots_the_streaming_hea
     assert engine.caches[1].page_nbytes == engine.caches[2].page_nbytes == 4 * 4 and engine.caches[3].slot_nbytes == 0
     with pytest.raises(ConfigError, match=r"policy duo:0.25.*serve it from an engine started with it"):
         engine.submit(dataclasses.replace(requests[0], policy=policy.replace("duo:0.625", "duo:0.25")))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
-    with pytest.raises(ConfigError, match=r"served on one device \(not yet on a mesh\)"):
-        Engine(model, n_pages=12, page_size=4, policy=policy, mesh=mesh)
 
 
 def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
@@ -825,11 +821,17 @@ SHARDED = textwrap.dedent(
     out = {}
     KVQUANT = "kvquant:2:group=4,residual=8,outliers=0.1,sinks=4"
     QUEST = "quest:0.5:page_size=4"
-    for policy in [None, "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8", KVQUANT, QUEST]:
+    import os, tempfile
+    from kvjax.duo import save_pattern
+    pattern = os.path.join(tempfile.mkdtemp(), "duo.json")  # the second layer's first head streams
+    save_pattern(pattern, [np.array([0.9, 0.9]), np.array([0.1, 0.9])])
+    DUO = f"duo:0.25:sinks=2,window=4,pattern={pattern}"
+    for policy in [None, "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8", KVQUANT, QUEST, DUO]:
         for name, mesh in [("one", None), ("eight", Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "tensor")))]:
             engine = Engine(model, n_pages=12, page_size=4, slots=4, chunk=8, mesh=mesh, policy=policy)
             done = engine.run(requests)
-            out[f"{name} {policy}"] = {"tokens": [d.tokens for d in done], "logprobs": [d.logprobs for d in done],
+            key = "duo" if policy == DUO else policy
+            out[f"{name} {key}"] = {"tokens": [d.tokens for d in done], "logprobs": [d.logprobs for d in done],
                                        "pool": [len(engine.caches[0].k.sharding.device_set),
                                                 str(getattr(engine.caches[0].k.sharding, "spec", ""))],
                                        "preemptions": engine.stats.preemptions}
@@ -880,9 +882,10 @@ def test_eight_devices_serve_what_one_device_serves():
     under PyramidKV's budgets evicting while decoding (one pool every layer shares, H2O's sums in it), in
     KIVI's pages (each sequence slot's residual beside them) and KVQuant's (outliers in the pages, sinks
     beside the residual) and Quest's (each page's key bounds split over heads too, refused on a mesh until
-    2026-12-06); AdaKV's pooled pages with slots over data alone (8 x 1; refused over tensor
-    until 2026-12-06 whatever its size); and the Generator on such meshes
-    generates and scores what it does on one device."""
+    2026-12-06) and DuoAttention's (a layer's retrieval heads split where they divide, the other's whole, the
+    streaming heads' slots beside; refused on a mesh until 2026-12-07); AdaKV's pooled pages with slots over
+    data alone (8 x 1; refused over tensor until 2026-12-06 whatever its size); and the Generator on such
+    meshes generates and scores what it does on one device."""
     env = {
         **os.environ,
         "XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8",
@@ -891,7 +894,8 @@ def test_eight_devices_serve_what_one_device_serves():
     run = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, check=True)
     out = json.loads(run.stdout.strip().splitlines()[-1])
     kvquant, quest = "kvquant:2:group=4,residual=8,outliers=0.1,sinks=4", "quest:0.5:page_size=4"
-    for policy in ["None", "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8", kvquant, quest]:
+    policies = ["None", "h2o:0.5:allocator=pyramid,beta=2,every=3", "kivi:2:group=4,residual=8", kvquant, quest, "duo"]
+    for policy in policies:
         got, want = out[f"eight {policy}"], out[f"one {policy}"]
         assert got["pool"] == [8, "P(None, 'tensor')"] and want["pool"][0] == 1, policy
         assert got["tokens"] == want["tokens"], policy

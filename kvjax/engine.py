@@ -63,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.cache import LatentCache, PooledKVCache, Ring, WindowKVCache, WindowPooledKVCache
 from kvjax.compress import Policy, parse_policy
+from kvjax.compress.d2o import protected_layers
 from kvjax.compress.methods import METHODS
 from kvjax.compress.policy import Stage
 from kvjax.compress.scorers import accumulates
@@ -72,6 +73,7 @@ from kvjax.kinds import KINDS
 from kvjax.layer_pages import LayerPages
 from kvjax.page_pool import NULL_PAGE, PagePool, PoolExhausted
 from kvjax.paged import PagedKVCache, PagedLatentCache, SharedPool
+from kvjax.paged_d2o import PagedD2OCache
 from kvjax.paged_duo import PagedDuoCache
 from kvjax.paged_eviction import Eviction, budget_row, evicting_step
 from kvjax.paged_kivi import PagedKiviCache, check_kivi_pages
@@ -149,8 +151,11 @@ def _with_rows(caches, rows: Rows, chunk_row=None):
             out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row, slot_rows=rows.states))
         elif isinstance(c, PagedQuestCache) and rows.budgets is not None:  # the pages each row reads
             out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row, read=rows.budgets[:, 0]))
-        elif rows.length.ndim == 2:  # a table per layer (`kvjax.layer_pages`)
-            out.append(c.replace(table=rows.table[:, layer], length=rows.length[:, layer], chunk_row=chunk_row))
+        elif rows.length.ndim == 2:  # a table per layer (`kvjax.layer_pages`); D2O's thresholds per sequence slot
+            slotted = dict(tau_rows=rows.states) if isinstance(c, PagedD2OCache) else {}
+            out.append(
+                c.replace(table=rows.table[:, layer], length=rows.length[:, layer], chunk_row=chunk_row, **slotted)
+            )
             layer += 1
         else:
             out.append(c.replace(table=rows.table, length=rows.length, chunk_row=chunk_row))
@@ -312,7 +317,8 @@ def _loaded(paged, d, stat, row, ring):
     if paged.windowed:  # a ring compressed under local=true
         values, pos = _aligned(values, d.pos[0], d.length[0], ring)
         return paged.load(row, ring[0], pos, **values)
-    return paged.load(row, d.length[0], d.pos[0], **values)
+    loaded = paged.load(row, d.length[0], d.pos[0], **values)
+    return loaded.load_tau(row, d) if isinstance(paged, PagedD2OCache) else loaded
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
@@ -447,8 +453,8 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
                 )
         elif not (stage.method in METHODS and METHODS[stage.method].pageable):
             raise ConfigError(
-                f"{where}: the engine pages token eviction, int:8, int:4, kivi, kvquant, gear, palu, lorc, quest and "
-                f"duo; "
+                f"{where}: the engine pages token eviction, d2o, int:8, int:4, kivi, kvquant, gear, palu, lorc, "
+                f"quest and duo; "
                 f"{stage.method} is not supported"
             )
     last = policy.stages[-1]
@@ -457,6 +463,7 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
     codes = last.quant_spec if last.quantizes else None
     pooled = any(s.pooled for s in policy.stages)
     layered = any(not (s.allocation.same_everywhere or s.pooled) for s in policy.stages if not s.quantizes)
+    layered = layered or bool(last.hooks and last.hooks.budgets_at_prefill)  # (D2O's, from its prefill)
     layered = layered and (cfg is None or bool(compressible(cfg)))
     if codes is not None and codes.blocked and per_head:
         raise ConfigError(
@@ -582,10 +589,16 @@ class Engine:
             gen = self._prefill_capacity(self.policy, self.width * page_size)
             if self.layout.low_rank:  # Palu's or LoRC's bases, by cache (the latent pages map them out)
                 bases = dict(zip(compressible(cfg), gen.prepared["bases"]))
+            if self._budgets_at_prefill and mesh is not None:
+                raise ConfigError(
+                    f"engine policy {self.policy}: D2O's layer budgets come from each prefill, whose layer pages "
+                    "are served on one device (not yet on a mesh)"
+                )
             if self.layout.duo:  # (on a mesh, a layer's retrieval heads split over tensor where they divide)
                 streaming = dict(zip(compressible(cfg, self.policy.local), gen.prepared["streaming"]))
             if decoding:
-                plan = gen.compression_plan(np.array([self.width * page_size]), 0)[-1]
+                most = self._most_kept(self.width * page_size)  # (D2O's budgets: the most a prompt may keep)
+                plan = gen.compression_plan(np.array([self.width * page_size]), 0, layer_counts=most)[-1]
                 evicted = compressible(cfg, self.policy.local)  # (under local=true, the rings too)
                 rings = [self._ring_size() if r else None for r in plan.rings]
                 self.evict = Eviction.of(plan, self.width * page_size, evicted, rings)
@@ -677,6 +690,8 @@ class Engine:
             cache = PagedPooledCache.init_pooled(*shape, stat=stat)
         elif layout.quest and not windowed:  # (a policy leaves the windows whole)
             cache = PagedQuestCache.init_quest(*shape)
+        elif layout.decoding is not None and layout.decoding.hooks.budgets_at_prefill and not windowed:  # (D2O)
+            cache = PagedD2OCache.init_d2o(*shape, per_head=layout.per_head)
         elif codes is not None and codes.blocked:  # (KVQuant's keys rotated back at this layer's RoPE base)
             cache = PagedKiviCache.init_kivi(
                 dataclasses.replace(codes, rope_theta=cfg.attention_for(kind).rope_theta), *shape
@@ -948,19 +963,22 @@ class Engine:
             self._budgets[index] = [gen.compression_plan(np.array([len(request.prompt)]), 0)[-1].keep_caps[0] // quest]
             gen = None
         if gen is not None:
-            plan = gen.compression_plan(np.array([len(request.prompt)]), 0)[-1]
+            most_kept = self._most_kept(len(request.prompt), request.decoding.max_new_tokens)
+            plan = gen.compression_plan(np.array([len(request.prompt)]), 0, layer_counts=most_kept)[-1]
             budget = int(plan.counts.max())
             kept = ring_kept = min(budget, len(request.prompt))  # under every=, a budget above the prompt is a cap
             if self.evict is not None:  # held at its budget while decoding: at most `every` slots more
-                self._budgets[index] = budget_row(plan, len(request.prompt))
-                cap = budget + self.evict.every
+                self._budgets[index] = budget_row(plan, len(request.prompt))  # (D2O's: set at its prefill)
+                cap = budget + self.evict.every if most_kept is None else None  # (D2O: its layers' own caps)
             if self.layout.layered:  # each main-pool layer's own budget (PyramidKV's), and so its own cap;
                 # under local=true the rings' own budgets, the largest of which all of them take (`_prefill`)
                 counts = np.minimum(plan.counts[:, 0], len(request.prompt))
                 ringed = np.asarray([bool(w) for w in plan.rings])
                 kept, most = int(counts[~ringed].max()), counts[~ringed] + request.decoding.max_new_tokens
                 ring_kept = int(counts[ringed].max()) if ringed.any() else None
-                caps = most if self.evict is None else np.minimum(most, counts[~ringed] + self.evict.every)
+                # (D2O's layers it never compresses grow by what the request generates)
+                held = counts[~ringed] if most_kept is None else most_kept[~ringed, 0]
+                caps = most if self.evict is None else np.minimum(most, held + self.evict.every)
                 self.pool.shape(index, counts[~ringed], caps)
         d = request.decoding
         greedy = d.temperature == 0 and not request.top_logprobs  # else each step reads the distribution
@@ -1045,6 +1063,25 @@ class Engine:
             self._feed(plan)
         return True
 
+    @property
+    def _budgets_at_prefill(self) -> bool:
+        """Whether the policy plans its layer budgets at each prefill (D2O), so pages are held for the most."""
+        return self.policy is not None and bool(
+            self.policy.stages[-1].hooks and self.policy.stages[-1].hooks.budgets_at_prefill
+        )
+
+    def _most_kept(self, tokens: int, new_tokens: int = 0) -> np.ndarray | None:
+        """Where the policy plans layer budgets at the prefill (D2O), the most each compressible cache keeps of
+        a prompt of `tokens` `[n, 1]` (a budget of up to one token more than the prompt, `d2o.layer_counts`;
+        the layers it never compresses, what it generates too), for the pages held before its prefill; else
+        None."""
+        if not self._budgets_at_prefill:
+            return None
+        n = len(compressible(self.model.config))
+        most = np.full((n, 1), tokens + 1, np.int64)
+        most[protected_layers(n)] = tokens + new_tokens
+        return most
+
     def _ring_size(self) -> int:
         """Slots of a window compressed under `local=true`: any size of at least the window decodes as
         Generator's ring does (what it writes over is out of every later query's window), and whole pages
@@ -1065,7 +1102,11 @@ class Engine:
             tokens, _ = gen.pad([request.prompt[cached:]], 0)
         caching = self.scheduler.work[seq.index].cacheable > 0
         whole = caching and self._hold_whole_pages(key, len(request.prompt))
-        out = gen.prefill_compressed(tokens, lengths, 0, sized_for=padded.shape[1], prefix=prefix, whole=whole)
+        if self._budgets_at_prefill:  # (its protected layers keep what the request will generate too)
+            out = gen.prefill_compressed(tokens, lengths, request.decoding.max_new_tokens)
+            self._budgets[seq.index] = budget_row(gen.compression_plan(lengths, 0)[-1], len(request.prompt))
+        else:
+            out = gen.prefill_compressed(tokens, lengths, 0, sized_for=padded.shape[1], prefix=prefix, whole=whole)
         logits, dense, stats = out[:3]
         if whole:
             self._write_whole_pages(key, out[3], request.prompt, cached)
@@ -1082,7 +1123,10 @@ class Engine:
             self._rings[seq.index] = len(request.prompt) - ring
         self._sync([seq.index], [0], [len(request.prompt)])  # the window before the prompt's end
         self.caches, self._rows_pushed = _load_row(self.caches, self._pushed, dense, stats, 0, ring)
-        if self.scheduler.prefilled(seq, cached):  # nothing generated yet: the prefill's logits give the first token
+        first = self.scheduler.prefilled(seq, cached)
+        if self._budgets_at_prefill:  # its layers' pages were held for the most they could keep: now what they do
+            self.pool.truncate(seq.index, np.asarray(self._rows_pushed.length[0]))
+        if first:  # nothing generated yet: the prefill's logits give the first token
             self._pick(seq, np.asarray(jax.nn.log_softmax(logits[0])))
 
     def _dense_prefix(self, key, n: int, capacity: int) -> tuple:

@@ -506,14 +506,18 @@ class Generator:
         plans = self.compression_plan(lengths, max_new_tokens)
         return compressed_cache_bytes(self.config, plans, len(lengths), self.capacity)
 
-    def compression_plan(self, lengths: np.ndarray, max_new_tokens: int, sized_for: int | None = None):
+    def compression_plan(
+        self, lengths: np.ndarray, max_new_tokens: int, sized_for: int | None = None, layer_counts=None
+    ):
         """The policy's budgets for prompts of `lengths` (checked here, before any compute). `sized_for`:
         size the compressed caches' slots for prompts of that many tokens (>= every length; the unused
-        slots stay empty), so that prompts of one bucket share a compile."""
+        slots stay empty), so that prompts of one bucket share a compile. `layer_counts` `[n, B]`: the tokens
+        each compressible cache keeps where the method plans them at the prefill (D2O), by default what the
+        last prefill of these prompts planned (the engine plans its pages for the most a prompt may keep)."""
         decode = self.policy.decode_stage
         headroom = decode.every if decode is not None else max_new_tokens
-        counts = None
-        if self._budgets_at_prefill:
+        counts = layer_counts
+        if self._budgets_at_prefill and counts is None:
             if self._layer_counts is None or not np.array_equal(self._layer_counts[0], lengths):
                 raise ConfigError(
                     f"policy stage {self.policy.stages[-1].method!r} plans its layer budgets at the prefill: "

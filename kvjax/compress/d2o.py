@@ -61,9 +61,13 @@ def layer_counts(sigma: np.ndarray, lengths: np.ndarray, keep: float, never: int
     ratio = np.clip(w * L * keep, 0.01, 1.0)
     half = (np.asarray(lengths)[None, :] + 1) * ratio / 2
     counts = np.maximum(2 * np.floor(half + 1e-9).astype(np.int64), 2 * SINKS)
-    for layer in PROTECTED_EDGE:
-        counts[layer] = never
+    counts[protected_layers(L)] = never
     return counts
+
+
+def protected_layers(n: int) -> list[int]:
+    """Which of `n` compressible caches D2O never compresses (`PROTECTED_EDGE`, those there are)."""
+    return sorted({layer % n for layer in PROTECTED_EDGE if -n <= layer < n})
 
 
 def merge(cache, idx, valid, ema: float) -> D2OKVCache:

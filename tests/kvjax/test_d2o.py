@@ -38,6 +38,8 @@ def test_layer_budgets_follow_the_reference_formula():
     assert flat[2, 0] == 50  # equal densities: every layer keeps rho
     tiny = layer_counts(np.array([[0.0], [0.0], [1.0], [0.0], [0.0]]), np.array([99]), keep=0.01, never=1)
     assert tiny[2, 0] == 8  # never below the sinks twice over
+    one = layer_counts(np.array([[0.5]]), np.array([99]), keep=0.5, never=1000)  # a hybrid's one attention layer
+    assert one.tolist() == [[1000]]  # (it raised an IndexError until 2026-12-07)
 
 
 def test_merge_follows_the_reference_rule():

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
@@ -517,6 +518,33 @@ def test_duo_pages_hold_the_retrieval_heads_and_sequence_slots_the_streaming_hea
         engine.submit(dataclasses.replace(requests[0], policy=policy.replace("duo:0.625", "duo:0.25")))
 
 
+def test_d2o_pages_hold_the_budgets_its_prefill_plans_and_merge_while_decoding(make_model, requests):
+    """D2O in the engine (`kvjax.paged_d2o`; refused until 2026-12-07): each prompt's prefill plans its layers'
+    budgets from their attention density, the pages held for the most a layer could keep until then; every
+    decode step re-selects each layer by H2O's sums and merges what it evicts, each layer's threshold kept per
+    sequence slot; each request equals Generator alone, with preemptions and multi-step calls, and no layer
+    ever holds more pages than its cap. 5 layers: the first two and the last are never compressed."""
+    model = make_model("gqa", "model.n_layers=5")[1]
+    gen = Generator(model, capacity=40, policy=parse_policy("d2o:0.5"))
+    engine = Engine(model, n_pages=11, page_size=4, slots=4, decode_steps=4, policy="d2o:0.5", max_tokens=32)
+    mine = [*requests, *LONGER]
+    for r in mine:
+        engine.submit(r)
+    caps = {
+        (i, l): engine.pool.pages_for(int(n)) for i in range(len(mine)) for l, n in enumerate(engine.pool.shapes[i][1])
+    }
+    while engine.step():
+        _audit(engine, caps)
+    _check(engine.done, [gen([list(r.prompt)], r.decoding) for r in mine])
+    assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps and engine.pool.used_pages == 0
+    assert engine.state_nbytes() == 5 * 4  # a threshold per layer and sequence, fp32
+    tau = [np.asarray(c.tau) for c in engine.caches]
+    assert np.isfinite(tau[2]).any() and np.isfinite(tau[3]).any() and np.isnan(tau[0]).all()  # merged, or never
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+    with pytest.raises(ConfigError, match=r"served on one device \(not yet on a mesh\)"):
+        Engine(model, n_pages=11, page_size=4, policy="d2o:0.5", mesh=mesh)
+
+
 def test_adakv_pages_pool_each_layers_head_budgets(gqa, requests):
     """AdaKV in pages (`kvjax.paged_pooled`): a layer's heads share K x budget entries, here unevenly (the
     longest prompt's 14 a head are 15 and 13), yet a request holds its budget's pages as under a uniform
@@ -792,7 +820,6 @@ def test_policies_the_engine_cannot_page_are_refused(gqa, make_model):
             r"one of \[32, 64, 128\], not 16",
         ),
         ("keynorm:0.5+kivi:2:group=4,residual=8", "positions per head .a head-wise eviction before it. are not"),
-        ("d2o:0.5", "d2o is not supported"),
         ("tova:0.5:allocator=pyramid+kivi:2", r"different numbers of tokens.*KIVI's blocks are not paged with them"),
         ("snapkv:0.5:allocator=adakv+int:8", "allocator='adakv' must be the last stage of a chain"),
         ("keynorm:0.5+lorc:0.5", "latent pages keep one position per slot and one block table for every layer"),

@@ -13,7 +13,8 @@ from kvjax.config import ConfigError
 @register
 class D2O(H2O):
     name = "d2o"
-    pageable = False  # it evicts and merges at every decode step
+    pageable = True  # its layers' own pages, re-selected and merged at every step (`kvjax.paged_d2o`)
+    head_keys = True  # its merge compares each KV head's keys (MLA's latent has none)
     sinks = 4
     budgets_at_prefill = True
     extra_bytes_per_sequence = 4  # the merge threshold's moving average, fp32

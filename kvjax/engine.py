@@ -454,8 +454,7 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
         elif not (stage.method in METHODS and METHODS[stage.method].pageable):
             raise ConfigError(
                 f"{where}: the engine pages token eviction, d2o, int:8, int:4, kivi, kvquant, gear, palu, lorc, "
-                f"quest and duo; "
-                f"{stage.method} is not supported"
+                f"quest and duo; {stage.method} is not supported"
             )
     last = policy.stages[-1]
     low_rank = _latent(last)
@@ -818,7 +817,8 @@ class Engine:
 
     def state_nbytes(self) -> int:
         """Bytes one sequence slot holds whatever its length: its recurrent states over every recurrent
-        layer, and what pages keep per sequence beside them (KIVI's residuals, DuoAttention's streaming heads)."""
+        layer, and what pages keep per sequence beside them (KIVI's residuals, DuoAttention's streaming heads,
+        D2O's merge thresholds)."""
         states = sum(c.nbytes() // c.slots for c in self.caches if isinstance(c, SlotStates))
         return states + sum(c.slot_nbytes for c in self.caches if isinstance(c, PagedKVCache))
 

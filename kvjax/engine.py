@@ -82,7 +82,7 @@ from kvjax.paged_pooled import PagedPooledCache, as_entries, as_ring
 from kvjax.paged_quest import READ_ALL, PagedQuestCache
 from kvjax.plan import LayerPlan, compressible, init_caches, rope_base
 from kvjax.quant.cache import QuantKVCache, QuantSpec, WindowQuantKVCache, rings_codes
-from kvjax.quant.lowrank import LowRankKVCache
+from kvjax.quant.lowrank import LowRankKVCache, WindowLowRankKVCache
 from kvjax.sampling import sample
 from kvjax.scheduler import Completion, EngineStats, Prefill, Scheduler, Sequence, Step, Work, prefix_key
 from kvjax.sharding import place_params
@@ -256,6 +256,10 @@ def _jitted(graphdef, treedef):
     )
 
 
+# rings compressed under `local=true` whose slots are tokens (not AdaKV's entries): K/V, codes or latents
+_SLOT_RINGS = WindowKVCache | WindowQuantKVCache | WindowLowRankKVCache
+
+
 @functools.partial(jax.jit, donate_argnums=0)
 def _load_row(caches, rows: Rows, dense, stats, row, ring):
     """Load row 0 of each layer's dense (compressed) prefill cache into table row `row`'s pages (a
@@ -266,7 +270,7 @@ def _load_row(caches, rows: Rows, dense, stats, row, ring):
     one (`stats`: the Generator's, per layer), and a recurrent layer's state into the row's state slot; the
     caches and the rows with the row's new lengths."""
     out, shared = [], SharedPool()
-    slots = max((d.pos.shape[-1] for d in dense if isinstance(d, WindowKVCache | WindowQuantKVCache)), default=0)
+    slots = max((d.pos.shape[-1] for d in dense if isinstance(d, _SLOT_RINGS)), default=0)
     for i, (paged, d, stat) in enumerate(zip(_with_rows(caches, rows), dense, stats)):
         out.append(shared.leave(_loaded(shared.enter(i, paged), d, stat, row, (ring, slots))))
     out = tuple(shared.close(out))
@@ -297,7 +301,7 @@ def _loaded(paged, d, stat, row, ring):
         return paged.load(row, d)
     if isinstance(paged, PagedDuoCache):  # (a window's too, under local=true)
         return paged.load_duo(row, d)
-    if paged.windowed and not isinstance(d, WindowKVCache | WindowQuantKVCache | WindowPooledKVCache):
+    if paged.windowed and not isinstance(d, _SLOT_RINGS | WindowPooledKVCache):
         return paged.load_positions(row, d.pos[0], k=d.k[0], v=d.v[0])  # left whole: by position
     if isinstance(paged, PagedKiviCache):
         return paged.load_quant(row, d)
@@ -346,7 +350,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     their slots are positions, the main pool's are the kept tokens). Under `local=true` it compresses the
     windows too, each into a ring that grows back to the window as decoding goes on (`WindowKVCache`),
     which that pool holds as its first pages: by token eviction alone, once after the prefill (the pool is
-    full precision, one position per slot, or int or KIVI codes after it: `WindowQuantKVCache`) and, in
+    full precision, one position per slot, or int or KIVI codes after it: `WindowQuantKVCache`, or Palu's and
+    LoRC's latents: `WindowLowRankKVCache`) and, in
     full precision, while decoding too (`every=`: a quantizer, last in its chain, has no `every=`), with one
     window size for every such layer. PyramidKV's rings keep different numbers of tokens and share one length
     (`_aligned`, and after each re-selection under `every=`, `paged_eviction._share_length`); AdaKV's pools are
@@ -363,10 +368,8 @@ def check_window_policy(policy: Policy, cfg, windowed: list[str], window_pages: 
     why = (
         f"has windows of {sizes} tokens (the engine's rings share one size)"
         if len(sizes) > 1
-        else "quantizes them with a scheme's parts (the window pool holds rings of K/V, int or KIVI codes)"
+        else "quantizes them with a scheme's parts (the window pool holds rings of K/V, latents, int or KIVI codes)"
         if last.quantizes and not rings_codes(last.quant_spec)
-        else "factors them into latents (the window pool holds rings of K/V, int or KIVI codes)"
-        if _latent(last)
         else "reads Quest's pages of them (the window pool keeps no key bounds)"
         if _quest(last)
         else None
@@ -587,7 +590,7 @@ class Engine:
                 )
             gen = self._prefill_capacity(self.policy, self.width * page_size)
             if self.layout.low_rank:  # Palu's or LoRC's bases, by cache (the latent pages map them out)
-                bases = dict(zip(compressible(cfg), gen.prepared["bases"]))
+                bases = dict(zip(compressible(cfg, self.policy.local), gen.prepared["bases"]))
             if self._budgets_at_prefill and mesh is not None:
                 raise ConfigError(
                     f"engine policy {self.policy}: D2O's layer budgets come from each prefill, whose layer pages "
@@ -668,10 +671,11 @@ class Engine:
         a DuoAttention cache's retrieval heads in pages, its `streaming` heads (where it has them) per sequence
         slot (`kvjax.paged_duo`)."""
         att, ps, dtype, layout = cfg.attention, self.pool.page_size, jnp.dtype(cfg.dtype), self.layout
-        if slot in bases:  # (`kvjax.paged_lowrank`)
-            args = (n_pages, ps, self.slots, self.width, dtype)
-            return PagedLowRankCache.init_low_rank(*bases[slot], att.n_kv_heads, rope_base(cfg, slot), *args)
         windowed = self.window is not None and kind in self.windowed
+        if slot in bases:  # (`kvjax.paged_lowrank`; under local=true a window's ring too, in the window pool)
+            args = (self.windows.n_pages if windowed else n_pages, ps, self.slots, self.width, dtype)
+            cache = PagedLowRankCache.init_low_rank(*bases[slot], att.n_kv_heads, rope_base(cfg, slot), *args)
+            return cache.replace(windowed=True, ring=jnp.zeros((self.slots,), jnp.int32)) if windowed else cache
         if slot in streaming:  # (`kvjax.paged_duo`; under local=true a window's too, its slots positions)
             stage, n = self.policy.stages[-1], self.windows.n_pages if windowed else n_pages
             shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim)
@@ -1102,8 +1106,10 @@ class Engine:
             tokens, _ = gen.pad([request.prompt[cached:]], 0)
         caching = self.scheduler.work[seq.index].cacheable > 0
         whole = caching and self._hold_whole_pages(key, len(request.prompt))
-        if self._budgets_at_prefill:  # (its protected layers keep what the request will generate too)
-            out = gen.prefill_compressed(tokens, lengths, request.decoding.max_new_tokens)
+        if self._budgets_at_prefill:  # its protected layers keep what any request may generate (never evicting),
+            # so that the dense caches of a bucket's prompts take one shape: one compile, not one per request
+            room = self.width * self.pool.page_size - len(request.prompt)
+            out = gen.prefill_compressed(tokens, lengths, room, sized_for=padded.shape[1])
             self._budgets[seq.index] = budget_row(gen.compression_plan(lengths, 0)[-1], len(request.prompt))
         else:
             out = gen.prefill_compressed(tokens, lengths, 0, sized_for=padded.shape[1], prefix=prefix, whole=whole)

@@ -527,7 +527,9 @@ class Generator:
         plans = plan_stages(self.config, self.policy.stages, lengths, headroom, layer_counts=counts, **self._prepared)
         if sized_for is None:
             return plans
-        sized = plan_stages(self.config, self.policy.stages, [sized_for], headroom, **self._prepared)
+        # (D2O's: the most a layer of a prompt of sized_for keeps, `d2o.layer_counts`, its protected ones' own)
+        most = np.maximum(counts.max(axis=1, keepdims=True), sized_for + 1) if counts is not None else None
+        sized = plan_stages(self.config, self.policy.stages, [sized_for], headroom, layer_counts=most, **self._prepared)
         # each cache at least this prompt's own slots: under an `every=` cap PyramidKV gives a layer what a
         # prompt shorter than the cap leaves unused in another, more than the same layer keeps at sized_for
         return tuple(
@@ -584,7 +586,7 @@ class Generator:
             never = int(lengths.max()) + max_new_tokens
             counts = last.hooks.layer_budgets(last, np.asarray(sigma), lengths, never)
             self._layer_counts = (np.array(lengths), counts)
-            plans = self.compression_plan(lengths, max_new_tokens)
+            plans = self.compression_plan(lengths, max_new_tokens, sized_for)
             caches, stats = self._compress(
                 caches,
                 observed,

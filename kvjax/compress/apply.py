@@ -139,10 +139,10 @@ def prepare_policy(policy: Policy, model, calibration=None, shapes_only: bool = 
     """What the policy's stages need from `model` before any prompt (each method's `prepare`: Palu's
     calibrated bases, LoRC's weight bases, DuoAttention's streaming heads), as keyword arguments of
     `plan_stages`. `shapes_only`: for memory accounting, only what sizes the caches."""
-    prepared = {}
+    prepared, caches = {}, compressible(model.config, policy.local)
     for stage in policy.stages:
         if stage.hooks:
-            prepared.update(stage.hooks.prepare(stage, model, calibration, shapes_only))
+            prepared.update(stage.hooks.prepare(stage, model, caches, calibration, shapes_only))
     return prepared
 
 

@@ -17,7 +17,8 @@ from kvjax import DecodingConfig, Generator
 from kvjax.compress import parse_policy
 from kvjax.config import ConfigError
 from kvjax.duo import save_pattern
-from kvjax.engine import Engine, Request
+from kvjax.engine import Engine, Request, _load_row
+from kvjax.generate import prompt_bucket
 from kvjax.paged import PagedKVCache
 from kvjax.paged_duo import PagedDuoCache
 from kvjax.paged_kivi import PagedKiviCache
@@ -311,6 +312,7 @@ def test_a_policy_on_local_and_global_layers_compresses_the_global_ones(make_mod
         ("h2o:0.5:local,every=3", 4),
         (ADAKV + ",local", 4),
         ("h2o:0.25:allocator=adakv,local,every=4", 4),
+        ("tova:0.5:local+palu:0.5", 4),
     ],
 )
 def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model, requests, policy, page_size):
@@ -326,13 +328,16 @@ def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model,
     rings are re-selected with the global layers every 3 tokens (H2O's sums kept per ring slot), each ring's
     new length back to the host, which writes the next tokens after it. AdaKV's rings (`WindowPooledKVCache`)
     page as rings of entries, loaded (and under `every=` re-selected) oldest first so that a token's K entries
-    go over the K oldest."""
+    go over the K oldest. Palu's rings (`WindowLowRankKVCache`) page as latents in the window pool, on bases
+    calibrated for the local layers too."""
     model = make_model("gqa", *GEMMA_LIKE, "model.n_layers=2")[1]
-    gen = Generator(model, capacity=40, policy=parse_policy(policy))
-    args = dict(page_size=page_size, slots=4, chunk=4, decode_steps=4, max_tokens=32)
-    engine = Engine(model, n_pages=(28 if "adakv" in policy else 24) // page_size, policy=policy, **args)
-    if "kivi" in policy or "every" in policy or "adakv" in policy:  # one that generates enough for its codes to
-        # wrap round the ring (14 of 8 slots), or to re-select its ring four times
+    calibration = np.random.default_rng(1).integers(0, model.config.vocab_size, (2, 32)) if "palu" in policy else None
+    gen = Generator(model, capacity=40, policy=parse_policy(policy), calibration=calibration)
+    args = dict(page_size=page_size, slots=4, chunk=4, decode_steps=4, max_tokens=32, calibration=calibration)
+    pages = (28 if "adakv" in policy or "palu" in policy else 24) // page_size
+    engine = Engine(model, n_pages=pages, policy=policy, **args)
+    if any(s in policy for s in ("kivi", "every", "adakv", "palu")):  # one that generates enough for its codes
+        # or latents to wrap round the ring (14 of 8 slots), or to re-select its ring four times
         requests = [*requests, Request(tuple(range(1, 21)), DecodingConfig(max_new_tokens=12))]
     _check(engine.run(requests), [gen([list(r.prompt)], r.decoding) for r in requests])
     assert engine.stats.preemptions > 0 and engine.pool.used_pages == 0 and engine.windows.used_pages == 0
@@ -354,6 +359,14 @@ def test_local_true_compresses_the_windows_into_rings_of_their_pages(make_model,
         return
     if "adakv" in policy:  # both pools hold AdaKV's entries, the window pool's in rings
         assert all(isinstance(c, PagedPooledCache) for c in engine.caches) and engine.caches[0].windowed
+        return
+    if "palu" in policy:  # both pools hold latents (fp32, int32 positions), fewer bytes than K/V pages
+        assert all(isinstance(c, PagedLowRankCache) for c in engine.caches) and engine.caches[0].windowed
+        latents = [page_size * (2 * k.shape[0] * k.shape[-1] * 4 + 4) for k, _ in gen.prepared["bases"]]
+        att = model.config.attention
+        assert [c.page_nbytes for c in engine.caches] == latents and max(latents) < page_size * (
+            2 * att.n_kv_heads * att.head_dim * 4 + 4
+        )
         return
     # Beside requests its own policy compresses (SnapKV's per-head positions need an engine that keeps them)
     own = policy.replace(",local", "") if "snapkv" in policy else None
@@ -523,7 +536,9 @@ def test_d2o_pages_hold_the_budgets_its_prefill_plans_and_merge_while_decoding(m
     budgets from their attention density, the pages held for the most a layer could keep until then; every
     decode step re-selects each layer by H2O's sums and merges what it evicts, each layer's threshold kept per
     sequence slot; each request equals Generator alone, with preemptions and multi-step calls, and no layer
-    ever holds more pages than its cap. 5 layers: the first two and the last are never compressed."""
+    ever holds more pages than its cap. 5 layers: the first two and the last are never compressed. The budgets
+    are data, so the prompts of one bucket share a compile (they compiled one each until 2026-12-07: a served
+    D2O compiled for nearly every request)."""
     model = make_model("gqa", "model.n_layers=5")[1]
     gen = Generator(model, capacity=40, policy=parse_policy("d2o:0.5"))
     engine = Engine(model, n_pages=11, page_size=4, slots=4, decode_steps=4, policy="d2o:0.5", max_tokens=32)
@@ -533,8 +548,10 @@ def test_d2o_pages_hold_the_budgets_its_prefill_plans_and_merge_while_decoding(m
     caps = {
         (i, l): engine.pool.pages_for(int(n)) for i in range(len(mine)) for l, n in enumerate(engine.pool.shapes[i][1])
     }
+    compiled = _load_row._cache_size()
     while engine.step():
         _audit(engine, caps)
+    assert _load_row._cache_size() - compiled == len({prompt_bucket(len(r.prompt), 40) for r in mine})
     _check(engine.done, [gen([list(r.prompt)], r.decoding) for r in mine])
     assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps and engine.pool.used_pages == 0
     assert engine.state_nbytes() == 5 * 4  # a threshold per layer and sequence, fp32

@@ -114,10 +114,11 @@ class Method:
     def check(self, stage, cfg) -> None:
         """Errors for a model config this stage cannot run on, raised before any compute."""
 
-    def prepare(self, stage, model, calibration=None, shapes_only: bool = False) -> dict:
+    def prepare(self, stage, model, caches: tuple, calibration=None, shapes_only: bool = False) -> dict:
         """What the stage needs from `model` before any prompt, as keyword arguments of `plan_stages`
-        (`prepares` names them). `shapes_only`: only what sizes the caches is wanted (memory accounting),
-        so a method whose sizes do not depend on the model may skip the work."""
+        (`prepares` names them), for the policy's compressible `caches` (`kvjax.plan.compressible`: under
+        `local=true`, which the first stage says, the rings too). `shapes_only`: only what sizes the caches
+        is wanted (memory accounting), so a method whose sizes do not depend on the model may skip the work."""
         return {}
 
     def window(self, stage, keep: int) -> int:

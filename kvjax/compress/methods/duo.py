@@ -38,7 +38,7 @@ class Duo(Method):
     def check(self, stage, cfg):
         duo_heads(stage, cfg)  # the pattern exists and has a gate for every KV head of the model
 
-    def prepare(self, stage, model, calibration=None, shapes_only=False):
+    def prepare(self, stage, model, caches, calibration=None, shapes_only=False):
         return {"streaming": duo_heads(stage, model.config)}
 
     def encode(self, stage, cache, stat, target):

@@ -5,7 +5,6 @@ truncated SVD) and progressive ranks per layer; no calibration data (`kvjax.quan
 from kvjax.compress.methods.base import register
 from kvjax.compress.methods.palu import Palu
 from kvjax.config import ConfigError
-from kvjax.plan import compressible
 from kvjax.quant.lowrank import lorc_bases
 
 
@@ -22,9 +21,9 @@ class LoRC(Palu):  # Palu's latent cache; only where the bases come from differs
                 "key space is not W_k's; use palu, whose bases come from the keys themselves"
             )
 
-    def prepare(self, stage, model, calibration=None, shapes_only=False):
+    def prepare(self, stage, model, caches, calibration=None, shapes_only=False):
         # each layer's rank comes from its weights' condition numbers, so the sizes need the bases too
-        return {"bases": lorc_bases(model, compressible(model.config, stage.local), stage.ratio, stage.options.heads)}
+        return {"bases": lorc_bases(model, caches, stage.ratio, stage.options.heads)}
 
     def rank(self, stage, target, group_dim):
         return target.bases[0].shape[-1]  # progressive: each layer's own rank, from its bases

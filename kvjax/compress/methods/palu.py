@@ -7,7 +7,6 @@ import dataclasses
 from kvjax.compress.methods.base import Method, Options, register
 from kvjax.config import ConfigError
 from kvjax.kinds import INT32
-from kvjax.plan import compressible
 from kvjax.quant.lowrank import LowRankKVCache, calibrate, group_heads, rank_for
 
 
@@ -38,16 +37,12 @@ class Palu(Method):
         if stage.ratio is None:
             raise ConfigError(f"{where}: give the fraction of K/V dimensions removed, a ratio in [0, 1)")
 
-    def prepare(self, stage, model, calibration=None, shapes_only=False):
+    def prepare(self, stage, model, caches, calibration=None, shapes_only=False):
         if shapes_only:  # the latents' sizes follow from the ratio alone
             return {"bases": ()}
         if calibration is None:
             raise ConfigError("policy stage 'palu' needs calibration data: Generator(..., calibration=tokens)")
-        return {
-            "bases": calibrate(
-                model, calibration, compressible(model.config, stage.local), stage.ratio, stage.options.heads
-            )
-        }
+        return {"bases": calibrate(model, calibration, caches, stage.ratio, stage.options.heads)}
 
     def encode(self, stage, cache, stat, target):
         return LowRankKVCache.from_cache(cache, *target.bases, target.capacity, target.rope_theta)

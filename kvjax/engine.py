@@ -465,7 +465,7 @@ def check_engine_policy(policy: Policy, cfg=None) -> PageLayout:
     codes = last.quant_spec if last.quantizes else None
     pooled = any(s.pooled for s in policy.stages)
     layered = any(not (s.allocation.same_everywhere or s.pooled) for s in policy.stages if not s.quantizes)
-    layered = layered or bool(last.hooks and last.hooks.budgets_at_prefill)  # (D2O's, from its prefill)
+    layered = layered or policy.budgets_at_prefill  # (D2O's, from its prefill)
     layered = layered and (cfg is None or bool(compressible(cfg)))
     if codes is not None and codes.blocked and per_head:
         raise ConfigError(
@@ -672,15 +672,6 @@ class Engine:
         slot (`kvjax.paged_duo`)."""
         att, ps, dtype, layout = cfg.attention, self.pool.page_size, jnp.dtype(cfg.dtype), self.layout
         windowed = self.window is not None and kind in self.windowed
-        if slot in bases:  # (`kvjax.paged_lowrank`; under local=true a window's ring too, in the window pool)
-            args = (self.windows.n_pages if windowed else n_pages, ps, self.slots, self.width, dtype)
-            cache = PagedLowRankCache.init_low_rank(*bases[slot], att.n_kv_heads, rope_base(cfg, slot), *args)
-            return cache.replace(windowed=True, ring=jnp.zeros((self.slots,), jnp.int32)) if windowed else cache
-        if slot in streaming:  # (`kvjax.paged_duo`; under local=true a window's too, its slots positions)
-            stage, n = self.policy.stages[-1], self.windows.n_pages if windowed else n_pages
-            shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim)
-            cache = PagedDuoCache.init_duo(streaming[slot], stage.n_sinks, stage.recent, *shape, dtype)
-            return cache.replace(windowed=True, ring=jnp.zeros((self.slots,), jnp.int32)) if windowed else cache
         codes, stat = layout.codes, bool(layout.decoding and accumulates(layout.decoding))
         if windowed:  # positions as the main pool keeps them (a head-wise `local` ring: per head); codes only in
             # rings compressed under `local=true`, the windows otherwise whole
@@ -689,11 +680,18 @@ class Engine:
         else:
             n = self._pages(n_pages, first)
         shape = (n, ps, self.slots, self.width, att.n_kv_heads, att.head_dim, dtype)
-        if layout.pooled and (layout.window_pooled or not windowed):
+        if slot in bases:  # (`kvjax.paged_lowrank`; under local=true a window's ring too)
+            cache = PagedLowRankCache.init_low_rank(
+                *bases[slot], att.n_kv_heads, rope_base(cfg, slot), n, ps, self.slots, self.width, dtype
+            )
+        elif slot in streaming:  # (`kvjax.paged_duo`; under local=true a window's too, its slots positions)
+            stage = self.policy.stages[-1]
+            cache = PagedDuoCache.init_duo(streaming[slot], stage.n_sinks, stage.recent, *shape)
+        elif layout.pooled and (layout.window_pooled or not windowed):
             cache = PagedPooledCache.init_pooled(*shape, stat=stat)
         elif layout.quest and not windowed:  # (a policy leaves the windows whole)
             cache = PagedQuestCache.init_quest(*shape)
-        elif layout.decoding is not None and layout.decoding.hooks.budgets_at_prefill and not windowed:  # (D2O)
+        elif self._budgets_at_prefill and not windowed:  # (D2O)
             cache = PagedD2OCache.init_d2o(*shape, per_head=layout.per_head)
         elif codes is not None and codes.blocked:  # (KVQuant's keys rotated back at this layer's RoPE base)
             cache = PagedKiviCache.init_kivi(
@@ -1070,9 +1068,7 @@ class Engine:
     @property
     def _budgets_at_prefill(self) -> bool:
         """Whether the policy plans its layer budgets at each prefill (D2O), so pages are held for the most."""
-        return self.policy is not None and bool(
-            self.policy.stages[-1].hooks and self.policy.stages[-1].hooks.budgets_at_prefill
-        )
+        return self.policy is not None and self.policy.budgets_at_prefill
 
     def _most_kept(self, tokens: int, new_tokens: int = 0) -> np.ndarray | None:
         """Where the policy plans layer budgets at the prefill (D2O), the most each compressible cache keeps of

@@ -435,8 +435,7 @@ class Generator:
 
     @property
     def _budgets_at_prefill(self) -> bool:
-        last = self.policy.stages[-1].hooks
-        return bool(last and last.budgets_at_prefill)
+        return self.policy is not None and self.policy.budgets_at_prefill
 
     @property
     def _holds_budget(self) -> bool:

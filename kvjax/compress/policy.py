@@ -257,6 +257,12 @@ class Policy:
         return self.stages[0].local
 
     @property
+    def budgets_at_prefill(self) -> bool:
+        """Whether the last stage plans its layers' budgets from each prefill's attention (D2O)."""
+        hooks = self.stages[-1].hooks
+        return bool(hooks and hooks.budgets_at_prefill)
+
+    @property
     def decode_stage(self) -> Stage | None:
         """The stage that holds its budget during decoding, if any."""
         return self.stages[-1] if self.stages[-1].every else None

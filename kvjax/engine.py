@@ -787,11 +787,13 @@ class Engine:
     def fit(self, budget: int, slots: int, max_tokens: int) -> tuple[int, int, int | None]:
         """(slots, main-pool pages with the null page, window-pool pages besides its null page, None without
         sliding-window layers) that `budget` bytes buy for an engine of this model, policy and page size:
-        each running sequence's fixed state (recurrent states, KIVI residuals) comes out of the budget first,
-        for as many slots as leave each room for a request of `max_tokens`; the rest is split between the main
-        pool and the window pool in the proportion one request of `max_tokens` takes of each (the window
-        pool's null page and the one prefilling chunk's extra paid first). A model with no main-pool layer
-        gets every slot that request's pages (they hold nothing)."""
+        each running sequence's fixed state (recurrent states, KIVI residuals, D2O's thresholds) comes out of
+        the budget first, for as many slots as leave each room for a request of `max_tokens`, and for spare
+        slots whose states together cost at most one such request's pages (a request shorter than
+        `max_tokens` runs in one; the smaller a state, the more of them, up to `slots` as it tends to zero);
+        the rest is split between the main pool and the window pool in the proportion one request of
+        `max_tokens` takes of each (the window pool's null page and the one prefilling chunk's extra paid
+        first). A model with no main-pool layer gets every slot that request's pages (they hold nothing)."""
         page, per_page, state = self.page_nbytes(), -(-max_tokens // self.pool.page_size), self.state_nbytes()
         page *= self.pool.n_layers if self.layout.layered else 1  # the n_pages this engine takes: over every layer
         wpage = self._window_page_nbytes()
@@ -805,8 +807,10 @@ class Engine:
                 f"{state + one:,} ({state:,} of per-sequence state, {share * wpage + overhead:,} of window pages, "
                 f"{page * per_page:,} of pages)"
             )
-        if state:  # as many slots as hold their states and a request of max_tokens each
-            slots = max(n for n in range(1, slots + 1) if n * (state + one - overhead) + overhead <= budget)
+        if state:  # slots that hold their states and a request of max_tokens each, then the spare ones
+            held = max(n for n in range(1, slots + 1) if n * (state + one - overhead) + overhead <= budget)
+            spare = (one - overhead) // state
+            slots = max(n for n in range(held, min(slots, held + spare) + 1) if n * state + one <= budget)
         rest = budget - slots * state - overhead
         window_pool = None
         if windows is not None:

@@ -162,11 +162,16 @@ def test_recurrent_layers_keep_a_state_slot_per_request(make_model, requests, na
     per_sequence = sum(m.bytes_per_sequence for m in layer_memory(model.config) if m.kv_bytes_per_slot == 0)
     assert states and engine.state_nbytes() == per_sequence and sum(c.nbytes() for c in states) == 4 * per_sequence
     assert engine.prefix_cache is False  # a prefix hit would skip tokens a state must see
-    # A memory budget pays for running requests' states first: as many slots as it holds, then pages.
-    page, request = engine.page_nbytes(), per_sequence + engine.page_nbytes() * 10  # 40 tokens: 10 pages
-    budget = 3 * request + 5 * page
-    pages = 1 + (budget - 3 * per_sequence) // page if page else 1 + 3 * 10  # no paged layer: room, no bytes
-    assert engine.fit(budget, 8, 40) == (3, pages, None)
+    # A memory budget pays for running requests' states first: as many slots as hold a request of `tokens`
+    # each, then spare slots whose states cost one such request's pages at most (none where nothing pages:
+    # Mamba stays at 3; at 400 tokens the hybrid takes 2 spare, YOCO's every slot), then pages.
+    page = engine.page_nbytes()
+    for tokens in (400, 40):
+        request = per_sequence + page * tokens // 4
+        budget = 3 * request + 5 * page
+        slots = min(8, 3 + page * tokens // 4 // per_sequence)
+        pages = 1 + (budget - slots * per_sequence) // page if page else 1 + slots * tokens // 4  # room, no bytes
+        assert engine.fit(budget, 8, tokens) == (slots, pages, None)
     with pytest.raises(ConfigError, match=f"holds no request of 40 tokens: it needs {request:,}"):
         engine.fit(request - 1, 8, 40)
     if not compressible(model.config):
@@ -555,6 +560,10 @@ def test_d2o_pages_hold_the_budgets_its_prefill_plans_and_merge_while_decoding(m
     _check(engine.done, [gen([list(r.prompt)], r.decoding) for r in mine])
     assert engine.stats.preemptions > 0 and engine.stats.calls < engine.stats.steps and engine.pool.used_pages == 0
     assert engine.state_nbytes() == 5 * 4  # a threshold per layer and sequence, fp32
+    # Three requests' pages (32 tokens over 5 layers' single-layer pages) buy all 16 slots' thresholds (3 slots
+    # until 2026-12-07: any state at all held each slot to a request of max_tokens), the rest pages over 5 layers.
+    budget = 3 * 5 * 8 * engine.page_nbytes() + 100
+    assert engine.fit(budget, 16, 32) == (16, 1 + (budget - 16 * 20) // (5 * engine.page_nbytes()), None)
     tau = [np.asarray(c.tau) for c in engine.caches]
     assert np.isfinite(tau[2]).any() and np.isfinite(tau[3]).any() and np.isnan(tau[0]).all()  # merged, or never
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))

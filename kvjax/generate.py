@@ -173,7 +173,7 @@ def _decode_step(model, tokens, pos, caches, stats, step, evict):
     as_observed = tuple(None if st is None else (st,) for st in running)
 
     def compress(caches, running):
-        return compress_caches(caches, as_observed, (static,), (arrays,), pos[:, 0], slots)
+        return compress_caches(caches, as_observed, (static,), (arrays,), pos[:, 0], slots, evicts=stage.every)
 
     caches, stats = jax.lax.cond(step % stage.every == 0, compress, lambda c, r: (c, r), caches, running)
     return model.logits(hidden), caches, stats

@@ -92,7 +92,7 @@ def evicting_step(model, caches, tokens: jax.Array, pos: jax.Array, budgets: jax
 
     def reselect(caches):
         new, stats = compress_caches(
-            tuple(dense), tuple(running), (evict.static,), ((counts, windows, floors, None),), pos, slots
+            tuple(dense), tuple(running), (evict.static,), ((counts, windows, floors, None),), pos, slots, stage.every
         )
         new, stats = list(new), list(stats)
         for slot in slots:  # an AdaKV ring's entries oldest first, as its pages write over them (`as_ring`)

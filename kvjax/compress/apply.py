@@ -265,10 +265,11 @@ _RINGS = {
 }
 
 
-def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[int, ...]):
+def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[int, ...], evicts: int | None = None):
     """Apply stages (their `StagePlan.static` / `.arrays`) to the compressible caches `slots`, in order.
 
     observed: per cache, the tuple of per-stage statistics from `observe_fn` (None: not observed).
+    `evicts`: the most slots a head evicts (`Target.evicts`: a decode-time re-selection's `every`).
     Returns (caches, per cache the last stage's statistic, following the kept slots)."""
     caches, last_stats = list(caches), [None] * len(caches)
     stage, keep_caps, capacities = statics[0][:3]
@@ -283,7 +284,7 @@ def compress_caches(caches, observed, statics, arrays, last_pos, slots: tuple[in
             cache, stats = _in_window(cache, stats, last_pos, rings[j])
         for static, (counts, windows, floors, bases) in zip(statics, arrays):
             stage, keep_caps, capacities, heads, quant, thetas, streaming, _ = static
-            target = Target.of(j, keep_caps, capacities, thetas[j], bases, streaming, rings[j])
+            target = Target.of(j, keep_caps, capacities, thetas[j], bases, streaming, rings[j], evicts)
             cache, stats = reduce_cache(
                 stage, cache, stats, counts[j], windows[j], floors[j], last_pos, target, heads[j], quant
             )
@@ -367,7 +368,7 @@ def reduce_cache(stage: Stage, cache, stats, count, window, floor, last_pos, tar
         floor=floor if pooled else None,
         head=cache.head[:, None] if pooled else None,
     )
-    merged = method.merge(stage, cache, idx, valid, stat)  # a method's own (D2O), else the stage's reducer
+    merged = method.merge(stage, cache, idx, valid, stat, target)  # a method's own (D2O), else the stage's reducer
     cache = stage.reduction.merge(cache, idx, valid, stat, stage.reducer_options) if merged is None else merged
     new = reducers.gather(cache, idx, valid, capacity, per_head=Kh > 1)
     return new, [reducers.gather_stat(s, idx, valid, capacity) for s in stats]

@@ -70,9 +70,11 @@ def protected_layers(n: int) -> list[int]:
     return sorted({layer % n for layer in PROTECTED_EDGE if -n <= layer < n})
 
 
-def merge(cache, idx, valid, ema: float) -> D2OKVCache:
+def merge(cache, idx, valid, ema: float, evicts: int | None = None) -> D2OKVCache:
     """Merge the evicted slots of a head-major cache into their most similar kept ones (module docstring)
-    and update tau; idx, valid `[B,K,C]` are the kept slots."""
+    and update tau; idx, valid `[B,K,C]` are the kept slots. `evicts`: the most slots a head evicts (a
+    decode step's re-selection: one), so that only those slots are compared with the kept ones, `[E,S]`
+    similarities a head instead of `[S,S]`; None: any number (a prompt's)."""
     B, K, S, _ = cache.k.shape
     tau = cache.tau if isinstance(cache, D2OKVCache) else jnp.full((B,), jnp.nan, jnp.float32)
     pos = cache.pos if cache.pos.ndim == 3 else jnp.broadcast_to(cache.pos[:, None], (B, K, S))
@@ -80,22 +82,31 @@ def merge(cache, idx, valid, ema: float) -> D2OKVCache:
     evicted = (pos >= 0) & ~kept
     u = cache.k.astype(jnp.float32)
     u = u / jnp.maximum(jnp.linalg.norm(u, axis=-1, keepdims=True), 1e-12)
-    sim = jnp.einsum("BKSH,BKTH->BKST", u, u)
+    rows, heads = jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None]
+    if evicts is None or evicts >= S:
+        source = jnp.broadcast_to(jnp.arange(S), (B, K, S))  # every slot a candidate, [B,K,E=S]
+    else:  # the evicted slots first (lowest index first), then kept ones, masked out below
+        source = jax.lax.top_k(evicted.astype(jnp.int32), evicts)[1]
+    gone = jnp.take_along_axis(evicted, source, axis=-1)  # [B,K,E]: evicted
+    sim = jnp.einsum("BKEH,BKTH->BKET", jnp.take_along_axis(u, source[..., None], axis=2), u)
     sim = jnp.where(kept[:, :, None, :], sim, -jnp.inf)
-    target = jnp.argmax(sim, axis=-1)  # [B,K,S]
-    best = jnp.take_along_axis(sim, target[..., None], axis=-1)[..., 0]
+    target = jnp.argmax(sim, axis=-1)  # [B,K,E]
+    best = jnp.where(gone, jnp.take_along_axis(sim, target[..., None], axis=-1)[..., 0], 0)
+    best = jnp.zeros((B, K, S), jnp.float32).at[rows, heads, source].add(best)  # back at the slots, 0 elsewhere
     n_evicted = evicted.sum(axis=(1, 2))
-    mean_u = jnp.where(evicted, best, 0).sum(axis=(1, 2)) / jnp.maximum(n_evicted, 1)
+    mean_u = best.sum(axis=(1, 2)) / jnp.maximum(n_evicted, 1)
     new_tau = jnp.where(jnp.isnan(tau), mean_u, ema * tau + (1 - ema) * mean_u)
     new_tau = jnp.where(n_evicted > 0, new_tau, tau)
-    head_mean = jnp.where(evicted, best, 0).sum(axis=1) / jnp.maximum(evicted.sum(axis=1), 1)  # [B,S]
-    chosen = evicted & (head_mean >= new_tau[:, None])[:, None, :]
-    weight = jnp.where(chosen, best, 0.0)
-    rows, heads = jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None]
+    head_mean = best.sum(axis=1) / jnp.maximum(evicted.sum(axis=1), 1)  # [B,S]
+    chosen = gone & (
+        jnp.take_along_axis(jnp.broadcast_to(head_mean[:, None], (B, K, S)), source, -1) >= new_tau[:, None, None]
+    )
+    weight = jnp.where(chosen, jnp.take_along_axis(best, source, axis=-1), 0.0)
     count = jnp.zeros((B, K, S), jnp.float32).at[rows, heads, target].add(chosen.astype(jnp.float32))
 
     def merged(x):
-        added = jnp.zeros(x.shape, jnp.float32).at[rows, heads, target].add(weight[..., None] * x.astype(jnp.float32))
+        moved = jnp.take_along_axis(x, source[..., None], axis=2).astype(jnp.float32)
+        added = jnp.zeros(x.shape, jnp.float32).at[rows, heads, target].add(weight[..., None] * moved)
         out = (x.astype(jnp.float32) + added) / (1.0 + count)[..., None]
         return jnp.where(kept[..., None], out, x.astype(jnp.float32)).astype(x.dtype)
 

@@ -74,6 +74,10 @@ def test_merge_follows_the_reference_rule():
     )
     np.testing.assert_allclose(out.k, ref_k, atol=1e-5)
     np.testing.assert_allclose(out.v, ref_v, atol=1e-5)
+    for evicts in (3, 4):  # a decode step's bound: only each head's (3) evicted slots compared, a kept one masked
+        bounded = merge(cache, idx, valid, ema=0.5, evicts=evicts)
+        for got, want in ((bounded.k, out.k), (bounded.v, out.v), (bounded.tau, out.tau)):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     again = merge(out, idx, valid, ema=0.25)  # the threshold's moving average: 0.25 old + 0.75 new
     unit2 = np.asarray(out.k) / np.linalg.norm(np.asarray(out.k), axis=-1, keepdims=True)
     mean_u = np.mean(

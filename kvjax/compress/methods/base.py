@@ -28,8 +28,9 @@ METHODS: dict[str, Method] = {}
 class Target(NamedTuple):
     """What one compressible cache becomes in a stage: `keep_cap` slots kept (of `capacity` with the
     headroom for decoding), the layer's RoPE base, what the method prepared for this cache (its entry
-    of `bases` or `streaming`, None when it prepared nothing), and `window`: the sliding window when
-    the cache is a ring (`local=true`), else None."""
+    of `bases` or `streaming`, None when it prepared nothing), `window`: the sliding window when
+    the cache is a ring (`local=true`), else None, and `evicts`: the most slots a head evicts (a decode-time
+    re-selection's: the `every` tokens since the last one), None when any number may go (a prompt's)."""
 
     keep_cap: int
     capacity: int
@@ -37,9 +38,10 @@ class Target(NamedTuple):
     bases: tuple | None = None
     streaming: tuple | None = None
     window: int | None = None
+    evicts: int | None = None
 
     @classmethod
-    def of(cls, j: int, keep_caps, capacities, rope_theta, bases, streaming, window=None) -> Target:
+    def of(cls, j: int, keep_caps, capacities, rope_theta, bases, streaming, window=None, evicts=None) -> Target:
         """Cache j's target from a stage plan's per-cache tuples (`bases` may be empty: sizes only)."""
         return cls(
             keep_caps[j],
@@ -48,6 +50,7 @@ class Target(NamedTuple):
             bases[j] if bases else None,
             streaming[j] if streaming else None,
             window,
+            evicts,
         )
 
     def source(self, slots: int) -> int:
@@ -169,9 +172,9 @@ class Method:
         others keep every token); None when the method compresses each cache on its own."""
         return None
 
-    def merge(self, stage, cache, idx: jax.Array, valid: jax.Array, stat):
-        """Fold the evicted slots into the kept ones (`idx`, `valid`: the kept slots) before they are
-        gathered; None (the default): the stage's `reducer=` decides."""
+    def merge(self, stage, cache, idx: jax.Array, valid: jax.Array, stat, target: Target):
+        """Fold the evicted slots into the kept ones (`idx`, `valid`: the kept slots; `target.evicts` bounds
+        how many a head evicts) before they are gathered; None (the default): the stage's `reducer=` decides."""
         return None
 
     def layer_density(self, stat: jax.Array, pos: jax.Array) -> jax.Array:

@@ -48,5 +48,5 @@ class D2O(H2O):
     def layer_budgets(self, stage, density, lengths, never):
         return d2o.layer_counts(density, lengths, 1 - stage.ratio, never=never)
 
-    def merge(self, stage, cache, idx, valid, stat):
-        return d2o.merge(cache, idx, valid, stage.options.ema)
+    def merge(self, stage, cache, idx, valid, stat, target):
+        return d2o.merge(cache, idx, valid, stage.options.ema, target.evicts)

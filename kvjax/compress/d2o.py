@@ -98,10 +98,8 @@ def merge(cache, idx, valid, ema: float, evicts: int | None = None) -> D2OKVCach
     new_tau = jnp.where(jnp.isnan(tau), mean_u, ema * tau + (1 - ema) * mean_u)
     new_tau = jnp.where(n_evicted > 0, new_tau, tau)
     head_mean = best.sum(axis=1) / jnp.maximum(evicted.sum(axis=1), 1)  # [B,S]
-    chosen = gone & (
-        jnp.take_along_axis(jnp.broadcast_to(head_mean[:, None], (B, K, S)), source, -1) >= new_tau[:, None, None]
-    )
-    weight = jnp.where(chosen, jnp.take_along_axis(best, source, axis=-1), 0.0)
+    chosen = gone & (head_mean[rows, source] >= new_tau[:, None, None])
+    weight = jnp.where(chosen, best[rows, heads, source], 0.0)
     count = jnp.zeros((B, K, S), jnp.float32).at[rows, heads, target].add(chosen.astype(jnp.float32))
 
     def merged(x):

@@ -32,14 +32,30 @@ from kvjax.quant.packing import pack, packed_width, unpack
 from kvjax.quant.quantizers import dequantize, quantize
 
 
+def pool_is_cheaper(rows: int, columns: int, pages: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+    """Whether R = `rows` decode queries of N = `n_heads` heads attend faster over the whole pool of P = `pages`
+    pages (`PagedKVCache.attend_pool`) than over their M = `columns` table columns gathered (`view`), under
+    XLA. Only where the tables span the pool (R M >= P) can it be: the gather then copies more than the pool
+    holds, but the pool scores every row against every page. The costs, per page slot (K, V: 2 K H values
+    copied or read; N logits a row), fitted on XLA:CPU over 70 shapes by `scripts/bench_pool_switch.py`:
+
+        gathered  R M (K H / 2 + N (3 + H / 8))        pool  P K H / 2 + R P N (1 + H / 32)
+
+    A gathered logit costs more than a pooled one: the pool's products take every row's queries as one matrix."""
+    K, H, N = n_kv_heads, head_dim, n_heads
+    pool = pages * K * H / 2 + rows * pages * N * (1 + H / 32)
+    return rows * columns >= pages and pool < rows * columns * (K * H / 2 + N * (3 + H / 8))
+
+
 class RowSplit(NamedTuple):
     """What a mixed step's tokens attend to: the first R tokens (one per sequence slot, decode queries)
     the view of every slot's pages `rows`, the chunk after them the view of its own slot's pages `chunk`.
     As a `KVView.reader` it runs the attention op on each part; MLA maps its own attention over both.
     With `pool` (the decode rows' cache), XLA attends the decode queries over the whole pool instead of
-    the gathered rows (`PagedKVCache.attend_pool`). `heads`: the KV heads of a pooled view's entries
-    (`kvjax.paged_pooled`), which the op masks by. `select(q, view, q_pos)`: the part of the rows' view that
-    their decode queries read (Quest's pages, `kvjax.paged_quest`), applied by `chosen`."""
+    the gathered rows (`PagedKVCache.attend_pool`) where that costs less (`pool_is_cheaper`). `heads`: the
+    KV heads of a pooled view's entries (`kvjax.paged_pooled`), which the op masks by. `select(q, view,
+    q_pos)`: the part of the rows' view that their decode queries read (Quest's pages, `kvjax.paged_quest`),
+    applied by `chosen`."""
 
     rows: KVView | LatentView  # batch R
     chunk: KVView | LatentView  # batch 1
@@ -69,8 +85,13 @@ class RowSplit(NamedTuple):
         def over_pool(q, view, pos):
             return self.pool.attend_pool(q, pos, window, softcap=softcap)
 
-        xla_pool = self.pool is not None and kernel_impl(impl, softcap=softcap) == "xla"
+        xla_pool = self.pool is not None and kernel_impl(impl, softcap=softcap) == "xla" and self._pool_pays(q)
         return self.map(op, (q,), q_pos, rows_fn=over_pool if xla_pool else None)
+
+    def _pool_pays(self, q: jax.Array) -> bool:
+        """Whether the decode rows' queries (of q `[1, R + C, N, H]`) attend faster over the pool than gathered."""
+        (R, M), (P, K) = self.pool.table.shape, self.pool.k.shape[:2]
+        return pool_is_cheaper(R, M, P, q.shape[2], K, q.shape[3])
 
     def chosen(self, q: jax.Array, q_pos: jax.Array) -> RowSplit:
         """The split with the rows' view as the decode queries of a mixed step's q `[1, R + C, N, H]` at q_pos
@@ -301,8 +322,7 @@ class PagedKVCache(_Arrays):
         whole, row = self.replace(chunk_row=None), self.chunk_row
         ring = None if self.ring is None else self.ring[row][None]
         chunk = whole.replace(table=self.table[row][None], length=self.length[row][None], ring=ring)._gather()
-        R, M = self.table.shape
-        return self._split(whole._gather(), chunk, whole if R * M >= self.k.shape[0] else None)
+        return self._split(whole._gather(), chunk, whole)
 
     @staticmethod
     def _split(rows: KVView, chunk: KVView, pool: PagedKVCache | None) -> KVView:
@@ -378,9 +398,9 @@ class PagedKVCache(_Arrays):
     def attend_pool(self, q: jax.Array, q_pos: jax.Array, window: int | None, scale=None, softcap=None) -> jax.Array:
         """One query per row, q `[B,1,N,H]` at q_pos `[B,1]`, over every slot of the pool, each row's
         softmax restricted to its own pages' slots below its length: the same keys as the gathered view,
-        but every page is read once for all rows and nothing is copied per row. XLA's decode path when
-        the rows' tables span at least the pool (B x M >= P pages): the gathered views would be larger
-        than the pool itself (on XLA:CPU the gather was most of a SmolLM2 step's attention)."""
+        but every page is read once for all rows and nothing is copied per row. XLA's decode path where
+        `pool_is_cheaper` (the rows' tables span the pool, and the copy saved outweighs the logits of
+        every row against every page: SmolLM2's 16 rows over 74 pages, not the demo's 32 over 1,934)."""
         (P, K, ps, _), H = self.k.shape, q.shape[-1]  # packed codes are narrower than the head
         B, M = self.table.shape
         N, Kp = q.shape[2], self.pos.shape[1]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvjax.ops import attention
 from kvjax.page_pool import NULL_PAGE, PagePool, PoolExhausted
-from kvjax.paged import PagedKVCache
+from kvjax.paged import PagedKVCache, pool_is_cheaper
 from kvjax.plan import init_caches
 from kvjax.quant.packing import pack
 
@@ -208,6 +208,17 @@ def test_attention_over_the_whole_pool_equals_attention_over_the_gathered_pages(
     short = shorter.view()
     np.testing.assert_allclose(cut, attention(q, short.k, short.v, q_pos, short.pos, **args), atol=1e-5)
     assert window is not None or not np.allclose(cut[1], out[1])
+
+
+def test_the_decode_path_follows_the_measured_costs():
+    """`pool_is_cheaper` takes the pool where `scripts/bench_pool_switch.py` measured it faster (SmolLM2's chat
+    workload: 16 rows of 20 columns over 74 pages, 2.4x) and gathers where the pool was slower (the demo's
+    chat and long generations: 31 rows of 36 over 1,090 pages, 0.1x; 32 of 132 over 1,934, 0.4x), and
+    wherever the pool holds more pages than the tables (R x M < P), however cheap its logits."""
+    assert pool_is_cheaper(16, 20, 74, n_heads=9, n_kv_heads=3, head_dim=64)
+    assert not pool_is_cheaper(31, 36, 1090, n_heads=8, n_kv_heads=2, head_dim=16)
+    assert not pool_is_cheaper(32, 132, 1934, n_heads=8, n_kv_heads=2, head_dim=16)
+    assert not pool_is_cheaper(1, 8, 9, n_heads=8, n_kv_heads=1, head_dim=64)
 
 
 def test_a_mixed_step_computes_what_the_decode_step_and_the_chunk_compute_apart(make_model):

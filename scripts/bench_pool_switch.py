@@ -6,7 +6,7 @@ what `kvjax.paged.pool_is_cheaper` picks beside the faster path, how much slower
 the faster one (against always gathering, always the pool and the old rule, the pool once R x M >= P),
 and with --fit the per-slot costs of its two cost models fitted to these timings:
 
-    python scripts/bench_pool_switch.py [--random 70] [--repeats 5] [--fit]
+    python scripts/bench_pool_switch.py [--random 70] [--no-runs] [--max-pool-mb 64] [--repeats 5] [--fit]
 
 R rows (sequence slots) of M table columns, P pool pages of `page` slots, K KV heads of H dims, G query
 heads per KV head; the rows hold 90% of the pool's pages between them, as a busy engine's do.
@@ -32,16 +32,16 @@ RUNS = [
 ]
 
 
-def random_shapes(n: int, seed: int = 5) -> list[tuple]:
-    """`n` shapes whose tables span the pool (R x M >= P, where the old rule took the pool), at most 64 MB of
-    pool a layer, over 8 layers."""
+def random_shapes(n: int, max_pool_mb: float = 64, seed: int = 5) -> list[tuple]:
+    """`n` shapes whose tables span the pool (R x M >= P, where the old rule took the pool), at most
+    `max_pool_mb` MB of pool a layer, over 8 layers."""
     rng, shapes = np.random.default_rng(seed), []
     while len(shapes) < n:
         R, M = int(rng.choice([4, 8, 16, 32, 64])), int(rng.choice([4, 8, 16, 32, 64, 128]))
         P = int(rng.integers(max(R * M // 16, 2 * R, 16), max(R * M, 2 * R + 1) + 1))
         K, G, H = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2, 4, 8])), int(rng.choice([16, 64, 128]))
         page = int(rng.choice([16, 32]))
-        if P * page * K * H * 8 <= 64e6:
+        if P * page * K * H * 8 <= max_pool_mb * 1e6:
             shapes.append((f"random {len(shapes)}", 8, R, M, P, K, G, H, page))
     return shapes
 
@@ -114,11 +114,13 @@ def fit(shapes, times) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random", type=int, default=70, help="random shapes beside the committed runs'")
+    parser.add_argument("--runs", action=argparse.BooleanOptionalAction, default=True, help="the committed shapes")
+    parser.add_argument("--max-pool-mb", type=float, default=64, help="the random shapes' largest pool a layer")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--fit", action="store_true", help="fit the two cost models to the timings")
     args = parser.parse_args()
     paths = chained(gathered), chained(pooled)
-    shapes, times, rows = RUNS + random_shapes(args.random), [], []
+    shapes, times, rows = (RUNS if args.runs else []) + random_shapes(args.random, args.max_pool_mb), [], []
     for name, L, R, M, P, K, G, H, page in shapes:
         caches = [cache_for(R, M, P, K, H, page, seed=layer) for layer in range(L)]
         q = jnp.asarray(np.random.default_rng(1).standard_normal((R, 1, K * G, H)), jnp.float32)

@@ -40,6 +40,7 @@ SMALLEST = {
         "--variants",
         "mamba",
     ],
+    "bench_pool_switch.py": ["--no-runs", "--random", "2", "--max-pool-mb", "0.5", "--repeats", "1", "--fit"],
     "bench_kernels.py": [
         "--contexts",
         "64",

@@ -91,24 +91,24 @@ def _release_compiled_programs_when_many():
 
 
 # The longest test files, longest first: seconds on one worker of a cold 2-core run, from
-# `pytest -n 2 --dist loadfile --durations=0` summed per file (2026-12-04; the files added since, estimated
-# 2026-12-05). Only the order matters.
+# `pytest -n 2 --dist loadfile --durations=0` summed per file (2026-12-07: 1,879 s on the two workers, 962 s
+# of wall time, so the order no longer shortens the run: only less work does). Only the order matters.
 LONGEST_FILES = (
-    "tests/training/test_distributed.py",  # 60, its processes on both cores
-    "tests/test_scripts.py",  # 100, in one fixture: every benchmark in one process (the accelerator check: 35)
-    "tests/kvjax/test_compress.py",  # 90 s
-    "tests/kvjax/test_engine.py",  # 85
-    "tests/kvjax/test_serve.py",  # 65, a live server and lm-evaluation-harness
-    "tests/training/test_smollm2.py",  # 65
-    "tests/kvjax/test_quant.py",  # 65
-    "tests/training/test_gemma3.py",  # 52
-    "tests/training/test_trainer.py",  # 49
-    "tests/training/test_ruler.py",  # 45
-    "tests/training/test_cli_inputs.py",  # 45
-    "tests/training/test_uptrain.py",  # 44
-    "tests/training/test_cli.py",  # 40
-    "tests/training/test_compression_eval.py",  # 40
-    "tests/kvjax/test_methods.py",  # 38
+    "tests/kvjax/test_engine.py",  # 746: an engine compiles a program per row and chunk bucket
+    "tests/kvjax/test_compress.py",  # 139
+    "tests/test_scripts.py",  # 82, in one fixture: every benchmark in one process
+    "tests/training/test_distributed.py",  # 78, its processes on both cores
+    "tests/training/test_gemma3.py",  # 59
+    "tests/kvjax/test_serve.py",  # 52, a live server and lm-evaluation-harness
+    "tests/training/test_smollm2.py",  # 50
+    "tests/kvjax/test_quant.py",  # 49
+    "tests/training/test_ruler.py",  # 43
+    "tests/kvjax/test_generate.py",  # 40
+    "tests/training/test_trainer.py",  # 39
+    "tests/training/test_cli_inputs.py",  # 30
+    "tests/training/test_compression_eval.py",  # 27
+    "tests/kvjax/test_methods.py",  # 27
+    "tests/training/test_uptrain.py",  # 26
 )
 
 

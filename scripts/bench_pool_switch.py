@@ -13,7 +13,6 @@ heads per KV head; the rows hold 90% of the pool's pages between them, as a busy
 """
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ import numpy as np
 from kvjax.ops import attention
 from kvjax.paged import PagedKVCache, pool_is_cheaper
 from kvjax.report import format_table
+from kvjax.timing import rounds
 
 # (name, layers, R, M, P, K, G, H, page): the committed runs' shapes (docs/serving.md).
 RUNS = [
@@ -85,16 +85,6 @@ def chained(path):
     return run
 
 
-def best_of(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def costs(R, M, P, K, G, H) -> tuple[list[float], list[float]]:
     """The terms of `pool_is_cheaper`'s cost models, a slot: gathered R M K H, R M N, R M N H; pool P K H, R P N,
     R P N H."""
@@ -119,6 +109,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--fit", action="store_true", help="fit the two cost models to the timings")
     args = parser.parse_args()
+    if args.random < 0 or args.repeats < 1 or args.max_pool_mb <= 0 or (args.random == 0 and not args.runs):
+        parser.error("--random must be >= 0 (and > 0 with --no-runs), --repeats >= 1, --max-pool-mb > 0")
     paths = chained(gathered), chained(pooled)
     shapes, times, rows = (RUNS if args.runs else []) + random_shapes(args.random, args.max_pool_mb), [], []
     for name, L, R, M, P, K, G, H, page in shapes:
@@ -126,7 +118,7 @@ def main() -> None:
         q = jnp.asarray(np.random.default_rng(1).standard_normal((R, 1, K * G, H)), jnp.float32)
         q_pos = caches[0].length[:, None]
         np.testing.assert_allclose(paths[1](q, q_pos, caches), paths[0](q, q_pos, caches), atol=1e-3)
-        times.append([best_of(f, (q, q_pos, caches), args.repeats) / L for f in paths])
+        times.append([min(rounds(lambda f=f: f(q, q_pos, caches), args.repeats)[0]) / L for f in paths])
         picked = "pool" if pool_is_cheaper(R, M, P, K * G, K, H) else "gathered"
         faster = "pool" if times[-1][1] < times[-1][0] else "gathered"
         rows.append(
